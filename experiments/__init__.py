@@ -1,0 +1,1 @@
+"""Experiment configs: `get_config(arg)` per file (ml_collections, flax lm1b style)."""

@@ -1,0 +1,108 @@
+"""Every config key, with its default and a one-line comment (flax configs/default.py style).
+
+Variants import this module and change fields. Keys are grouped by pipeline stage:
+model -> data -> train -> vectors (gradients, correction, projection) -> hessian ->
+index -> retrieval -> evaluation -> tailpatch. `pipeline.py` is the only library module
+that reads this ConfigDict; it turns sections into typed, hashable objects.
+"""
+
+import ml_collections
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+    """The paper's 154M model on the embedded fact corpus (override per experiment)."""
+    del arg
+    c = ml_collections.ConfigDict()
+    c.seed = 0  # model init, data order, embedded-corpus generation
+
+    # --- model (§A.3, Table A.3; PaLM architecture) ---
+    c.model = ml_collections.ConfigDict()
+    c.model.vocab_size = 32_000  # SentencePiece vocab (the tokenizer is trained to this size)
+    c.model.num_layers = 8
+    c.model.embed_dim = 1024  # embedding size = hidden size
+    c.model.num_heads = 4  # query heads (multi-query: one shared key/value head)
+    c.model.head_dim = 256
+    c.model.mlp_dim = 4096  # SwiGLU hidden size
+    c.model.max_len = 2048  # longest sequence (passages are truncated to this, counted in the log)
+    c.model.tie_embeddings = True  # share input/output embedding (then neither is attributed)
+    c.model.norm = "rms"  # "rms" or "layer" (LayerNorm without bias)
+    c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
+    c.model.param_dtype = "float32"
+
+    # --- data ---
+    c.data = ml_collections.ConfigDict()
+    c.data.source = "embedded"  # "embedded" | "lama" | "text" | "jsonl" | "seqio"
+    c.data.path = ""  # file or folder for lama / text / jsonl (e.g. ../shared/data/lama)
+    c.data.text_key = "text"  # jsonl field holding the passage
+    c.data.seqio_task = ""  # seqio Task name (source="seqio"; needs the `seqio` extra)
+    c.data.relations = ""  # comma-separated LAMA relation ids to read ("" = all)
+    c.data.max_examples = 0  # cap on corpus size (0 = no cap)
+    c.data.embedded = ml_collections.ConfigDict()  # the seeded fact-corpus generator
+    c.data.embedded.num_entities = 200
+    c.data.embedded.num_facts = 120
+    c.data.embedded.phrasings_per_fact = 3  # passages stating each fact, in distinct phrasings
+    c.data.embedded.num_distractors = 200  # passages stating no fact
+    c.data.tokenizer_model_type = "unigram"  # SentencePiece model type
+    c.data.eval_fraction = 0.05  # held-out passages for eval loss (never in the index)
+
+    # --- mesh (sharding.py) ---
+    c.mesh = ml_collections.ConfigDict()
+    c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
+
+    # --- pretraining (§A.3) ---
+    c.train = ml_collections.ConfigDict()
+    c.train.num_steps = 187_000
+    c.train.global_batch_size = 1024
+    c.train.learning_rate = 0.01
+    c.train.warmup_steps = 10_000
+    c.train.decay_rate = 0.8  # Adafactor second-moment decay exponent
+    c.train.min_dim_size_to_factor = 128  # optax Adafactor: smaller matrices keep a full v
+    c.train.clipping_threshold = 1.0
+    c.train.multiply_by_parameter_scale = True
+    c.train.log_every_steps = 50
+    c.train.eval_every_steps = 500
+    c.train.num_eval_batches = 4
+    c.train.checkpoint_every_steps = 1000
+    c.train.max_checkpoints_to_keep = 3
+
+    # --- gradient features (§3 Eq. 2, §A.1.1-A.1.2) ---
+    c.vectors = ml_collections.ConfigDict()
+    c.vectors.output_fn = "loss"  # "loss" | "margin" | "logit" | "trak" (margin + example-level Q)
+    c.vectors.num_blocks = 8  # consecutive-layer blocks; attention and MLP kept apart
+    c.vectors.proj_dim = 64  # k per side: d = 2 * num_blocks * k^2 (paper: 8 * 2 * 64^2 = 2^16)
+    c.vectors.proj_seed = 0  # one seed; each matrix's key is derived from its parameter path
+    c.vectors.correction = True  # divide by sqrt(V) from the optimizer state
+    c.vectors.path = "fast"  # "fast" (factored) | "reference" (vmap(grad), materialised)
+    c.vectors.batch_size = 32  # examples per featurize step (global)
+
+    # --- Hessian approximation R and normalisation (§3, §A.1.3) ---
+    c.hessian = ml_collections.ConfigDict()
+    c.hessian.mode = "mixed"  # "none" | "train" | "mixed" (lambda R_eval + (1-lambda) R_train)
+    c.hessian.mix_lambda = -1.0  # < 0: choose automatically (eigenvalue-curve crossing)
+    c.hessian.lambda_component_fraction = 1000 / 65536  # crossing component / d (paper: 1000th of 2^16)
+    c.hessian.damping = 1e-6  # relative eigenvalue floor for R^{-1/2}
+    c.hessian.unit_norm = True  # unit-normalise R^{-1/2} g (TrackStar); off for ablations
+
+    # --- index (tensorstore zarr3) ---
+    c.index = ml_collections.ConfigDict()
+    c.index.dtype = "bfloat16"  # "float32" | "bfloat16" | "float16" | "int8" (per-row scale)
+    c.index.chunk_rows = 1024  # rows per zarr chunk (= unit of resumable progress)
+
+    # --- retrieval (exact top-k) ---
+    c.retrieval = ml_collections.ConfigDict()
+    c.retrieval.top_k = 10
+    c.retrieval.query_batch_size = 64
+    c.retrieval.read_chunk_rows = 65_536  # rows streamed per step
+
+    # --- evaluation (§4, §A.4) ---
+    c.eval = ml_collections.ConfigDict()
+    c.eval.query_mode = "gold"  # "gold" target or the model's own "prediction"
+    c.eval.template_variant = 0  # which of the prompt templates (Table A.1)
+    c.eval.max_queries = 0  # 0 = all
+    c.eval.methods = ("trackstar",)  # rows of the table to compute
+
+    # --- tail-patch (§4.3) ---
+    c.tailpatch = ml_collections.ConfigDict()
+    c.tailpatch.top_ks = (1, 3, 5, 10)
+    c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
+    return c

@@ -1,0 +1,94 @@
+"""Mesh construction and sharding specs: the only place that creates a `Mesh`.
+
+Axis names are fixed constants so that the same code runs on 1 CPU and on a pod; a size-1
+axis costs nothing. `make_mesh` always passes `axis_types` explicitly (jax.make_mesh defaults
+to Explicit axes on jax >= 0.10, which changes how top_k and reshard behave).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
+AXES = (DATA, FSDP, TENSOR)
+
+# logical axis -> mesh axes (t5x / lm1b form). Parameters are replicated by default;
+# the batch and the rows of the vector index are split over (data, fsdp).
+LOGICAL_AXIS_RULES = (
+    ("batch", (DATA, FSDP)),
+    ("example", (DATA, FSDP)),
+    ("embed", None),
+    ("mlp", None),
+    ("heads", None),
+    ("kv", None),
+    ("vocab", None),
+    ("length", None),
+    ("proj", None),
+)
+
+
+def make_mesh(
+    shape: Sequence[int] | None = None,
+    axis_names: Sequence[str] = AXES,
+    devices: Sequence[jax.Device] | None = None,
+    axis_type: AxisType = AxisType.Auto,
+) -> Mesh:
+    """Builds a device mesh over `axis_names`.
+
+    Args:
+      shape: sizes per axis; `None` or a `-1` entry puts all (remaining) devices there,
+        default `(num_devices, 1, 1)` = pure data parallelism.
+      axis_names: mesh axis names, by default `("data", "fsdp", "tensor")`.
+      devices: devices to use (default: all of `jax.devices()`).
+      axis_type: axis type for every axis (Auto by default: XLA propagates shardings).
+
+    Returns:
+      A `jax.sharding.Mesh`.
+
+    Raises:
+      ValueError: if the shape does not multiply out to the number of devices.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if shape is None:
+        shape = (n,) + (1,) * (len(axis_names) - 1)
+    shape = list(shape)
+    if len(shape) != len(axis_names):
+        raise ValueError(f"mesh shape {shape} does not match axis names {tuple(axis_names)}")
+    if shape.count(-1) > 1:
+        raise ValueError(f"mesh shape {shape} has more than one -1")
+    if -1 in shape:
+        rest = int(np.prod([s for s in shape if s != -1]))
+        if n % rest:
+            raise ValueError(f"cannot fill mesh shape {shape} with {n} devices")
+        shape[shape.index(-1)] = n // rest
+    if int(np.prod(shape)) != n:
+        raise ValueError(f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices, have {n}")
+    return jax.make_mesh(
+        tuple(shape), tuple(axis_names), axis_types=(axis_type,) * len(axis_names), devices=devices
+    )
+
+
+def logical_to_spec(logical: Sequence[str | None]) -> P:
+    """Maps logical axis names to a PartitionSpec with `LOGICAL_AXIS_RULES`."""
+    rules = dict(LOGICAL_AXIS_RULES)
+    return P(*[rules.get(name) if name is not None else None for name in logical])
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+    """Sharding of a batch array `[batch, ...]`: leading axis over (data, fsdp)."""
+    return NamedSharding(mesh, logical_to_spec(("batch",) + (None,) * (ndim - 1)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    """Fully replicated sharding on `mesh`."""
+    return NamedSharding(mesh, P())
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Number of shards the batch axis is split into."""
+    return int(mesh.shape[DATA] * mesh.shape[FSDP])

@@ -1,0 +1,98 @@
+"""Pretraining: optax Adafactor with the paper's schedule, a pure jit-able train step.
+
+§A.3 / Table A.3: Adafactor, learning rate 0.01, inverse-square-root decay after warmup.
+The optimizer state (Adafactor's factored second moments `v_row` / `v_col`, or full `v` for
+small matrices) is what TrackStar later reads, so it is kept in full in `TrainState`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jaxtyping import Array, Float
+
+from trackstar_jax import model as model_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adafactor + schedule hyperparameters (hashable)."""
+
+    learning_rate: float = 0.01
+    warmup_steps: int = 10_000
+    decay_rate: float = 0.8  # Adafactor second-moment decay exponent (optax default)
+    min_dim_size_to_factor: int = 128  # optax default; smaller dims keep a full v
+    clipping_threshold: float | None = 1.0
+    multiply_by_parameter_scale: bool = True
+    weight_decay_rate: float | None = None
+
+
+def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
+    """Linear warmup to `learning_rate`, then inverse-square-root decay.
+
+    lr(s) = lr * min(1, s / warmup) * sqrt(warmup / max(s, warmup)).
+    """
+    warmup = max(int(cfg.warmup_steps), 1)
+
+    def schedule(step):
+        s = jnp.asarray(step, jnp.float32) + 1.0  # the first update uses step 1
+        return cfg.learning_rate * jnp.minimum(1.0, s / warmup) * jnp.sqrt(warmup / jnp.maximum(s, warmup))
+
+    return schedule
+
+
+def make_optimizer(cfg: OptimizerConfig) -> optax.GradientTransformation:
+    """optax Adafactor with the paper's schedule."""
+    return optax.adafactor(
+        learning_rate=make_schedule(cfg),
+        min_dim_size_to_factor=cfg.min_dim_size_to_factor,
+        decay_rate=cfg.decay_rate,
+        clipping_threshold=cfg.clipping_threshold,
+        multiply_by_parameter_scale=cfg.multiply_by_parameter_scale,
+        weight_decay_rate=cfg.weight_decay_rate,
+    )
+
+
+class TrainState(flax.struct.PyTreeNode):
+    """Everything a checkpoint holds. `params` is a pure nested dict (string keys)."""
+
+    step: Array
+    params: Any
+    opt_state: Any
+
+
+def init_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation, seed: int) -> tuple[nnx.GraphDef, TrainState]:
+    """Initialises parameters and optimizer state; returns `(graphdef, state)`."""
+    graphdef, params = model_lib.split_model(model_lib.make_model(model_cfg, seed))
+    params = nnx.to_pure_dict(params)
+    return graphdef, TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
+
+
+def loss_fn(params: Any, graphdef: nnx.GraphDef, batch: Mapping[str, Array]) -> tuple[Float[Array, ""], dict]:
+    """Mean next-token loss over target tokens of the batch (training objective)."""
+    losses = model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)
+    num_tokens = jnp.sum(batch["loss_mask"][:, 1:])
+    loss = jnp.sum(losses) / jnp.maximum(num_tokens, 1.0)
+    return loss, {"loss_sum": jnp.sum(losses), "num_tokens": num_tokens}
+
+
+def train_step(state: TrainState, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef,
+               opt: optax.GradientTransformation) -> tuple[TrainState, dict]:
+    """One optimizer step on `batch`. Pure; bind `graphdef`/`opt` with functools.partial and jit."""
+    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, batch)
+    updates, opt_state = opt.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"loss": loss, "num_tokens": aux["num_tokens"], "grad_norm": optax.global_norm(grads)}
+    return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
+
+
+def eval_step(params: Any, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef) -> dict:
+    """Summed loss and token count on `batch` (summed over eval batches by the caller)."""
+    _, aux = loss_fn(params, graphdef, batch)
+    return aux
