@@ -1,0 +1,271 @@
+"""Run directory and checkpoints: orbax `CheckpointManager` over the full `TrainState`.
+
+A checkpoint holds params, the FULL optimizer state (Adafactor's factored second moments
+`v_row` / `v_col` / `v` are what TrackStar reads, so they must round-trip bit-exactly), the
+step, and the resolved config of the run. Restores go into an abstract, sharded target
+(`jax.eval_shape` + shardings), so arrays come back already placed on the mesh.
+
+Run directory (`workdir/`): `config.json` (resolved config), `corpus/` (id -> text),
+`tokenizer.model`, `checkpoints/<step>/{state,config}`. `load_run(workdir)` gives later
+stages everything they need in one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+import orbax.checkpoint as ocp
+from absl import logging
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from trackstar_jax import data as data_lib
+from trackstar_jax import model as model_lib
+from trackstar_jax import sharding as sharding_lib
+from trackstar_jax import train as train_lib
+
+CONFIG_FILE = "config.json"
+CHECKPOINT_DIR = "checkpoints"
+CORPUS_DIR = "corpus"
+TOKENIZER_FILE = "tokenizer.model"
+
+# Config sections a run is defined by: a checkpoint (or an existing workdir) is refused when
+# any of these differ. Other sections (vectors, index, retrieval, eval, ...) belong to later
+# stages and may change between their runs.
+RUN_SECTIONS = ("seed", "model", "data")
+# train keys that may change on resume (longer training, other cadences); all other train
+# keys (optimizer, batch size) must match.
+RESUMABLE_TRAIN_KEYS = ("num_steps", "log_every_steps", "eval_every_steps", "num_eval_batches",
+                        "checkpoint_every_steps", "max_checkpoints_to_keep")
+
+
+def config_to_dict(config: Any) -> dict:
+    """ConfigDict / FrozenConfigDict / dict -> plain JSON-able dict (tuples become lists)."""
+    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def config_mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS + ("train",),
+                      ignore: Sequence[str] = tuple(f"train.{k}" for k in RESUMABLE_TRAIN_KEYS)) -> list[str]:
+    """Fields of `sections` that differ between two configs, as readable strings.
+
+    Returns:
+      e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
+    """
+    a, b = _flatten(config_to_dict(saved)), _flatten(config_to_dict(current))
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key.split(".")[0] not in sections or key in ignore:
+            continue
+        if a.get(key, "<absent>") != b.get(key, "<absent>"):
+            out.append(f"{key}: saved {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r}")
+    return out
+
+
+def save_run_config(workdir: str | os.PathLike, config: Any) -> None:
+    """Writes `workdir/config.json`, or checks an existing one against `config`.
+
+    An existing run directory is reused only for the same run: `seed`, `model`, `data` and
+    the optimizer/batch keys of `train` must agree (the resumable train keys are updated).
+
+    Raises:
+      ValueError: the existing config.json describes a different run (names the fields).
+    """
+    path = pathlib.Path(workdir) / CONFIG_FILE
+    new = config_to_dict(config)
+    if path.exists():
+        bad = config_mismatches(json.loads(path.read_text()), new)
+        if bad:
+            raise ValueError(f"{path} belongs to a different run; refusing to reuse the workdir. Differences: "
+                             + "; ".join(bad))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(new, indent=1, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def load_run_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
+    """Reads `workdir/config.json` as a ConfigDict."""
+    path = pathlib.Path(workdir) / CONFIG_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no run config at {path} (run `python -m launch.train` first)")
+    return ml_collections.ConfigDict(json.loads(path.read_text()))
+
+
+def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
+    """Shardings of a TrainState-like tree: replicated over `mesh` (LOGICAL_AXIS_RULES map
+    every parameter axis to None), scalars included."""
+    return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_state)
+
+
+def abstract_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation,
+                   mesh: Mesh | None = None) -> tuple[nnx.GraphDef, train_lib.TrainState]:
+    """`(graphdef, TrainState of ShapeDtypeStructs with shardings)` without allocating."""
+    graphdef, params = model_lib.abstract_params(model_cfg)
+    params = nnx.to_pure_dict(params)
+    state = train_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
+                                 opt_state=jax.eval_shape(opt.init, params))
+    if mesh is not None:
+        sh = state_shardings(state, mesh)
+        state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
+    return graphdef, state
+
+
+class CheckpointManager:
+    """orbax `CheckpointManager` for `TrainState` + resolved config under `directory`.
+
+    Saves are refused for a step that is not newer than the latest saved one, so a resumed
+    (or re-started) run never overwrites or shadows a newer checkpoint.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3):
+        self.directory = pathlib.Path(directory).absolute()
+        self._mngr = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
+            item_names=("state", "config"),
+        )
+
+    def latest_step(self) -> int | None:
+        return self._mngr.latest_step()
+
+    def all_steps(self) -> list[int]:
+        return list(self._mngr.all_steps())
+
+    def save(self, state: train_lib.TrainState, config: Any) -> int:
+        """Saves `state` at `state.step` with `config` (async; see `wait_until_finished`).
+
+        Raises:
+          ValueError: a checkpoint at the same or a newer step already exists.
+        """
+        step = int(jax.device_get(state.step))
+        latest = self.latest_step()
+        if latest is not None and step <= latest:
+            raise ValueError(f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
+                             "(a newer or equal checkpoint is never overwritten)")
+        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                      config=ocp.args.JsonSave(config_to_dict(config))))
+        return step
+
+    def saved_config(self, step: int | None = None) -> dict:
+        """The resolved config stored with checkpoint `step` (default: latest)."""
+        step = self._step(step)
+        return dict(self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+
+    def restore(self, step: int | None, abstract_state: train_lib.TrainState, expect_config: Any = None,
+                sections: Sequence[str] = ("model",)) -> tuple[int, train_lib.TrainState]:
+        """Restores checkpoint `step` (None: latest) into `abstract_state`'s shapes and shardings.
+
+        Args:
+          step: checkpoint step, or None for the latest.
+          abstract_state: TrainState of `jax.ShapeDtypeStruct` (with `sharding`), e.g. from
+            `abstract_state(...)`.
+          expect_config: if given, its `sections` must equal the checkpoint's config.
+          sections: config sections that must match (default: the model).
+
+        Raises:
+          FileNotFoundError: no checkpoint. ValueError: config mismatch (names the fields).
+        """
+        step = self._step(step)
+        if expect_config is not None:
+            bad = config_mismatches(self.saved_config(step), expect_config, sections=sections, ignore=())
+            if bad:
+                raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
+        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        return step, out["state"]
+
+    def restore_latest(self, abstract_state: train_lib.TrainState, expect_config: Any = None,
+                       sections: Sequence[str] = ("model",)) -> tuple[int, train_lib.TrainState]:
+        """`restore(None, ...)`: the latest checkpoint."""
+        return self.restore(None, abstract_state, expect_config, sections)
+
+    def _step(self, step: int | None) -> int:
+        if step is None:
+            step = self.latest_step()
+            if step is None:
+                raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        elif step not in self.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (have {self.all_steps()})")
+        return step
+
+    def wait_until_finished(self) -> None:
+        self._mngr.wait_until_finished()
+
+    def close(self) -> None:
+        self._mngr.wait_until_finished()
+        self._mngr.close()
+
+
+def model_config_from(config: Any) -> model_lib.LMConfig:
+    """`LMConfig` from a (saved) config's `model` section."""
+    m = config_to_dict(config)["model"]
+    return model_lib.LMConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
+
+
+def optimizer_config_from(config: Any) -> train_lib.OptimizerConfig:
+    """`OptimizerConfig` from a (saved) config's `train` section (only the optimizer keys)."""
+    t = config_to_dict(config)["train"]
+    fields = {f.name for f in dataclasses.fields(train_lib.OptimizerConfig)}
+    return train_lib.OptimizerConfig(**{k: v for k, v in t.items() if k in fields})
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything later stages need from a pretraining run (see `load_run`)."""
+
+    config: ml_collections.ConfigDict
+    model_cfg: model_lib.LMConfig
+    graphdef: nnx.GraphDef
+    params: Any  # pure nested dict
+    opt_state: Any  # optax Adafactor chain state (v_row / v_col / v)
+    step: int
+    tokenizer: data_lib.Tokenizer
+    corpus: data_lib.Corpus
+    workdir: pathlib.Path | None = None
+
+
+def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | None = None) -> Run:
+    """Loads config, tokenizer, corpus and a checkpoint (default: latest) of a run.
+
+    Args:
+      workdir: the run directory written by `pipeline.train`.
+      step: checkpoint step (None: latest).
+      mesh: arrays are replicated over it (default: all devices on the data axis).
+
+    Raises:
+      FileNotFoundError: a missing piece of the run (names the path).
+    """
+    workdir = pathlib.Path(workdir)
+    config = load_run_config(workdir)
+    model_cfg = model_config_from(config)
+    opt = train_lib.make_optimizer(optimizer_config_from(config))
+    mesh = sharding_lib.make_mesh() if mesh is None else mesh
+    graphdef, target = abstract_state(model_cfg, opt, mesh)
+    if not (workdir / CHECKPOINT_DIR).is_dir():
+        raise FileNotFoundError(f"no checkpoints at {workdir / CHECKPOINT_DIR} (run `python -m launch.train` first)")
+    mngr = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=None)
+    try:
+        step, state = mngr.restore(step, target, expect_config=config)
+    finally:
+        mngr.close()
+    logging.info("loaded run %s at step %d", workdir, step)
+    return Run(config=config, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=state.opt_state,
+               step=int(step), tokenizer=data_lib.load_tokenizer(workdir / TOKENIZER_FILE),
+               corpus=data_lib.load_corpus(workdir / CORPUS_DIR), workdir=workdir)
