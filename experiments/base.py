@@ -35,6 +35,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.path = ""  # file or folder for lama / text / jsonl (e.g. ../shared/data/lama)
     c.data.text_key = "text"  # jsonl field holding the passage
     c.data.seqio_task = ""  # seqio Task name (source="seqio"; needs the `seqio` extra)
+    c.data.seqio_split = "train"  # split of the seqio Task
+    c.data.seqio_module = ""  # module to import so that the seqio Task is registered
     c.data.relations = ""  # comma-separated LAMA relation ids to read ("" = all)
     c.data.max_examples = 0  # cap on corpus size (0 = no cap)
     c.data.embedded = ml_collections.ConfigDict()  # the seeded fact-corpus generator
@@ -64,6 +66,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.num_eval_batches = 4
     c.train.checkpoint_every_steps = 1000
     c.train.max_checkpoints_to_keep = 3
+    c.train.num_completions = 8  # greedy completions of fact prompts reported at the end
+    c.train.max_new_tokens = 8  # length of those completions
 
     # --- gradient features (§3 Eq. 2, §A.1.1-A.1.2) ---
     c.vectors = ml_collections.ConfigDict()

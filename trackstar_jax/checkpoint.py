@@ -44,7 +44,7 @@ RUN_SECTIONS = ("seed", "model", "data")
 # train keys that may change on resume (longer training, other cadences); all other train
 # keys (optimizer, batch size) must match.
 RESUMABLE_TRAIN_KEYS = ("num_steps", "log_every_steps", "eval_every_steps", "num_eval_batches",
-                        "checkpoint_every_steps", "max_checkpoints_to_keep")
+                        "checkpoint_every_steps", "max_checkpoints_to_keep", "num_completions", "max_new_tokens")
 
 
 def config_to_dict(config: Any) -> dict:
