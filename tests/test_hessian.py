@@ -1,0 +1,256 @@
+"""hessian.py against numpy references: R (block autocorrelation), automatic λ, R^{-1/2}, unit norm."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from trackstar_jax import hessian
+
+
+def _reference_autocorrelation(x: np.ndarray, blocks: int) -> np.ndarray:
+    """Loop over blocks of float64 XᵀX (the paper's Φ̃ᵀΦ̃ per layer block)."""
+    x = np.asarray(x, np.float64)
+    k2 = x.shape[1] // blocks
+    return np.stack([x[:, b * k2:(b + 1) * k2].T @ x[:, b * k2:(b + 1) * k2] for b in range(blocks)])
+
+
+def _block_diag(blocks: np.ndarray) -> np.ndarray:
+    b, k, _ = blocks.shape
+    out = np.zeros((b * k, b * k), blocks.dtype)
+    for i in range(b):
+        out[i * k:(i + 1) * k, i * k:(i + 1) * k] = blocks[i]
+    return out
+
+
+def _random_spd(rng, blocks: int, k2: int, cond: float) -> np.ndarray:
+    """Blocks Q diag(w) Qᵀ with eigenvalues log-spaced in [1/cond, 1]."""
+    out = []
+    for _ in range(blocks):
+        q, _ = np.linalg.qr(rng.standard_normal((k2, k2)))
+        w = np.logspace(0, -np.log10(cond), k2)
+        out.append((q * w) @ q.T)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_autocorrelation_matches_numpy(dtype, blocks):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((37, blocks * 16)).astype(dtype)
+    got = np.asarray(hessian.autocorrelation(x, blocks))
+    assert got.dtype == np.float32 and got.shape == (blocks, 16, 16)
+    np.testing.assert_allclose(got, _reference_autocorrelation(x.astype(np.float32), blocks), rtol=1e-5, atol=1e-5)
+
+
+def test_autocorrelation_sharded_rows_match_numpy():
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:8])
+    x = np.random.default_rng(1).standard_normal((64, 4 * 9)).astype(np.float32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data")))
+    got = jax.jit(hessian.autocorrelation, static_argnums=1)(xs, 4)
+    np.testing.assert_allclose(np.asarray(got), _reference_autocorrelation(x, 4), rtol=1e-5, atol=1e-5)
+
+
+def test_rstats_compose_and_mean():
+    x = np.random.default_rng(2).standard_normal((50, 32)).astype(np.float32)
+    whole = hessian.r_eval(x, 2)
+    halves = hessian.r_eval(x[:20], 2), hessian.r_eval(x[20:], 2)
+    total = hessian.RStats(np.asarray(halves[0].total, np.float64) + halves[1].total, halves[0].count + halves[1].count)
+    np.testing.assert_allclose(total.mean(), whole.mean(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(whole.mean(), _reference_autocorrelation(x, 2) / 50, rtol=1e-5, atol=1e-6)
+
+
+def test_r_eval_rejects_nonfinite_queries():
+    q = np.ones((3, 8), np.float32)
+    q[1, 2] = np.nan
+    with pytest.raises(ValueError, match=r"query vectors \[1\]"):
+        hessian.r_eval(q, 2)
+
+
+def test_sorted_eigenvalues_of_block_diagonal():
+    r = _random_spd(np.random.default_rng(3), 3, 8, 50.0)
+    np.testing.assert_allclose(hessian.sorted_eigenvalues(r), np.sort(np.linalg.eigvalsh(_block_diag(r)))[::-1], rtol=1e-10)
+
+
+def _constructed(rng, spectrum: np.ndarray, blocks: int) -> np.ndarray:
+    """Block-diagonal matrix with exactly the given eigenvalues, shuffled across blocks."""
+    k2 = spectrum.size // blocks
+    w = rng.permutation(spectrum).reshape(blocks, k2)
+    out = []
+    for b in range(blocks):
+        q, _ = np.linalg.qr(rng.standard_normal((k2, k2)))
+        out.append((q * w[b]) @ q.T)
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("component", [1, 4, 40, 200])
+def test_choose_lambda_finds_the_crossing(component):
+    """§A.1.3: the sorted eigenvalue curves of λR_eval and (1-λ)R_train cross at `component`.
+
+    R_eval's spectrum falls much faster than R_train's (a few task-common directions), so the
+    curves cross once; above the crossing λR_eval dominates, below it (1-λ)R_train does.
+    """
+    rng = np.random.default_rng(component)
+    d, blocks = 256, 4
+    i = np.arange(d)
+    e_eval = 50.0 * 2.0 ** (-i / 24)
+    e_train = 2.0 * 2.0 ** (-i / 128)
+    r_eval, r_train = _constructed(rng, e_eval, blocks), _constructed(rng, e_train, blocks)
+    lam = hessian.choose_lambda(r_eval, r_train, component)
+    assert 0.0 < lam < 1.0
+    a, b = lam * e_eval, (1 - lam) * e_train  # the sorted curves (constructed, exact)
+    np.testing.assert_allclose(a[component - 1], b[component - 1], rtol=1e-8)
+    assert np.all(a[: component - 1] > b[: component - 1])
+    assert np.all(a[component:] < b[component:])
+    # Independent reference: bisection on the number of components where λR_eval is above.
+    lo, hi = 0.0, 1.0
+    for _ in range(100):
+        mid = 0.5 * (lo + hi)
+        above = np.sum(mid * e_eval >= (1 - mid) * e_train)
+        lo, hi = (mid, hi) if above < component else (lo, mid)
+    np.testing.assert_allclose(lam, hi, rtol=1e-6)
+
+
+def test_choose_lambda_refuses_rank_deficient_r_eval():
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((3, 64)).astype(np.float32)  # 3 queries: rank <= 3 per block
+    r_eval = hessian.r_eval(q, 2).mean()
+    r_train = _random_spd(rng, 2, 32, 10.0)
+    with pytest.raises(ValueError, match="R_eval has numerical rank 6 < crossing component 10"):
+        hessian.choose_lambda(r_eval, r_train, 10)
+
+
+def test_lambda_component_scales_with_d():
+    assert hessian.lambda_component(65536, 1000 / 65536) == 1000
+    assert hessian.lambda_component(256, 1000 / 65536) == 4
+    assert hessian.lambda_component(16, 1e-9) == 1
+
+
+@pytest.mark.parametrize("cond", [1.0, 1e2, 1e4])
+def test_inverse_sqrt_whitens_well_conditioned(cond):
+    r = _random_spd(np.random.default_rng(5), 3, 16, cond) * 7.0
+    inv = hessian.inverse_sqrt(r, damping=1e-6)
+    assert inv.num_floored == 0
+    w = inv.matrix.astype(np.float64)
+    np.testing.assert_allclose(w, np.swapaxes(w, 1, 2), atol=1e-6 * np.abs(w).max())
+    ident = np.einsum("bij,bjk,bkl->bil", w, r, w)
+    np.testing.assert_allclose(ident, np.broadcast_to(np.eye(16), ident.shape), atol=1e-4)
+
+
+def test_inverse_sqrt_damping_floors_small_eigenvalues():
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((5, 32))
+    r = _reference_autocorrelation(x, 2)  # rank 5 per 16-dim block: 11 zero eigenvalues each
+    inv = hessian.inverse_sqrt(r, damping=1e-4)
+    top = np.linalg.eigvalsh(r).max()
+    assert inv.num_floored == 2 * 11
+    assert np.isclose(inv.floor, 1e-4 * top)
+    # The largest gain is 1/sqrt(floor): bounded amplification of no-variance directions.
+    gains = np.linalg.eigvalsh(inv.matrix.astype(np.float64))
+    np.testing.assert_allclose(gains.max(), (1e-4 * top) ** -0.5, rtol=1e-4)
+    # On the data's span it still whitens: W R W restricted to the span is the identity.
+    proj = np.einsum("bij,bjk,bkl->bil", inv.matrix.astype(np.float64), r, inv.matrix.astype(np.float64))
+    np.testing.assert_allclose(np.linalg.eigvalsh(proj)[:, -5:], 1.0, atol=1e-3)
+
+
+def test_inverse_sqrt_rejects_zero():
+    with pytest.raises(ValueError, match="R is zero"):
+        hessian.inverse_sqrt(np.zeros((2, 4, 4)), 1e-6)
+
+
+def test_unit_norm_holds_and_zero_rows_stay_zero():
+    x = np.random.default_rng(7).standard_normal((6, 32)).astype(np.float32) * 100
+    x[3] = 0
+    w = hessian.inverse_sqrt(_random_spd(np.random.default_rng(8), 2, 16, 10.0), 1e-6).matrix
+    g = np.asarray(hessian.finalize_rows(x, jnp.asarray(w), unit_norm=True))
+    norms = np.linalg.norm(g, axis=1)
+    np.testing.assert_allclose(np.delete(norms, 3), 1.0, rtol=1e-5)
+    assert norms[3] == 0 and np.isfinite(g).all()
+
+
+def test_normalise_after_whitening_not_before():
+    """Ḡ = normalise(R^{-1/2} g) (bergson #157): unit norm is the last step."""
+    x = np.random.default_rng(9).standard_normal((4, 32)).astype(np.float32)
+    w = hessian.inverse_sqrt(_random_spd(np.random.default_rng(10), 2, 16, 1e3), 1e-6).matrix
+    got = np.asarray(hessian.finalize_rows(x, jnp.asarray(w), True))
+    wd = _block_diag(w.astype(np.float64))
+    ref = (wd @ x.T.astype(np.float64)).T
+    ref /= np.linalg.norm(ref, axis=1, keepdims=True)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5)
+    wrong = (wd @ (x / np.linalg.norm(x, axis=1, keepdims=True)).T).T
+    assert not np.allclose(got, wrong, atol=1e-3)
+
+
+def _reference_scores(q, g, r_dense, unit_norm):
+    """Eq. 1-2 with a dense d×d R: Ḡ_q · Ḡ_m, R^{-1/2} by dense float64 eigh."""
+    if r_dense is None:
+        wq, wg = q.astype(np.float64), g.astype(np.float64)
+    else:
+        e, v = np.linalg.eigh(r_dense)
+        w = (v * e ** -0.5) @ v.T
+        wq, wg = q @ w, g @ w
+    if unit_norm:
+        wq = wq / np.linalg.norm(wq, axis=1, keepdims=True)
+        wg = wg / np.linalg.norm(wg, axis=1, keepdims=True)
+    return wq @ wg.T
+
+
+@pytest.mark.parametrize("mode", ["none", "train", "mixed"])
+@pytest.mark.parametrize("unit_norm", [True, False])
+def test_on_the_fly_scores_equal_finalised_and_dense_reference(mode, unit_norm):
+    """q' = W normalise(W q) against raw rows times 1/||W g||  ==  Ḡ_q · Ḡ_m (both paths, Eq. 1)."""
+    rng = np.random.default_rng(11)
+    blocks, k2 = 4, 16
+    g = rng.standard_normal((300, blocks * k2)).astype(np.float32) * rng.uniform(0.1, 10, (300, 1)).astype(np.float32)
+    q = rng.standard_normal((12, blocks * k2)).astype(np.float32)
+    r_train = hessian.r_eval(g, blocks)  # same accumulation as the index
+    r_ev = hessian.r_eval(q, blocks)
+    cfg = hessian.HessianConfig(mode=mode, mix_lambda=0.3, damping=0.0, unit_norm=unit_norm)
+    wh = hessian.make_whitening(cfg, r_train, r_ev)
+    w = None if wh.matrix is None else jnp.asarray(wh.matrix)
+    on_the_fly = np.asarray(hessian.scores_on_the_fly(hessian.finalize_queries(q, w, unit_norm), g, hessian.row_scale(g, w, unit_norm)))
+    finalised = np.asarray(hessian.finalize_rows(q, w, unit_norm)) @ np.asarray(hessian.finalize_rows(g, w, unit_norm)).T
+    r_dense = {"none": None, "train": _block_diag(r_train.mean()),
+               "mixed": _block_diag(0.3 * r_ev.mean() + 0.7 * r_train.mean())}[mode]
+    ref = _reference_scores(q, g, r_dense, unit_norm)
+    scale = np.abs(ref).max()
+    np.testing.assert_allclose(on_the_fly, finalised, rtol=1e-4, atol=1e-5 * scale)
+    np.testing.assert_allclose(on_the_fly, ref, rtol=1e-4, atol=1e-4 * scale)
+
+
+def test_make_whitening_modes():
+    rng = np.random.default_rng(12)
+    g = rng.standard_normal((200, 32)).astype(np.float32)
+    q = rng.standard_normal((40, 32)).astype(np.float32) + 3.0  # a shared "template" direction
+    rt, re = hessian.r_eval(g, 2), hessian.r_eval(q, 2)
+    none = hessian.make_whitening(hessian.HessianConfig(mode="none"), None)
+    assert none.matrix is None and none.mix_lambda is None
+    train = hessian.make_whitening(hessian.HessianConfig(mode="train", damping=0.0), rt)
+    lam0 = hessian.make_whitening(hessian.HessianConfig(mode="mixed", mix_lambda=0.0, damping=0.0), rt, re)
+    np.testing.assert_allclose(train.matrix, lam0.matrix, rtol=1e-5, atol=1e-6)
+    auto = hessian.make_whitening(hessian.HessianConfig(mode="mixed", lambda_component_fraction=2 / 32, damping=0.0), rt, re)
+    assert auto.component == 2
+    assert auto.mix_lambda == pytest.approx(hessian.choose_lambda(re.mean(), rt.mean(), 2))
+    # The shared query direction is downweighted relative to R_train-only whitening.
+    t = np.ones(32, np.float32) / np.sqrt(32)
+    gain = lambda wh: np.linalg.norm(np.asarray(hessian.apply_blocks(jnp.asarray(wh.matrix), t[None])))  # noqa: E731
+    assert gain(auto) < 0.75 * gain(train)
+    with pytest.raises(ValueError, match="needs query vectors"):
+        hessian.make_whitening(hessian.HessianConfig(mode="mixed"), rt, None)
+    with pytest.raises(ValueError, match="needs R_train"):
+        hessian.make_whitening(hessian.HessianConfig(mode="train"), None)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "full"}, "hessian.mode"),
+    ({"mix_lambda": 1.5}, "hessian.mix_lambda"),
+    ({"lambda_component_fraction": 0.0}, "lambda_component_fraction"),
+    ({"damping": -1.0}, "hessian.damping"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hessian.HessianConfig(**kwargs)

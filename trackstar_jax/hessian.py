@@ -1,0 +1,361 @@
+"""TrackStar's Hessian approximation R and the final normalisation of the vectors (§3, §A.1.3).
+
+The index stores raw projected vectors `Φ_m = P_d(∇Loss(z_m)/√V)` (vectors.py). TrackStar's
+score is `Ḡ(z_m)·Ḡ(z_q)` with (Eq. 2)
+
+    Ḡ(z) = G(z) / ||G(z)||,   G(z) = R^{-1/2} Φ(z),
+
+where R is block diagonal with one `k²×k²` block per layer block (§A.1.3: 16 blocks of
+4096×4096 for d = 2^16, not one d×d matrix). R^{-1/2} is applied *before* the unit norm
+(normalise R^{-1/2}Φ, not Φ: bergson #157).
+
+R is an autocorrelation `ΦᵀΦ` of projected vectors (Gauss-Newton, §3): `R_train` over the
+corpus (accumulated while the index is built), `R_eval` over the query vectors, and TrackStar's
+mixture `R = λ R_eval + (1-λ) R_train` (Eq. 3), with λ chosen where the sorted eigenvalue
+curves of `λ R_eval` and `(1-λ) R_train` cross at a chosen component (§A.1.3).
+
+Scale convention: we mix *mean* autocorrelations `ΦᵀΦ / n`, not sums. With sums the mixture
+would depend on the corpus and query counts (19.6M vs 5.4K in the paper), and the paper's
+reasoning about λ (C4 needs a larger λ because its *per-example* gradients are larger)
+only holds for means. A global scale of R does not change rankings (unit norm removes it).
+
+Scoring without a second array ("on the fly", the default): with W = R^{-1/2} symmetric,
+
+    Ḡ_m·Ḡ_q = <W Φ_m, W Φ_q> / (||W Φ_m|| ||W Φ_q||) = (Φ_m · q') · s_m,
+    q' = W normalise(W Φ_q),   s_m = 1 / ||W Φ_m||,
+
+so retrieval is a plain streamed matmul over the raw stored rows times a per-row scale
+`s_m` that is computed once per R (`index.compute_row_scale`). `finalize_rows` gives the other
+path (the finalised vectors themselves); tests prove both give the same scores.
+
+Ablations (Table 1): `mode="none"` (no R), `"train"` (R_train only, Exp. 3 and 5), `"mixed"`
+(TrackStar); `unit_norm=False` for Exp. 1 and TRAK-like scores. The optimizer correction is a
+property of the index (vectors section of the config, recorded in its manifest).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+HESSIAN_MODES = ("none", "train", "mixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class HessianConfig:
+    """How R and the unit norm are applied at scoring time (config section `hessian`).
+
+    Attributes:
+      mode: "none" (R = I), "train" (R_train), "mixed" (λ R_eval + (1-λ) R_train).
+      mix_lambda: λ in [0, 1]; a negative value chooses λ automatically (§A.1.3).
+      lambda_component_fraction: the crossing component as a fraction of d (paper: 1000/65536).
+      damping: relative eigenvalue floor of R^{-1/2}: eigenvalues below `damping * max eig`
+        (over all blocks) are raised to that floor, so directions with (almost) no variance are
+        amplified at most `1/sqrt(damping)` times more than the strongest one.
+      unit_norm: unit-normalise R^{-1/2}Φ (TrackStar); False for the un-normalised ablations.
+    """
+
+    mode: str = "mixed"
+    mix_lambda: float = -1.0
+    lambda_component_fraction: float = 1000 / 65536
+    damping: float = 1e-6
+    unit_norm: bool = True
+
+    def __post_init__(self):
+        if self.mode not in HESSIAN_MODES:
+            raise ValueError(f"hessian.mode must be one of {HESSIAN_MODES}, got {self.mode!r}")
+        if self.mix_lambda > 1.0:
+            raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
+        if not 0.0 < self.lambda_component_fraction <= 1.0:
+            raise ValueError(f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}")
+        if not 0.0 <= self.damping < 1.0:
+            raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
+
+
+# ------------------------------------------------------------------------------------------
+# Autocorrelation (R_train, R_eval)
+# ------------------------------------------------------------------------------------------
+
+
+def split_blocks(x: Float[Array, "n d"], num_blocks_total: int) -> Float[Array, "n b k2"]:
+    """`[n, d]` -> `[n, blocks, k²]` in the vector layout of vectors.py (block-major)."""
+    n, d = x.shape
+    if d % num_blocks_total:
+        raise ValueError(f"vector dim {d} is not a multiple of the number of blocks {num_blocks_total}")
+    return x.reshape(n, num_blocks_total, d // num_blocks_total)
+
+
+def autocorrelation(x: Float[Array, "n d"], num_blocks_total: int) -> Float[Array, "b k2 k2"]:
+    """Per-block sum of outer products `Σ_n x_nb x_nbᵀ` (§A.1.3 `Φ̃ᵀΦ̃`, block diagonal).
+
+    Accumulates in float32 at full matmul precision whatever the input dtype (bf16 rows are
+    exactly representable in float32). Rows of zeros (padding) contribute exactly nothing.
+
+    Args:
+      x: vectors, one per row, any float dtype.
+      num_blocks_total: number of diagonal blocks (2 * num_blocks).
+
+    Returns:
+      `[blocks, k², k²]` float32 sums (divide by the row count for the mean).
+    """
+    xb = split_blocks(jnp.asarray(x).astype(jnp.float32), num_blocks_total)
+    return jnp.einsum("nbi,nbj->bij", xb, xb, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+class RStats(NamedTuple):
+    """An autocorrelation as a float32 sum plus the number of rows summed (composable)."""
+
+    total: np.ndarray  # [blocks, k2, k2] float32 sum of x xᵀ per block
+    count: int
+
+    def mean(self) -> np.ndarray:
+        """Mean autocorrelation `ΦᵀΦ / n` in float64 (the matrix that is mixed and inverted)."""
+        if self.count <= 0:
+            raise ValueError("autocorrelation over zero rows has no mean")
+        return np.asarray(self.total, np.float64) / self.count
+
+
+def r_eval(query_vectors: Float[Array, "q d"], num_blocks_total: int) -> RStats:
+    """R_eval (§A.1.3): the autocorrelation of the raw query vectors.
+
+    Args:
+      query_vectors: raw projected query vectors (same featurizer as the index rows).
+      num_blocks_total: number of diagonal blocks.
+
+    Returns:
+      RStats over the queries.
+    """
+    q = np.asarray(query_vectors)
+    if q.ndim != 2 or q.shape[0] == 0:
+        raise ValueError(f"R_eval needs a non-empty [num_queries, d] matrix, got shape {q.shape}")
+    if not np.isfinite(q).all():
+        bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
+        raise ValueError(f"R_eval: query vectors {bad[:10].tolist()} contain NaN/inf")
+    return RStats(np.asarray(autocorrelation(q, num_blocks_total)), int(q.shape[0]))
+
+
+# ------------------------------------------------------------------------------------------
+# Mixing with automatic λ (§A.1.3) and R^{-1/2}
+# ------------------------------------------------------------------------------------------
+
+
+def lambda_component(dim: int, fraction: float) -> int:
+    """The 1-based eigenvalue rank where the curves should cross: `round(fraction * d)`, >= 1.
+
+    The paper uses the 1000th of 65536 (`fraction = 1000/65536`); a fraction scales it with d.
+    """
+    return max(1, min(dim, int(round(fraction * dim))))
+
+
+def sorted_eigenvalues(r_blocks: np.ndarray) -> np.ndarray:
+    """All eigenvalues of a block-diagonal symmetric matrix, in descending order (float64).
+
+    The spectrum of a block-diagonal matrix is the union of its blocks' spectra.
+    """
+    w = np.linalg.eigvalsh(np.asarray(r_blocks, np.float64))
+    return np.sort(w.reshape(-1))[::-1]
+
+
+def choose_lambda(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, component: int) -> float:
+    """λ where the sorted eigenvalue curves of λ R_eval and (1-λ) R_train meet at `component`.
+
+    §A.1.3: "we scale λ such that the (monotonic) singular value curves of λR_eval and
+    (1-λ)R_train intersect at the 1000th component". With e_eval, e_train the c-th largest
+    eigenvalues, λ e_eval = (1-λ) e_train gives λ = e_train / (e_eval + e_train) exactly. Above
+    the crossing R_eval dominates (those task-common directions get downweighted).
+
+    Args:
+      r_eval_mean: `[blocks, k², k²]` mean query autocorrelation.
+      r_train_mean: `[blocks, k², k²]` mean corpus autocorrelation.
+      component: 1-based rank c of the crossing (`lambda_component`).
+
+    Returns:
+      λ in (0, 1).
+
+    Raises:
+      ValueError: if either matrix has fewer than `component` positive eigenvalues (e.g. fewer
+        queries than `component`), naming which one and its numerical rank.
+    """
+    e_eval = sorted_eigenvalues(r_eval_mean)
+    e_train = sorted_eigenvalues(r_train_mean)
+    if not 1 <= component <= e_eval.size:
+        raise ValueError(f"lambda component {component} is outside 1..{e_eval.size}")
+    for name, e in (("R_eval", e_eval), ("R_train", e_train)):
+        # numpy.linalg.matrix_rank's tolerance for one k²×k² block, at float32 (R is summed in f32).
+        tol = max(e[0], 0.0) * np.shape(r_eval_mean)[-1] * np.finfo(np.float32).eps
+        rank = int((e > tol).sum())
+        if rank < component:
+            raise ValueError(
+                f"automatic lambda: {name} has numerical rank {rank} < crossing component {component} "
+                f"(hessian.lambda_component_fraction); use more queries, a smaller fraction, or set hessian.mix_lambda"
+            )
+    a, b = e_eval[component - 1], e_train[component - 1]
+    return float(b / (a + b))
+
+
+def mix(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, mix_lambda: float) -> np.ndarray:
+    """Eq. 3: `R = λ R_eval + (1-λ) R_train` (float64)."""
+    if not 0.0 <= mix_lambda <= 1.0:
+        raise ValueError(f"mix_lambda must be in [0, 1], got {mix_lambda}")
+    return mix_lambda * np.asarray(r_eval_mean, np.float64) + (1.0 - mix_lambda) * np.asarray(r_train_mean, np.float64)
+
+
+class InverseSqrt(NamedTuple):
+    matrix: np.ndarray  # [blocks, k2, k2] float32, symmetric
+    floor: float  # absolute eigenvalue floor applied
+    num_floored: int  # eigenvalues raised to the floor (all blocks)
+
+
+def inverse_sqrt(r_blocks: np.ndarray, damping: float) -> InverseSqrt:
+    """Block-wise R^{-1/2} by symmetric eigendecomposition (float64), with an eigenvalue floor.
+
+    `R_b = V diag(w) Vᵀ  ->  R_b^{-1/2} = V diag(max(w, floor)^{-1/2}) Vᵀ` with
+    `floor = damping * max(w over all blocks)`. A global (not per-block) floor keeps a block
+    with little gradient energy from having its noise blown up to unit scale. Negative
+    eigenvalues (round-off) are floored too. On well-conditioned input (all w >= floor) the
+    result is exact: `R^{-1/2} R R^{-1/2} = I`.
+
+    Args:
+      r_blocks: `[blocks, k², k²]` symmetric PSD blocks.
+      damping: relative floor in [0, 1).
+
+    Returns:
+      InverseSqrt(matrix float32, floor, num_floored).
+    """
+    r = np.asarray(r_blocks, np.float64)
+    if r.ndim != 3 or r.shape[1] != r.shape[2]:
+        raise ValueError(f"R must be [blocks, k2, k2], got shape {r.shape}")
+    if not np.isfinite(r).all():
+        raise ValueError("R contains NaN/inf")
+    r = 0.5 * (r + np.swapaxes(r, 1, 2))  # exact symmetry for eigh
+    w, v = np.linalg.eigh(r)
+    top = float(w.max())
+    if top <= 0.0:
+        raise ValueError("R is zero (or negative semidefinite): no gradient signal to whiten with")
+    floor = damping * top
+    if floor <= 0.0:  # damping 0: only guard exact zeros / negatives
+        floor = top * np.finfo(np.float64).eps
+    wd = np.maximum(w, floor)
+    inv_sqrt = np.einsum("bij,bj,bkj->bik", v, wd**-0.5, v)
+    return InverseSqrt(inv_sqrt.astype(np.float32), float(floor), int((w < floor).sum()))
+
+
+class Whitening(NamedTuple):
+    """The resolved scoring transform: W = R^{-1/2} (None for mode "none") and the unit norm."""
+
+    matrix: np.ndarray | None  # [blocks, k2, k2] float32
+    unit_norm: bool
+    mode: str
+    mix_lambda: float | None  # the λ used (mode "mixed")
+    component: int | None  # crossing component (automatic λ)
+    num_floored: int
+
+    def describe(self) -> dict:
+        """JSON-able summary for logs and result files."""
+        return {"mode": self.mode, "unit_norm": self.unit_norm, "mix_lambda": self.mix_lambda,
+                "lambda_component": self.component, "num_floored_eigenvalues": self.num_floored}
+
+
+def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RStats | None = None) -> Whitening:
+    """Resolves a HessianConfig into the scoring transform (§3 Eq. 2-3, §A.1.3).
+
+    Args:
+      cfg: the hessian section.
+      r_train: R_train of the index (needed for modes "train" and "mixed").
+      r_eval_stats: R_eval of the queries (needed for "mixed").
+
+    Returns:
+      Whitening with W = R^{-1/2} (or None) and the resolved λ.
+    """
+    if cfg.mode == "none":
+        return Whitening(None, cfg.unit_norm, cfg.mode, None, None, 0)
+    if r_train is None:
+        raise ValueError(f"hessian.mode={cfg.mode!r} needs R_train (the index has none yet: is the build complete?)")
+    rt = r_train.mean()
+    lam, comp = None, None
+    if cfg.mode == "train":
+        r = rt
+    else:
+        if r_eval_stats is None:
+            raise ValueError("hessian.mode='mixed' needs query vectors for R_eval")
+        re = r_eval_stats.mean()
+        if re.shape != rt.shape:
+            raise ValueError(f"R_eval blocks {re.shape} differ from R_train blocks {rt.shape}")
+        if cfg.mix_lambda < 0:
+            comp = lambda_component(re.shape[0] * re.shape[1], cfg.lambda_component_fraction)
+            lam = choose_lambda(re, rt, comp)
+        else:
+            lam = float(cfg.mix_lambda)
+        r = mix(re, rt, lam)
+    inv = inverse_sqrt(r, cfg.damping)
+    return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored)
+
+
+# ------------------------------------------------------------------------------------------
+# Applying R^{-1/2} and the unit norm (jittable)
+# ------------------------------------------------------------------------------------------
+
+
+def apply_blocks(w: Float[Array, "b k2 k2"] | None, x: Float[Array, "n d"]) -> Float[Array, "n d"]:
+    """Block-diagonal matrix times each row: `y_nb = W_b x_nb` (identity when `w` is None)."""
+    x = jnp.asarray(x, jnp.float32)
+    if w is None:
+        return x
+    b = w.shape[0]
+    y = jnp.einsum("bij,nbj->nbi", jnp.asarray(w, jnp.float32), split_blocks(x, b), precision=jax.lax.Precision.HIGHEST)
+    return y.reshape(x.shape)
+
+
+def normalize(x: Float[Array, "n d"]) -> Float[Array, "n d"]:
+    """Unit L2 norm per row; all-zero rows stay zero (score 0) instead of NaN."""
+    norm = jnp.linalg.norm(x, axis=-1, keepdims=True)
+    return jnp.where(norm > 0, x / jnp.where(norm > 0, norm, 1.0), 0.0)
+
+
+def finalize_rows(x: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, "n d"]:
+    """Ḡ = normalise(R^{-1/2} Φ) (Eq. 2): the finalised vectors, for index rows and queries alike."""
+    y = apply_blocks(w, x)
+    return normalize(y) if unit_norm else y
+
+
+def finalize_queries(q_raw: Float[Array, "q d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, "q d"]:
+    """Queries for on-the-fly scoring against raw rows: `q' = W normalise(W q)` (W = R^{-1/2}).
+
+    Scores are then `(raw_row · q') * row_scale` with `row_scale = 1/||W raw_row||`
+    (`row_scale`), equal to `Ḡ_row · Ḡ_q`. Without unit norm, `q' = W W q` and row_scale = 1.
+    """
+    return apply_blocks(w, finalize_rows(q_raw, w, unit_norm))
+
+
+def row_scale(rows: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, "n"]:
+    """Per-row scale of on-the-fly scoring: `1/||W g||` (0 for all-zero rows; 1 without unit norm).
+
+    `rows` are the dequantised stored rows (for int8, multiply the result by the int8 scale
+    to score against the int8 values directly).
+    """
+    if not unit_norm:
+        return jnp.ones(rows.shape[0], jnp.float32)
+    norm = jnp.linalg.norm(apply_blocks(w, rows), axis=-1)
+    return jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
+
+
+def scores_on_the_fly(q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], scale: Float[Array, "n"]) -> Float[Array, "q n"]:
+    """`(q' · row) * row_scale`: the streamed-retrieval form of Eq. 1 (reference for retrieval.py)."""
+    s = jnp.einsum("qd,nd->qn", q_prime, jnp.asarray(rows, jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    return s * scale[None, :]
+
+
+def check_finite_dim(dim: int, num_blocks_total: int) -> int:
+    """Returns k² for a vector dim, checking the block layout (k² must be a perfect square)."""
+    if dim % num_blocks_total:
+        raise ValueError(f"d={dim} is not a multiple of {num_blocks_total} blocks")
+    k2 = dim // num_blocks_total
+    if math.isqrt(k2) ** 2 != k2:
+        raise ValueError(f"block size {k2} is not k*k for an integer k")
+    return k2
