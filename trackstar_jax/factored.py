@@ -1,0 +1,156 @@
+"""Fast factored path: projected, corrected per-example gradients without materialising them.
+
+For a dense layer `y_t = x_t W` (W `[m, n]`), the per-example gradient of the objective is
+`G = sum_t x_t g_t^T` with `g_t = d obj / d y_t`. With the rank-one correction
+`1/sqrt(V) = a b^T` (exact for factored Adafactor; see `preconditioner.py`), the projected,
+corrected gradient is
+
+    P0 (diag(a) G diag(b)) P1^T = sum_t (P0' x_t) (P1' g_t)^T,   P0' = P0 diag(a), P1' = P1 diag(b)
+
+so the correction folds into the projection matrices and each token needs only two small
+projections (k (m + n) multiply-adds) and a k x k outer product; the sum over tokens is one
+batched contraction. A norm `y_t = xhat_t * s` (1-D scale seen as a `1 x n` matrix) has
+`G = sum_t (xhat_t * g_t)`, projected as `P0' (P1' G)^T`.
+
+Mechanics (one forward, one batched backward). `model.apply(..., tap=...)` hands every
+layer's `(x, y)` to a tap. The tap routes `y` through `_capture`, an identity in the forward
+whose custom VJP, given the output cotangent `g`, returns the projected per-example gradient
+`sum_t (P0' x_t)(P1' g_t)^T` as the cotangent of a dummy zero input `z_s [B, k, k]` shared by
+every layer of block-side s. Differentiating the objective with respect to the dummies (and
+nothing else) therefore yields the per-example block vectors directly: the backward pass
+computes activation gradients only (no weight gradients), each layer's `g` is consumed as
+soon as it exists, and the forward keeps `P0' x` (`[B, T, k]`) rather than `x` for kernels.
+Cost per token: forward + input-gradient backward (~4 |theta| FLOPs, vs ~6 for a training
+step) plus the projections.
+
+Where V is not rank-one (unfactored Adafactor, Adam) this path uses the Adafactor-style
+rank-one factorisation of V (`preconditioner.rank_one_factors`); the reference path applies
+the exact V. The measured difference is recorded in BUILD_NOTES.md ("Issue 3").
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+from trackstar_jax import grads as grads_lib
+from trackstar_jax import model as model_lib
+from trackstar_jax import preconditioner as precond_lib
+from trackstar_jax import projection as proj_lib
+
+
+@jax.custom_vjp
+def _capture_dense(y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"],
+                   z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `sum_t xp_t (P1' g_t)^T` to `z` (xp = P0' x, projected)."""
+    del xp, p1, z
+    return y
+
+
+def _capture_dense_fwd(y, xp, p1, z):
+    del z
+    return y, (xp, p1)
+
+
+def _capture_dense_bwd(res, g):
+    xp, p1 = res
+    gp = jnp.einsum("btn,kn->btk", g, p1.astype(g.dtype), preferred_element_type=jnp.float32)
+    dz = jnp.einsum("btk,btl->bkl", xp, gp)
+    return g, None, None, dz
+
+
+_capture_dense.defvjp(_capture_dense_fwd, _capture_dense_bwd)
+
+
+@jax.custom_vjp
+def _capture_scale(y: Float[Array, "b t n"], xhat: Float[Array, "b t n"], p0: Float[Array, "k"],
+                   p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `p0 (P1' sum_t xhat_t * g_t)^T` to `z` (a norm scale)."""
+    del xhat, p0, p1, z
+    return y
+
+
+def _capture_scale_fwd(y, xhat, p0, p1, z):
+    del z
+    return y, (xhat, p0, p1)
+
+
+def _capture_scale_bwd(res, g):
+    xhat, p0, p1 = res
+    s = jnp.einsum("btn,btn->bn", xhat.astype(jnp.float32), g.astype(jnp.float32))
+    u = jnp.einsum("bn,kn->bk", s, p1)
+    dz = p0[None, :, None] * u[:, None, :]
+    return g, None, None, None, dz
+
+
+_capture_scale.defvjp(_capture_scale_fwd, _capture_scale_bwd)
+
+
+def folded_projections(plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None,
+                       seed: int) -> dict[str, tuple[Array, Array]]:
+    """`{path: (P0 diag(a) [k, m], P1 diag(b) [k, n])}`: projections with the correction folded in."""
+    out = {}
+    for e in plan.entries:
+        p0, p1 = proj_lib.side_matrices(seed, e.path, e.shape, plan.proj_dim)
+        if correction is not None:
+            p0 = p0 * correction.row[e.path][None, :]
+            p1 = p1 * correction.col[e.path][None, :]
+        out[e.path] = (p0, p1)
+    return out
+
+
+def factored_vectors(params: Any, correction: precond_lib.Correction | None, batch: Mapping[str, Array], *,
+                     graphdef: nnx.GraphDef, plan: proj_lib.BlockPlan, output_fn: str = "loss",
+                     role: str = "index", seed: int = 0) -> Float[Array, "b d"]:
+    """Projected, corrected per-example gradients by the factored path (same signature as
+    `grads.reference_vectors`).
+
+    Args:
+      params: model parameters.
+      correction: `1/sqrt(V)`; its rank-one pair `(row, col)` is used (exact for factored
+        Adafactor), `full` is ignored. None = no correction.
+      batch: `tokens [B, T]`, `loss_mask [B, T]`.
+      graphdef: model graph definition.
+      plan: block plan (k = plan.proj_dim).
+      output_fn, role: see `grads.token_objective`.
+      seed: projection seed.
+
+    Returns:
+      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`.
+
+    Raises:
+      ValueError: if the model taps a parameter that is not in the block plan.
+    """
+    params = grads_lib.pure_params(params)
+    inputs, targets, weights = model_lib.lm_targets(batch)
+    b, k = inputs.shape[0], plan.proj_dim
+    projs = folded_projections(plan, correction, seed)
+    entries = {e.path: e for e in plan.entries}
+
+    def objective(zs):
+        seen = set()
+
+        def tap(path, x, y):
+            if path not in entries:
+                raise ValueError(f"the model uses parameter {path!r}, which is not in the block plan")
+            seen.add(path)
+            e = entries[path]
+            p0, p1 = projs[path]
+            if e.ndim == 1:
+                return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
+            xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
+            return _capture_dense(y, xp, p1, zs[e.side])
+
+        logits = model_lib.apply(graphdef, params, inputs, tap)
+        unused = sorted(set(entries) - seen)
+        if unused:
+            raise ValueError(f"block-plan parameter(s) never reached the model's tap: {', '.join(unused)}")
+        return jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
+
+    zs = [jnp.zeros((b, k, k), jnp.float32) for _ in range(plan.num_sides)]
+    sides = jax.grad(objective)(zs)
+    return jnp.stack(sides, axis=1).reshape(b, -1)

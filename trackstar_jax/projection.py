@@ -1,0 +1,206 @@
+"""Layer blocks and the two-sided Gaussian random projection (paper §A.1.2, Eq. 3).
+
+Block plan. The attributed parameters (all but the token embedding, `model.attributed_paths`)
+are pooled into `num_blocks` blocks of consecutive decoder layers, with attention and MLP
+kept apart, giving `2 * num_blocks` block-sides in the order
+(block0_attn, block0_mlp, block1_attn, ...):
+
+* `layer_i/attn/*/kernel` and `layer_i/attn_norm/scale`  -> attention side of block(i);
+* `layer_i/mlp/*/kernel` and `layer_i/mlp_norm/scale`    -> MLP side of block(i);
+* `final_norm/scale` and `unembed/kernel` (untied only)  -> MLP side of the LAST block
+  (they are position-wise maps that follow the last MLP, like it);
+* anything else is an error naming the parameter.
+
+`block(i) = i * num_blocks // num_layers`: contiguous runs of layers, as even as possible
+(the paper's 32 layers / 8 blocks gives 4 layers each).
+
+Projection. Each attributed parameter `W [m, n]` (a dense kernel `[in, out]`; a 1-D norm
+scale `[n]` is treated as the `1 x n` matrix it multiplies row-wise) is projected to
+`P0 W P1^T [k, k]` with `P0 [k, m]`, `P1 [k, n]`, and the projections of a block-side are
+summed. That sum is exactly the projection of the block-diagonal concatenation
+`diag(W_1, W_2, ...)` by `[P0_1 | P0_2 | ...]` and `[P1_1 | P1_2 | ...]`.
+
+Scaling. Entries are i.i.d. N(0, 1/k) (variance 1/sqrt(d_block) with d_block = k^2, our
+reading of §A.1.2's N(0, 1/sqrt(d))). Then E ||P0 W P1^T||_F^2 = ||W||_F^2 for every shape,
+so no module is reweighted by its shape (bergson's row-normalised projection scaled modules
+by p^2/(m n) and had to be fixed to this JL scaling).
+
+Randomness. `P0`, `P1` for a parameter come from `fold_in(key(seed), h(path))`, `h` = the
+first 4 bytes of sha256 of the path string: never stored, identical on every host, and
+independent of tree order, of which other parameters exist, and of the device count.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+ATTN, MLP = 0, 1
+_ATTN_PARTS = ("attn", "attn_norm")
+_MLP_PARTS = ("mlp", "mlp_norm")
+_TOP_LEVEL_MLP = ("final_norm/scale", "unembed/kernel")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanEntry:
+    """One attributed parameter: its path, block-side index (`2*block + side`) and 2-D shape."""
+
+    path: str
+    side: int  # index into the [2*num_blocks] block-sides
+    shape: tuple[int, int]  # as a matrix: kernels [in, out]; norm scales [1, n]
+    ndim: int  # 1 for norm scales, 2 for kernels
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Hashable assignment of every attributed parameter to a block-side (a jit static arg)."""
+
+    num_blocks: int
+    proj_dim: int  # k per side
+    entries: tuple[PlanEntry, ...]
+
+    @property
+    def num_sides(self) -> int:
+        return 2 * self.num_blocks
+
+    @property
+    def dim(self) -> int:
+        """Vector dimension d = 2 * num_blocks * k^2."""
+        return self.num_sides * self.proj_dim**2
+
+    @property
+    def paths(self) -> tuple[str, ...]:
+        return tuple(e.path for e in self.entries)
+
+    def entry(self, path: str) -> PlanEntry:
+        for e in self.entries:
+            if e.path == path:
+                return e
+        raise KeyError(f"parameter {path!r} is not in the block plan (attributed: {', '.join(self.paths)})")
+
+
+def _side_of(path: str, num_layers: int, num_blocks: int) -> int:
+    parts = path.split("/")
+    if path in _TOP_LEVEL_MLP:
+        return 2 * (num_blocks - 1) + MLP
+    if parts[0].startswith("layer_") and len(parts) >= 3:
+        try:
+            layer = int(parts[0][len("layer_"):])
+        except ValueError:
+            layer = -1
+        if not 0 <= layer < num_layers:
+            raise ValueError(f"parameter {path!r}: layer index outside 0..{num_layers - 1} (model.num_layers={num_layers})")
+        block = layer * num_blocks // num_layers
+        if parts[1] in _ATTN_PARTS:
+            return 2 * block + ATTN
+        if parts[1] in _MLP_PARTS:
+            return 2 * block + MLP
+    raise ValueError(
+        f"parameter {path!r} does not fit the block plan: expected layer_<i>/(attn|attn_norm|mlp|mlp_norm)/..., "
+        f"{' or '.join(_TOP_LEVEL_MLP)}"
+    )
+
+
+def block_plan(shapes: Mapping[str, tuple[int, ...]], num_layers: int, num_blocks: int, proj_dim: int) -> BlockPlan:
+    """Assigns every attributed parameter to one block-side.
+
+    Args:
+      shapes: `{path: shape}` of the attributed parameters (embedding already excluded).
+      num_layers: decoder layers of the model.
+      num_blocks: consecutive-layer blocks (1 <= num_blocks <= num_layers).
+      proj_dim: k, the per-side projection size.
+
+    Returns:
+      A `BlockPlan` with entries sorted by path.
+
+    Raises:
+      ValueError: naming the parameter that fits no block, has a shape that is not 1-D/2-D,
+        or the block-side that ends up empty.
+    """
+    if not 1 <= num_blocks <= num_layers:
+        raise ValueError(f"vectors.num_blocks={num_blocks} must be in 1..model.num_layers={num_layers}")
+    if proj_dim < 1:
+        raise ValueError(f"vectors.proj_dim must be positive, got {proj_dim}")
+    entries = []
+    for path in sorted(shapes):
+        shape = tuple(int(s) for s in shapes[path])
+        if len(shape) not in (1, 2):
+            raise ValueError(f"parameter {path!r} has shape {shape}: only 1-D norm scales and 2-D kernels can be projected")
+        side = _side_of(path, num_layers, num_blocks)
+        entries.append(PlanEntry(path, side, shape if len(shape) == 2 else (1, shape[0]), len(shape)))
+    used = {e.side for e in entries}
+    for s in range(2 * num_blocks):
+        if s not in used:
+            raise ValueError(f"block {s // 2} ({'attention' if s % 2 == ATTN else 'MLP'}) has no parameters")
+    return BlockPlan(num_blocks, proj_dim, tuple(entries))
+
+
+def path_hash(path: str) -> int:
+    """Stable 31-bit hash of a parameter path (same on every host and Python run)."""
+    return int.from_bytes(hashlib.sha256(path.encode("utf-8")).digest()[:4], "little") & 0x7FFFFFFF
+
+
+def side_matrices(seed: int, path: str, shape: tuple[int, int], k: int,
+                  dtype: Any = jnp.float32) -> tuple[Float[Array, "k m"], Float[Array, "k n"]]:
+    """The two Gaussian projection matrices of one parameter, N(0, 1/k) entries.
+
+    Args:
+      seed: the one projection seed (`vectors.proj_seed`).
+      path: the parameter path; with `seed`, the only input to the random stream.
+      shape: `(m, n)` of the parameter as a matrix.
+      k: per-side projection size.
+      dtype: dtype of the returned matrices.
+
+    Returns:
+      `(P0 [k, m], P1 [k, n])`.
+    """
+    key = jax.random.fold_in(jax.random.key(seed), path_hash(path))
+    k0, k1 = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    std = 1.0 / math.sqrt(k)
+    m, n = shape
+    p0 = jax.random.normal(k0, (k, m), jnp.float32) * std
+    p1 = jax.random.normal(k1, (k, n), jnp.float32) * std
+    return p0.astype(dtype), p1.astype(dtype)
+
+
+def as_matrix(g: Array) -> Array:
+    """A 1-D norm-scale gradient `[..., n]` as `[..., 1, n]`; 2-D kernels unchanged (batched ok)."""
+    return g[..., None, :]
+
+
+def project_matrix(g: Float[Array, "m n"], p0: Float[Array, "k m"], p1: Float[Array, "k n"]) -> Float[Array, "k k"]:
+    """`P0 G P1^T` (Eq. 3)."""
+    return jnp.einsum("km,mn,ln->kl", p0, g, p1, precision=jax.lax.Precision.HIGHEST)
+
+
+def project_grads(grads: Mapping[str, Float[Array, "b ..."]], plan: BlockPlan, seed: int) -> Float[Array, "b s k k"]:
+    """Projects materialised per-example gradients and sums them per block-side.
+
+    Args:
+      grads: `{path: [B, *param_shape]}` for every path of the plan (already corrected).
+      plan: the block plan.
+      seed: projection seed.
+
+    Returns:
+      `[B, 2*num_blocks, k, k]` float32.
+    """
+    k = plan.proj_dim
+    missing = [p for p in plan.paths if p not in grads]
+    if missing:
+        raise ValueError(f"no gradient for attributed parameter(s): {', '.join(missing)}")
+    b = next(iter(grads.values())).shape[0]
+    sides = [jnp.zeros((b, k, k), jnp.float32) for _ in range(plan.num_sides)]
+    for e in plan.entries:
+        g = grads[e.path].astype(jnp.float32)
+        g = as_matrix(g) if e.ndim == 1 else g
+        p0, p1 = side_matrices(seed, e.path, e.shape, k)
+        sides[e.side] = sides[e.side] + jnp.einsum(
+            "km,bmn,ln->bkl", p0, g, p1, precision=jax.lax.Precision.HIGHEST
+        )
+    return jnp.stack(sides, axis=1)

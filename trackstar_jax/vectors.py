@@ -1,0 +1,239 @@
+"""TrackStar gradient features `P_d (grad Loss(z) / sqrt(V))` (paper §3 Eq. 2, §A.1.1-A.1.2).
+
+The one jit-compiled featurize step. It returns raw projected vectors (float32, no R^{-1/2},
+no unit norm: those belong to the index / Hessian stage) with layout `[2*num_blocks, k, k]`
+flattened, block-sides ordered (block0_attn, block0_mlp, block1_attn, ...); see
+`projection.py` for the block plan and `preconditioner.py` for the correction.
+
+Typical use (index builder, queries, evaluation):
+
+    fn = vectors.make_vector_fn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh=mesh)
+    vecs = fn(params, fn.precond, batch)            # [B, d] numpy float32, checked
+    qvecs = fn_q(params, fn_q.precond, query_batch)  # fn_q built with role="query"
+
+`batch` follows the project's batch convention (`tokens`, `loss_mask`, `example_id`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float
+
+from trackstar_jax import factored as factored_lib
+from trackstar_jax import grads as grads_lib
+from trackstar_jax import model as model_lib
+from trackstar_jax import preconditioner as precond_lib
+from trackstar_jax import projection as proj_lib
+from trackstar_jax import sharding as sharding_lib
+
+PATHS = ("fast", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorConfig:
+    """Gradient-feature settings (hashable; mirrors `config.vectors`).
+
+    Attributes:
+      output_fn: "loss" | "margin" | "logit" | "trak" (§A.1.1; see grads.py).
+      num_blocks: consecutive-layer blocks, attention and MLP kept apart (§A.1.2).
+      proj_dim: k per side; d = 2 * num_blocks * k^2.
+      proj_seed: the one projection seed.
+      correction: divide by sqrt(V) from the optimizer state.
+      path: "fast" (factored) or "reference" (vmap(grad), materialised).
+      batch_size: examples per featurize step (global; used by the pipeline).
+    """
+
+    output_fn: str = "loss"
+    num_blocks: int = 8
+    proj_dim: int = 64
+    proj_seed: int = 0
+    correction: bool = True
+    path: str = "fast"
+    batch_size: int = 32
+
+    def __post_init__(self):
+        if self.output_fn not in grads_lib.OUTPUT_FNS:
+            raise ValueError(f"vectors.output_fn must be one of {grads_lib.OUTPUT_FNS}, got {self.output_fn!r}")
+        if self.path not in PATHS:
+            raise ValueError(f"vectors.path must be one of {PATHS}, got {self.path!r}")
+        for field in ("num_blocks", "proj_dim", "batch_size"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"vectors.{field} must be positive, got {getattr(self, field)}")
+
+    @property
+    def dim(self) -> int:
+        """d = 2 * num_blocks * k^2."""
+        return 2 * self.num_blocks * self.proj_dim**2
+
+
+def block_layout(cfg: VectorConfig) -> tuple[int, int]:
+    """`(number of block-sides = 2 * num_blocks, dims per block-side = k^2)`."""
+    return 2 * cfg.num_blocks, cfg.proj_dim**2
+
+
+def make_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
+    """The block plan of a (possibly abstract) parameter tree; errors name the offending parameter."""
+    flat = model_lib.flat_params(grads_lib.pure_params(params))
+    shapes = {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat) if p in flat}
+    return proj_lib.block_plan(shapes, model_cfg.num_layers, vec_cfg.num_blocks, vec_cfg.proj_dim)
+
+
+def make_precond(params: Any, opt_state: Any, vec_cfg: VectorConfig,
+                 plan: proj_lib.BlockPlan | None = None, model_cfg: model_lib.LMConfig | None = None
+                 ) -> precond_lib.Correction | None:
+    """The correction for `vec_cfg`: None when `correction=False`; otherwise read from `opt_state`
+    (exact element-wise V kept only for the reference path). Raises if `opt_state` is None."""
+    if not vec_cfg.correction:
+        return None
+    if plan is None:
+        if model_cfg is None:
+            raise ValueError("make_precond needs the block plan or the model config")
+        plan = make_plan(params, model_cfg, vec_cfg)
+    return precond_lib.from_opt_state(params, opt_state, plan.paths, exact=vec_cfg.path == "reference")
+
+
+def vector_step(params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Array], *,
+                graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
+                role: str = "index") -> tuple[Float[Array, "b d"], dict[str, Array]]:
+    """Pure featurize step: vectors plus per-row checks (jit it with `jit_vector_step`).
+
+    Args:
+      params: model parameters.
+      precond: correction (None: no correction).
+      batch: `tokens [B, T]`, `loss_mask [B, T]` (other keys are ignored).
+      graphdef, vec_cfg, plan: static.
+      role: "index" or "query" (only matters for output_fn="trak").
+
+    Returns:
+      `(vectors [B, d] float32, aux)` with `aux["num_targets"] [B]` (target tokens per row)
+      and `aux["finite"] [B] bool` (no NaN/inf in the row's vector).
+    """
+    fn = factored_lib.factored_vectors if vec_cfg.path == "fast" else grads_lib.reference_vectors
+    batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
+    vecs = fn(params, precond, batch, graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn,
+              role=role, seed=vec_cfg.proj_seed)
+    aux = {
+        "num_targets": jnp.sum(batch["loss_mask"][:, 1:] > 0, axis=-1).astype(jnp.int32),
+        "finite": jnp.all(jnp.isfinite(vecs), axis=-1),
+    }
+    return vecs, aux
+
+
+def jit_vector_step(graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
+                    mesh: Mesh, role: str = "index"):
+    """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), params and
+    correction replicated, vectors `[B, d]` split like the batch.
+
+    Returns:
+      `jitted(params, precond, batch) -> (vectors, aux)`.
+    """
+    rep = sharding_lib.replicated(mesh)
+    rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
+    step = functools.partial(vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role)
+    return jax.jit(step, in_shardings=(rep, rep, rows), out_shardings=(rows, rows))
+
+
+def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> None:
+    """Raises ValueError naming the example ids whose vector has NaN/inf or that have no target token.
+
+    Padding rows (`example_id < 0`) are exempt from the empty-target check.
+    """
+    ids = np.asarray(example_ids)
+    finite = np.asarray(aux["finite"])
+    num_targets = np.asarray(aux["num_targets"])
+    empty = ids[(num_targets == 0) & (ids >= 0)]
+    if empty.size:
+        raise ValueError(
+            f"example id(s) {empty.tolist()} have no target tokens (loss_mask is 0 on every token after BOS; "
+            "a query with an empty target?)"
+        )
+    bad = ids[~finite]
+    if bad.size:
+        raise ValueError(f"NaN/inf in the gradient vectors of example id(s) {bad.tolist()}")
+    del vectors
+
+
+class VectorFn:
+    """Callable featurizer: `fn(params, precond, batch) -> np.ndarray [B, d]` (checked).
+
+    Attributes:
+      precond: the correction built from the optimizer state (None if correction is off).
+      plan: the block plan.
+      vec_cfg: the settings.
+      jitted: the underlying `jit_vector_step` (returns `(vectors, aux)` as device arrays).
+      mesh: the mesh the step is sharded over.
+    """
+
+    def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role):
+        self.vec_cfg, self.model_cfg, self.role = vec_cfg, model_cfg, role
+        self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
+        self.plan = make_plan(params, model_cfg, vec_cfg)
+        self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
+        self.jitted = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role)
+
+    @property
+    def dim(self) -> int:
+        return self.plan.dim
+
+    def __call__(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]) -> np.ndarray:
+        tokens = batch["tokens"]
+        n_shards = sharding_lib.data_parallel_size(self.mesh)
+        if tokens.shape[0] % n_shards:
+            raise ValueError(f"batch size {tokens.shape[0]} is not divisible by the {n_shards} data shards of the mesh")
+        ids = batch.get("example_id")
+        ids = np.arange(tokens.shape[0]) if ids is None else np.asarray(ids)
+        vecs, aux = self.jitted(params, precond, {"tokens": tokens, "loss_mask": batch["loss_mask"]})
+        check_outputs(vecs, aux, ids)
+        return np.asarray(vecs)
+
+
+def make_vector_fn(graphdef: nnx.GraphDef, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig, params: Any,
+                   opt_state: Any, *, mesh: Mesh | None = None, role: str = "index") -> VectorFn:
+    """Builds the checked, jit-compiled featurizer for one model + optimizer state.
+
+    Args:
+      graphdef: model graph definition.
+      model_cfg: model config (for the number of layers).
+      vec_cfg: feature settings.
+      params: parameters (used for the block plan and the correction's shapes).
+      opt_state: optimizer state (Adafactor or Adam); may be None when `correction=False`.
+      mesh: device mesh (default: all devices on the data axis).
+      role: "index" for corpus rows, "query" for queries (matters for output_fn="trak").
+
+    Returns:
+      A `VectorFn`; call it as `fn(params, fn.precond, batch)`.
+
+    Raises:
+      ValueError: bad settings, a parameter tree that does not fit the block plan (naming
+        the parameter), or a missing optimizer state while the correction is on.
+    """
+    if role not in grads_lib.ROLES:
+        raise ValueError(f"role must be one of {grads_lib.ROLES}, got {role!r}")
+    return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role)
+
+
+def vector_config(section: Any) -> VectorConfig:
+    """`config.vectors` (ConfigDict or mapping) -> `VectorConfig`; unknown keys raise, naming them."""
+    values = dict(section.to_dict() if hasattr(section, "to_dict") else section)
+    fields = {f.name for f in dataclasses.fields(VectorConfig)}
+    unknown = sorted(set(values) - fields)
+    if unknown:
+        raise ValueError(f"unknown config key(s) in config.vectors: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
+    return VectorConfig(**values)
+
+
+def projection_dim_for(d: int, num_blocks: int) -> int:
+    """k such that 2 * num_blocks * k^2 == d; raises if there is none."""
+    k = math.isqrt(d // (2 * num_blocks)) if d % (2 * num_blocks) == 0 else 0
+    if k < 1 or 2 * num_blocks * k * k != d:
+        raise ValueError(f"d={d} is not 2 * num_blocks * k^2 for num_blocks={num_blocks}")
+    return k
