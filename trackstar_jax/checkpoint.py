@@ -170,7 +170,7 @@ class CheckpointManager:
         return dict(self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
     def restore(self, step: int | None, abstract_state: train_lib.TrainState, expect_config: Any = None,
-                sections: Sequence[str] = ("model",)) -> tuple[int, train_lib.TrainState]:
+                sections: Sequence[str] = ("model",), ignore: Sequence[str] = ()) -> tuple[int, train_lib.TrainState]:
         """Restores checkpoint `step` (None: latest) into `abstract_state`'s shapes and shardings.
 
         Args:
@@ -179,22 +179,23 @@ class CheckpointManager:
             `abstract_state(...)`.
           expect_config: if given, its `sections` must equal the checkpoint's config.
           sections: config sections that must match (default: the model).
+          ignore: dotted keys inside `sections` that may differ (e.g. `train.num_steps`).
 
         Raises:
           FileNotFoundError: no checkpoint. ValueError: config mismatch (names the fields).
         """
         step = self._step(step)
         if expect_config is not None:
-            bad = config_mismatches(self.saved_config(step), expect_config, sections=sections, ignore=())
+            bad = config_mismatches(self.saved_config(step), expect_config, sections=sections, ignore=ignore)
             if bad:
                 raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         return step, out["state"]
 
     def restore_latest(self, abstract_state: train_lib.TrainState, expect_config: Any = None,
-                       sections: Sequence[str] = ("model",)) -> tuple[int, train_lib.TrainState]:
+                       sections: Sequence[str] = ("model",), ignore: Sequence[str] = ()) -> tuple[int, train_lib.TrainState]:
         """`restore(None, ...)`: the latest checkpoint."""
-        return self.restore(None, abstract_state, expect_config, sections)
+        return self.restore(None, abstract_state, expect_config, sections, ignore)
 
     def _step(self, step: int | None) -> int:
         if step is None:

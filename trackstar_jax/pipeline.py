@@ -16,11 +16,27 @@ Stages: `train` -> `build_index` -> `retrieve` -> `evaluate`.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
+import logging as std_logging
+import os
+import pathlib
+import time
+import warnings
 from typing import Any
 
+import jax
 import ml_collections
+import numpy as np
+import tqdm
+from absl import logging
 
+from trackstar_jax import checkpoint as checkpoint_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import generate as generate_lib
 from trackstar_jax import model as model_lib
+from trackstar_jax import sharding as sharding_lib
 from trackstar_jax import train as train_lib
 
 
@@ -57,6 +73,277 @@ def _typed(cls: Any, section: ml_collections.ConfigDict, name: str) -> Any:
 # ---------------------------------------------------------------------------------------
 # Stage 1: train (issue #2)
 # ---------------------------------------------------------------------------------------
+
+# Keys of config.train read by the training loop (the optimizer's keys are in OptimizerConfig).
+TRAIN_LOOP_KEYS = ("num_steps", "global_batch_size", "log_every_steps", "eval_every_steps", "num_eval_batches",
+                   "checkpoint_every_steps", "max_checkpoints_to_keep", "num_completions", "max_new_tokens")
+
+
+def _check_train_keys(config: ml_collections.ConfigDict) -> None:
+    known = set(TRAIN_LOOP_KEYS) | {f.name for f in dataclasses.fields(train_lib.OptimizerConfig)}
+    unknown = sorted(set(config.train.keys()) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) in config.train: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
+def prepare_data(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
+    """Builds the corpus and trains the tokenizer, or reloads both from `workdir`.
+
+    `workdir/corpus/` and `workdir/tokenizer.model` are written once; a rerun reuses them
+    (its config.json has already been checked to describe the same data).
+
+    Raises:
+      ValueError: the trained vocabulary does not fit `config.model.vocab_size`.
+    """
+    workdir = pathlib.Path(workdir)
+    model_cfg = model_config(config)
+    corpus_dir = workdir / checkpoint_lib.CORPUS_DIR
+    if (corpus_dir / "meta.json").exists():
+        corpus = data_lib.load_corpus(corpus_dir)
+        logging.info("reusing corpus %s (%d examples) from %s", corpus.name, len(corpus.examples), corpus_dir)
+    else:
+        corpus = data_lib.build_corpus(config.data, int(config.seed))
+        data_lib.save_corpus(corpus, corpus_dir)
+        logging.info("built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
+                     corpus.name, len(corpus.examples), len(corpus.facts), len(corpus.eval_texts), corpus.fingerprint[:12])
+    tok_path = workdir / checkpoint_lib.TOKENIZER_FILE
+    if tok_path.exists():
+        tok = data_lib.load_tokenizer(tok_path)
+    else:
+        tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, config.data.tokenizer_model_type)
+        logging.info("trained %s tokenizer: %d pieces -> %s", config.data.tokenizer_model_type, tok.vocab_size, tok_path)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}")
+    long = data_lib.truncation_report(corpus.texts, tok, model_cfg.max_len)
+    if long:
+        logging.warning("%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
+                        len(long), len(corpus.examples), model_cfg.max_len, long[:10], " ..." if len(long) > 10 else "")
+    return corpus, tok
+
+
+def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, jax.sharding.NamedSharding]:
+    """Shardings of a batch dict (rows over the data axes)."""
+    return {"tokens": sharding_lib.batch_sharding(mesh, 2), "loss_mask": sharding_lib.batch_sharding(mesh, 2),
+            "example_id": sharding_lib.batch_sharding(mesh, 1)}
+
+
+def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
+    """Places a host batch on `mesh` (each process passes its own rows when multi-process)."""
+    sh = batch_shardings(mesh)
+    if jax.process_count() > 1:
+        return {k: jax.make_array_from_process_local_data(sh[k], v) for k, v in batch.items()}
+    return {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+
+
+def init_train_state(model_cfg: model_lib.LMConfig, opt: Any, seed: int,
+                     mesh: jax.sharding.Mesh) -> tuple[Any, train_lib.TrainState]:
+    """`(graphdef, state)` initialised directly into its shardings on `mesh` (jit out_shardings)."""
+    graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    state = jax.jit(lambda: train_lib.init_state(model_cfg, opt, seed)[1], out_shardings=shardings)()
+    return graphdef, state
+
+
+def make_jit_train_step(graphdef: Any, opt: Any, mesh: jax.sharding.Mesh, state: Any) -> Any:
+    """`jit(train_step)` with explicit state / batch shardings over `mesh`, state donated."""
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(functools.partial(train_lib.train_step, graphdef=graphdef, opt=opt),
+                   in_shardings=(state_sh, batch_shardings(mesh)),
+                   out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0)
+
+
+def make_jit_eval_step(graphdef: Any, mesh: jax.sharding.Mesh, params: Any) -> Any:
+    """`jit(eval_step)`: summed loss and token count of a batch."""
+    params_sh = jax.tree.map(lambda x: x.sharding, params)
+    return jax.jit(functools.partial(train_lib.eval_step, graphdef=graphdef),
+                   in_shardings=(params_sh, batch_shardings(mesh)), out_shardings=sharding_lib.replicated(mesh))
+
+
+def fact_prompts(corpus: data_lib.Corpus, max_facts: int = 0) -> list[tuple[str, data_lib.Fact]]:
+    """(prompt, fact) pairs for completions, round-robin over relations.
+
+    The prompt is the relation's template 0 (embedded corpus) or, without templates (LAMA),
+    the first evidence passage cut right before the object.
+    """
+    by_rel: dict[str, list[data_lib.Fact]] = {}
+    for f in corpus.facts:
+        by_rel.setdefault(f.relation, []).append(f)
+    out = []
+    for row in range(max((len(v) for v in by_rel.values()), default=0)):
+        for rel in sorted(by_rel):
+            if row >= len(by_rel[rel]):
+                continue
+            f = by_rel[rel][row]
+            if corpus.templates.get(rel):
+                out.append((data_lib.fill_template(corpus.templates[rel][0], f.subject), f))
+            elif f.evidence_ids:
+                text = corpus.examples[f.evidence_ids[0]].text
+                cut = min((text.find(a) for a in f.object_aliases if text.find(a) > 0), default=-1)
+                if cut > 0:
+                    out.append((text[:cut].rstrip(), f))
+            if max_facts and len(out) >= max_facts:
+                return out
+    return out
+
+
+def _is_correct(completion: str, fact: data_lib.Fact) -> bool:
+    c = completion.strip().lower()
+    return any(c.startswith(a.lower()) for a in fact.object_aliases if a)
+
+
+def evaluate_completions(graphdef: Any, params: Any, tok: data_lib.Tokenizer, corpus: data_lib.Corpus, max_len: int,
+                         max_new_tokens: int, max_facts: int = 256, batch_size: int = 64) -> list[dict]:
+    """Greedy completions of fact prompts, marked correct when they start with an alias."""
+    rows = []
+    pairs = fact_prompts(corpus, max_facts)
+    for i in range(0, len(pairs), batch_size):
+        chunk = pairs[i:i + batch_size]
+        outs = generate_lib.complete(graphdef, params, tok, [p for p, _ in chunk], max_new_tokens, max_len)
+        rows += [{"fact_id": f.fact_id, "prompt": p, "completion": o, "target": f.object, "correct": _is_correct(o, f)}
+                 for (p, f), o in zip(chunk, outs)]
+    return rows
+
+
+def _mean_loss(metrics: list[dict]) -> float:
+    tot = sum(float(m["loss_sum"]) for m in metrics)
+    n = sum(float(m["num_tokens"]) for m in metrics)
+    return tot / max(n, 1.0)
+
+
+def _evaluate(jit_eval_step: Any, params: Any, batches: list[dict]) -> float | None:
+    if not batches:
+        return None
+    return _mean_loss(jax.device_get([jit_eval_step(params, b) for b in batches]))
+
+
+class _DropLibraryInfo(std_logging.Filter):
+    """Drops INFO/DEBUG records of orbax (dozens of lines per checkpoint); warnings pass."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
+
+
+def quiet_library_logs() -> None:
+    """Keeps absl INFO logs readable: orbax's per-save INFO chatter is dropped."""
+    handler = logging.get_absl_handler()
+    if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
+        handler.addFilter(_DropLibraryInfo())
+
+
+def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+    """Stage 1: corpus -> tokenizer -> pretraining (paper §A.3) -> loss and completions.
+
+    Resumes from the latest checkpoint in `workdir` when one exists (the batches continue
+    exactly where they stopped); a workdir of a different run is refused. Writes
+    `config.json`, `corpus/`, `tokenizer.model`, `checkpoints/`, `metrics.jsonl` and
+    `train_summary.json`.
+
+    Returns:
+      The summary: final step, train / eval loss, fact accuracy, completions, throughput.
+    """
+    workdir = pathlib.Path(workdir)
+    quiet_library_logs()
+    _check_train_keys(config)
+    data_lib.data_config(config.data)  # unknown data keys fail before anything is written
+    model_cfg, opt_cfg = model_config(config), optimizer_config(config)
+    t = config.train
+    checkpoint_lib.save_run_config(workdir, config)
+    corpus, tok = prepare_data(config, workdir)
+
+    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+    dp = sharding_lib.data_parallel_size(mesh)
+    if t.global_batch_size % dp:
+        raise ValueError(f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
+                         f"{dp} data-parallel shards of mesh {dict(mesh.shape)}")
+    opt = train_lib.make_optimizer(opt_cfg)
+    mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
+    if mngr.latest_step() is not None:
+        graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
+        start, state = mngr.restore_latest(
+            target, expect_config=config, sections=checkpoint_lib.RUN_SECTIONS + ("train",),
+            ignore=tuple(f"train.{k}" for k in checkpoint_lib.RESUMABLE_TRAIN_KEYS))
+        logging.info("resumed from %s at step %d", mngr.directory, start)
+    else:
+        graphdef, state = init_train_state(model_cfg, opt, int(config.seed), mesh)
+        start = 0
+    logging.info("model: %d parameters; mesh %s; %d examples; batch %d x %d tokens", model_lib.param_count(state.params),
+                 dict(mesh.shape), len(corpus.examples), t.global_batch_size, model_cfg.max_len)
+
+    seq_len = model_cfg.max_len
+    batches = data_lib.train_batches(corpus, tok, t.global_batch_size, seq_len, int(config.seed), start_step=start)
+    eval_batches = [device_batch(b, mesh) for b in
+                    data_lib.eval_batches(corpus, tok, t.global_batch_size, seq_len, t.num_eval_batches)]
+    jit_train_step = make_jit_train_step(graphdef, opt, mesh, state)
+    jit_eval_step = make_jit_eval_step(graphdef, mesh, state.params)
+    metrics_file = open(workdir / "metrics.jsonl", "a")
+
+    def log(record: dict) -> None:
+        metrics_file.write(json.dumps(record) + "\n")
+        metrics_file.flush()
+
+    train_loss, eval_loss, tokens_per_sec = None, None, None
+    num_steps = int(t.num_steps)
+    if start >= num_steps:
+        logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, num_steps)
+    else:
+        batch = device_batch(next(batches), mesh)
+        compiled = jit_train_step.lower(state, batch).compile()
+        mem = compiled.memory_analysis()
+        if mem is not None:
+            logging.info("train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
+                         mem.argument_size_in_bytes / 2**20, mem.output_size_in_bytes / 2**20,
+                         mem.temp_size_in_bytes / 2**20)
+        pending: list[dict] = []
+        bar = tqdm.tqdm(total=num_steps, initial=start, desc="train", disable=jax.process_index() > 0,
+                        mininterval=2.0, dynamic_ncols=True)
+        t0, tok0 = time.perf_counter(), 0
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+            for step in range(start + 1, num_steps + 1):
+                state, m = compiled(state, batch)
+                pending.append(m)  # stays on device; fetched every log_every_steps
+                if step < num_steps:
+                    batch = device_batch(next(batches), mesh)
+                bar.update(1)
+                if step % t.log_every_steps == 0 or step == num_steps:
+                    fetched = jax.device_get(pending)
+                    pending = []
+                    n_tok = sum(float(x["num_tokens"]) for x in fetched)
+                    train_loss = sum(float(x["loss"]) * float(x["num_tokens"]) for x in fetched) / max(n_tok, 1.0)
+                    tok0 += len(fetched) * t.global_batch_size * seq_len
+                    tokens_per_sec = tok0 / (time.perf_counter() - t0)
+                    rec = {"step": step, "train/loss": train_loss, "train/grad_norm": float(fetched[-1]["grad_norm"]),
+                           "train/tokens_per_sec": tokens_per_sec}
+                    bar.set_postfix(loss=f"{train_loss:.3f}")
+                    logging.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in rec.items() if k != "step"))
+                    log(rec)
+                if step % t.eval_every_steps == 0 or step == num_steps:
+                    eval_loss = _evaluate(jit_eval_step, state.params, eval_batches)
+                    if eval_loss is not None:
+                        logging.info("step %d: eval/loss=%.4f", step, eval_loss)
+                        log({"step": step, "eval/loss": eval_loss})
+                if step % t.checkpoint_every_steps == 0 or step == num_steps:
+                    mngr.save(state, config)
+        bar.close()
+    mngr.wait_until_finished()
+    mngr.close()
+    metrics_file.close()
+
+    final_step = int(jax.device_get(state.step))
+    if eval_loss is None:
+        eval_loss = _evaluate(jit_eval_step, state.params, eval_batches)
+    rows = evaluate_completions(graphdef, state.params, tok, corpus, model_cfg.max_len, int(t.max_new_tokens))
+    accuracy = sum(r["correct"] for r in rows) / len(rows) if rows else None
+    for r in rows[: t.num_completions]:
+        logging.info("%s %r -> %r (target %r)", "OK " if r["correct"] else "   ", r["prompt"], r["completion"], r["target"])
+    summary = {"step": final_step, "train_loss": train_loss, "eval_loss": eval_loss, "fact_accuracy": accuracy,
+               "num_fact_prompts": len(rows), "tokens_per_sec": tokens_per_sec,
+               "num_params": model_lib.param_count(state.params), "completions": rows[: t.num_completions]}
+    (workdir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    logging.info("trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)", final_step,
+                 None if train_loss is None else f"{train_loss:.4f}", None if eval_loss is None else f"{eval_loss:.4f}",
+                 None if accuracy is None else f"{accuracy:.3f}", len(rows))
+    return summary
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,89 @@
+"""Greedy decoding with the pure forward pass (no KV cache: prompts here are short).
+
+Used to report completions of fact prompts after pretraining and to get the model's own
+prediction as a query target (`eval.query_mode = "prediction"`, paper §4.2).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jaxtyping import Array, Int
+
+from trackstar_jax import model as model_lib
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id"))
+def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, "b"], *, graphdef: nnx.GraphDef,
+                     max_new_tokens: int, eos_id: int) -> tuple[Int[Array, "b t"], Int[Array, "b"]]:
+    """Appends up to `max_new_tokens` argmax tokens after each row's first `lengths[b]` tokens.
+
+    Rows are right-padded; causal attention means padding after position `lengths[b]-1`
+    never changes that position's logits. A row stops after emitting `eos_id` or when the
+    buffer `[b, t]` is full.
+
+    Returns:
+      `(tokens [b, t], lengths [b])` with the new tokens written in place.
+    """
+    t = tokens.shape[1]
+    rows = jnp.arange(tokens.shape[0])
+
+    def body(_, carry):
+        tokens, lengths, done = carry
+        logits = model_lib.apply(graphdef, params, tokens)  # [b, t, v]
+        nxt = jnp.argmax(logits[rows, jnp.clip(lengths - 1, 0, t - 1)], axis=-1).astype(tokens.dtype)
+        write = ~done & (lengths < t)
+        tokens = tokens.at[rows, jnp.clip(lengths, 0, t - 1)].set(
+            jnp.where(write, nxt, tokens[rows, jnp.clip(lengths, 0, t - 1)]))
+        lengths = lengths + write.astype(lengths.dtype)
+        done = done | (write & (nxt == eos_id)) | (lengths >= t)
+        return tokens, lengths, done
+
+    tokens, lengths, _ = jax.lax.fori_loop(0, max_new_tokens, body, (tokens, lengths, jnp.zeros_like(lengths, bool)))
+    return tokens, lengths
+
+
+def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    max_len: int, eos_id: int) -> list[list[int]]:
+    """Greedy continuations (token ids, without the prompt; EOS kept if emitted).
+
+    Args:
+      prompts: token ids per prompt (BOS included).
+      max_new_tokens: tokens to generate at most.
+      max_len: the model's maximum sequence length (the buffer is at most this long).
+      eos_id: stop token.
+    """
+    if not prompts:
+        return []
+    longest = max(len(p) for p in prompts)
+    if longest >= max_len:
+        raise ValueError(f"a prompt of {longest} tokens leaves no room below max_len={max_len}")
+    t = min(longest + max_new_tokens, max_len)
+    buf = np.full((len(prompts), t), model_lib.PAD_ID, np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    out, new_len = jax.device_get(greedy_step_loop(params, jnp.asarray(buf), jnp.asarray(lengths), graphdef=graphdef,
+                                                   max_new_tokens=max_new_tokens, eos_id=eos_id))
+    return [out[i, len(p): new_len[i]].tolist() for i, p in enumerate(prompts)]
+
+
+def complete(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int,
+             max_len: int) -> list[str]:
+    """Greedy text completions of `prompts` (decoded up to the first EOS)."""
+    ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
+    outs = greedy_generate(graphdef, params, ids, max_new_tokens, max_len, tok.eos_id)
+    texts = []
+    for p, o in zip(ids, outs):
+        if tok.eos_id in o:
+            o = o[: o.index(tok.eos_id)]
+        # Decode with the prompt so that the leading space of the first new word survives.
+        head = tok.decode(p)
+        full = tok.decode(p + o)
+        texts.append(full[len(head):] if full.startswith(head) else tok.decode(o))
+    return texts
