@@ -1,0 +1,208 @@
+"""tailpatch: the vmapped, jitted step equals a hand-written Adafactor update + log-prob."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from tests.conftest import skip_if_not_enough_devices
+from trackstar_jax import model as model_lib
+from trackstar_jax import sharding
+from trackstar_jax import tailpatch
+from trackstar_jax import train
+
+T = 12
+CFG = model_lib.LMConfig(vocab_size=48, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=T)
+# min_dim 16: [16,32] / [48,16] kernels are factored, the [16,8] key/value kernels and the
+# norm scales keep a full v (both Adafactor regimes); clipping is active for one-example steps.
+OPT = train.OptimizerConfig(learning_rate=0.05, warmup_steps=5, decay_rate=0.8, min_dim_size_to_factor=16,
+                            clipping_threshold=1.0, multiply_by_parameter_scale=True)
+
+
+def _batch(rng, n, lengths=None):
+    tokens = np.zeros((n, T), np.int32)
+    mask = np.zeros((n, T), np.int32)
+    for i in range(n):
+        L = int(rng.integers(4, T + 1)) if lengths is None else lengths[i]
+        tokens[i, 0] = 1
+        tokens[i, 1:L] = rng.integers(2, CFG.vocab_size, L - 1)
+        mask[i, 1:L] = 1
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+def _query_batch(rng, n):
+    b = _batch(rng, n)
+    for i in range(n):  # loss only on the last two real tokens (the "target")
+        last = int(b["loss_mask"][i].nonzero()[0].max())
+        b["loss_mask"][i] = 0
+        b["loss_mask"][i, last - 1:last + 1] = 1
+    return b
+
+
+# jitted once per module (the eager versions spend minutes dispatching ops on 2 cores)
+_pairs = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
+_grad = jax.jit(lambda params, batch, graphdef: jax.grad(lambda p: train.loss_fn(p, graphdef, batch)[0])(params),
+                static_argnames=("graphdef",))
+_logits = jax.jit(model_lib.apply, static_argnames=("graphdef",))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile():
+    """Cuts XLA compile time (style.md §5.6.7); process-global, so restored on exit."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A few real Adafactor steps so that v_row / v_col / v and the step count are non-trivial."""
+    opt = train.make_optimizer(OPT)
+    graphdef, state = train.init_state(CFG, opt, seed=0)
+    step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, opt=opt))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        b = _batch(rng, 4)
+        state, _ = step(state, {**b, "example_id": np.arange(4, dtype=np.int32)})
+    return graphdef, opt, state
+
+
+# ---------------------------------------------------------------------------------------
+# References: Adafactor written out by hand (Shazeer & Stern 2018, optax's conventions) and
+# the target log-probability as an explicit loop.
+# ---------------------------------------------------------------------------------------
+
+
+def _reference_adafactor_update(params, grads, opt_state, cfg: train.OptimizerConfig):
+    count = int(opt_state[0].count)
+    v_rows = model_lib.flat_params(optax.tree_utils.tree_get(opt_state, "v_row"))
+    v_cols = model_lib.flat_params(optax.tree_utils.tree_get(opt_state, "v_col"))
+    vs = model_lib.flat_params(optax.tree_utils.tree_get(opt_state, "v"))
+    t = count + 1.0
+    decay = 1.0 - t ** (-cfg.decay_rate)
+    lr = cfg.learning_rate * min(1.0, t / cfg.warmup_steps) * np.sqrt(cfg.warmup_steps / max(t, cfg.warmup_steps))
+    new = {}
+    for path, p in model_lib.flat_params(params).items():
+        p = np.asarray(p, np.float64)
+        g = np.asarray(model_lib.flat_params(grads)[path], np.float64)
+        g2 = g * g + 1e-30
+        order = np.argsort(p.shape)
+        if p.ndim == 2 and p.shape[order[-2]] >= cfg.min_dim_size_to_factor:
+            small, large = int(order[-2]), int(order[-1])
+            v_row = decay * np.asarray(v_rows[path], np.float64) + (1 - decay) * g2.mean(axis=large)
+            v_col = decay * np.asarray(v_cols[path], np.float64) + (1 - decay) * g2.mean(axis=small)
+            row = (v_row / v_row.mean()) ** -0.5
+            col = v_col ** -0.5
+            u = g * np.expand_dims(row, large) * np.expand_dims(col, small)
+        else:
+            v = decay * np.asarray(vs[path], np.float64) + (1 - decay) * g2
+            u = g / np.sqrt(v)
+        u = u / max(1.0, np.sqrt(np.mean(u * u)) / cfg.clipping_threshold)
+        u = u * lr * max(np.sqrt(np.mean(p * p)), 1e-3)
+        new[path] = p - u
+    return new
+
+
+def _unflatten_like(params, flat):
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[model_lib.param_path_str(k)], jnp.float32) for k, _ in leaves])
+
+
+def _reference_target_log_prob(graphdef, params, tokens, mask):
+    logits = np.asarray(_logits(graphdef, params, jnp.asarray(tokens[None, :-1])), np.float64)[0]
+    total = 0.0
+    for t in range(1, len(tokens)):
+        if mask[t]:
+            row = logits[t - 1]
+            total += row[tokens[t]] - (row.max() + np.log(np.exp(row - row.max()).sum()))
+    return total
+
+
+def _reference_delta(graphdef, state, prop, query):
+    grads = _grad(state.params, {k: jnp.asarray(v[None]) for k, v in prop.items()}, graphdef)
+    new = _unflatten_like(state.params, _reference_adafactor_update(state.params, grads, state.opt_state, OPT))
+    before = _reference_target_log_prob(graphdef, state.params, query["tokens"], query["loss_mask"])
+    after = _reference_target_log_prob(graphdef, new, query["tokens"], query["loss_mask"])
+    return before, after, np.exp(after) - np.exp(before)
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def test_reference_adafactor_matches_optax_update(trained):
+    """The hand-written reference is itself Adafactor: equal to optax's update on real state."""
+    graphdef, opt, state = trained
+    rng = np.random.default_rng(1)
+    grads = _grad(state.params, {k: jnp.asarray(v) for k, v in _batch(rng, 1).items()}, graphdef)
+    updates, _ = opt.update(grads, state.opt_state, state.params)
+    got = model_lib.flat_params(optax.apply_updates(state.params, updates))
+    want = _reference_adafactor_update(state.params, grads, state.opt_state, OPT)
+    for path in want:
+        np.testing.assert_allclose(np.asarray(got[path]), want[path], rtol=1e-5, atol=1e-6, err_msg=path)
+
+
+def test_tailpatch_pairs_equal_hand_written_update(trained):
+    graphdef, opt, state = trained
+    rng = np.random.default_rng(2)
+    props, queries = _batch(rng, 4), _query_batch(rng, 4)
+    with jax.default_matmul_precision("highest"):
+        got = jax.device_get(_pairs(state.params, state.opt_state, props, queries, graphdef=graphdef, opt=opt))
+        for i in range(4):
+            before, after, delta = _reference_delta(graphdef, state, {k: v[i] for k, v in props.items()},
+                                                    {k: v[i] for k, v in queries.items()})
+            np.testing.assert_allclose(got["log_prob_before"][i], before, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(got["log_prob_after"][i], after, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(got["delta_prob"][i], delta, rtol=1e-3, atol=1e-7)
+    # the step does something: the patched probability moves for every pair
+    assert np.all(np.abs(got["log_prob_after"] - got["log_prob_before"]) > 1e-6)
+
+
+def test_patching_on_the_query_itself_raises_its_probability(trained):
+    """A step on the query's own text must make its target more likely (sanity, not a reference)."""
+    graphdef, opt, state = trained
+    rng = np.random.default_rng(3)
+    queries = _query_batch(rng, 4)
+    props = {"tokens": queries["tokens"], "loss_mask": (queries["tokens"] > 0).astype(np.int32)}
+    props["loss_mask"][:, 0] = 0
+    got = _pairs(state.params, state.opt_state, props, queries, graphdef=graphdef, opt=opt)
+    assert np.all(np.asarray(got["delta_prob"]) > 0)
+
+
+def test_learning_rate_override_rescales_the_update(trained):
+    graphdef, opt, state = trained
+    step = int(state.step)
+    assert tailpatch.learning_rate_scale(OPT, step, -1.0) == 1.0
+    scheduled = float(train.make_schedule(OPT)(step))
+    assert tailpatch.learning_rate_scale(OPT, step, scheduled) == pytest.approx(1.0)
+    # the optimizer state's count is the checkpoint step: the schedule is read at that count
+    assert int(state.opt_state[0].count) == step
+    rng = np.random.default_rng(4)
+    props, queries = _batch(rng, 4), _query_batch(rng, 4)
+    scale = tailpatch.learning_rate_scale(OPT, step, 2 * scheduled)
+    assert scale == pytest.approx(2.0)
+    opt2 = train.make_optimizer(OPT.__class__(**{**OPT.__dict__, "learning_rate": 2 * OPT.learning_rate}))
+    a = _pairs(state.params, state.opt_state, props, queries, graphdef=graphdef, opt=opt, lr_scale=scale)
+    b = _pairs(state.params, state.opt_state, props, queries, graphdef=graphdef, opt=opt2)
+    np.testing.assert_allclose(np.asarray(a["log_prob_after"]), np.asarray(b["log_prob_after"]), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight_decay"):
+        tailpatch.learning_rate_scale(OPT.__class__(**{**OPT.__dict__, "weight_decay_rate": 0.1}), step, 0.1)
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_jit_run_pairs_matches_unjitted(trained, num_devices):
+    skip_if_not_enough_devices(num_devices)
+    graphdef, opt, state = trained
+    mesh = sharding.make_mesh(devices=jax.devices()[:num_devices])
+    rng = np.random.default_rng(5)
+    props, queries = _batch(rng, 6), _query_batch(rng, 3)
+    pairs = np.array([[0, 0], [0, 5], [1, 2], [2, 3], [2, 4]])  # 5 pairs, batch 8: padded
+    fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
+    got = tailpatch.run_pairs(fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0)
+    want = _pairs(state.params, state.opt_state, {k: v[pairs[:, 1]] for k, v in props.items()},
+                                     {k: v[pairs[:, 0]] for k, v in queries.items()}, graphdef=graphdef, opt=opt)
+    for k in got:
+        np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
