@@ -63,7 +63,8 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Seque
     longest = max(len(p) for p in prompts)
     if longest >= max_len:
         raise ValueError(f"a prompt of {longest} tokens leaves no room below max_len={max_len}")
-    t = min(longest + max_new_tokens, max_len)
+    # Buffer length rounded up to a multiple of 16 so that calls share compilations.
+    t = min(-(-(longest + max_new_tokens) // 16) * 16, max_len)
     buf = np.full((len(prompts), t), model_lib.PAD_ID, np.int32)
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = p

@@ -35,9 +35,12 @@ from absl import logging
 from trackstar_jax import checkpoint as checkpoint_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import generate as generate_lib
+from trackstar_jax import hessian as hessian_lib
+from trackstar_jax import index as index_lib
 from trackstar_jax import model as model_lib
 from trackstar_jax import sharding as sharding_lib
 from trackstar_jax import train as train_lib
+from trackstar_jax import vectors as vectors_lib
 
 
 def model_config(config: ml_collections.ConfigDict) -> model_lib.LMConfig:
@@ -195,10 +198,12 @@ def evaluate_completions(graphdef: Any, params: Any, tok: data_lib.Tokenizer, co
                          max_new_tokens: int, max_facts: int = 256, batch_size: int = 64) -> list[dict]:
     """Greedy completions of fact prompts, marked correct when they start with an alias."""
     rows = []
-    pairs = fact_prompts(corpus, max_facts)
+    pairs = [(p, f) for p, f in fact_prompts(corpus, max_facts) if len(tok.encode(p)) + 1 < max_len]
     for i in range(0, len(pairs), batch_size):
         chunk = pairs[i:i + batch_size]
-        outs = generate_lib.complete(graphdef, params, tok, [p for p, _ in chunk], max_new_tokens, max_len)
+        prompts = [p for p, _ in chunk]
+        prompts += [""] * (batch_size - len(prompts))  # one batch shape: one compilation
+        outs = generate_lib.complete(graphdef, params, tok, prompts, max_new_tokens, max_len)
         rows += [{"fact_id": f.fact_id, "prompt": p, "completion": o, "target": f.object, "correct": _is_correct(o, f)}
                  for (p, f), o in zip(chunk, outs)]
     return rows
@@ -349,6 +354,161 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
 # ---------------------------------------------------------------------------------------
 # Stage 2: build_index (issue #4)
 # ---------------------------------------------------------------------------------------
+
+# Smallest padded length of a featurize batch; lengths are rounded up to powers of two from
+# here to model.max_len, so short passages (T-REx sentences) do not pay for max_len padding
+# and the step compiles at most log2(max_len / 16) + 1 times.
+MIN_BUCKET_LEN = 16
+
+
+def hessian_config(config: ml_collections.ConfigDict) -> hessian_lib.HessianConfig:
+    """`config.hessian` -> `HessianConfig` (unknown keys raise, naming the key)."""
+    return _typed(hessian_lib.HessianConfig, config.hessian, "hessian")
+
+
+def storage_config(config: ml_collections.ConfigDict) -> index_lib.StorageConfig:
+    """`config.index` -> `StorageConfig` (dtype, chunk_rows, r_every_chunks)."""
+    section = config.index
+    known = {f.name for f in dataclasses.fields(index_lib.StorageConfig)} | {"dir"}
+    unknown = sorted(set(section.keys()) - known)
+    if unknown:
+        raise ValueError(f"unknown config key(s) in config.index: {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    return index_lib.StorageConfig(dtype=str(section.dtype), chunk_rows=int(section.chunk_rows),
+                                   r_every_chunks=int(section.get("r_every_chunks", 0)))
+
+
+def index_dir(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> pathlib.Path:
+    """Where the index of this config lives: `workdir/<config.index.dir>` (default `index`).
+
+    Use a separate `index.dir` per vector setting (e.g. `index_nocorr` for correction off);
+    R and unit-norm ablations reuse one index (they apply at scoring time).
+    """
+    return pathlib.Path(workdir) / str(config.index.get("dir", "index") or "index")
+
+
+def bucket_len(longest: int, max_len: int) -> int:
+    """Padded length of a batch whose longest example has `longest` tokens (power of two)."""
+    n = MIN_BUCKET_LEN
+    while n < longest:
+        n *= 2
+    return min(n, max_len)
+
+
+def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: index_lib.StorageConfig,
+                   dim: int) -> dict:
+    """The manifest of the index of `run` under `vec_cfg` (what a resume or a reader must match)."""
+    fp_tree = {"params": run.params, "opt_state": run.opt_state} if vec_cfg.correction else {"params": run.params}
+    num_blocks_total, _ = vectors_lib.block_layout(vec_cfg)
+    vec = dataclasses.asdict(vec_cfg)
+    del vec["batch_size"]  # recorded under featurizer
+    return index_lib.make_manifest(
+        num_rows=len(run.corpus.examples), dim=dim, num_blocks_total=num_blocks_total, storage=storage,
+        model={"checkpoint_step": int(run.step), "fingerprint": index_lib.tree_fingerprint(fp_tree),
+               "config": dataclasses.asdict(run.model_cfg)},
+        vectors=vec,
+        corpus={"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)},
+        featurizer={"batch_size": int(vec_cfg.batch_size), "max_len": int(run.model_cfg.max_len),
+                    "length_buckets": f"pow2>={MIN_BUCKET_LEN}"},
+        info={"workdir": str(run.workdir), "devices": [str(d) for d in jax.devices()],
+              "jax_version": jax.__version__},
+    )
+
+
+def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: jax.sharding.Mesh,
+                 counters: dict) -> Any:
+    """`rows_fn(start, stop)` for `IndexBuilder`: featurizes examples `[start, stop)`.
+
+    Batches never straddle the call's row range (so a resumed or split build forms the same
+    batches), are padded to `vectors.batch_size` rows and to a power-of-two length, and are
+    dispatched without blocking: the device works on them while the builder writes the
+    previous chunk. `counters["tokens"]` accumulates the non-padding tokens.
+    """
+    tok, max_len, bs = run.tokenizer, run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
+    examples = run.corpus.examples
+
+    def rows_fn(start: int, stop: int) -> jax.Array:
+        outs = []
+        for lo in range(start, stop, bs):
+            hi = min(lo + bs, stop)
+            items = []
+            for e in examples[lo:hi]:
+                t, truncated = data_lib.encode_example(tok, e.text, max_len)
+                counters["truncated"] += int(truncated)
+                m = np.ones(len(t), np.int32)
+                m[0] = 0  # BOS is never a target; every other token is (paper §3: all tokens of a training example)
+                items.append((t, m))
+            counters["tokens"] += sum(len(t) for t, _ in items)
+            seq_len = bucket_len(max(len(t) for t, _ in items), max_len)
+            batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
+            vecs, _ = vec_fn.jitted(run.params, vec_fn.precond, device_batch(
+                {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh))
+            outs.append(vecs[: hi - lo])
+        return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
+
+    return rows_fn
+
+
+def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, process_index: int = 0,
+                process_count: int = 1) -> dict:
+    """Stage 2: one pass over the corpus with the fast featurizer -> zarr3 index + R_train (§3, §A.1.3).
+
+    Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
+    differ); with `process_count > 1`, this call writes only its share of whole R_train
+    segments and the last process to finish finalises R_train. Each process is an
+    independent JAX program over its own devices (e.g. one per host or GPU).
+
+    Returns:
+      Summary (also written to `index/build_summary-pXXXX.json`): rows, examples/s, tokens/s,
+      write_fraction, bytes per example.
+    """
+    quiet_library_logs()
+    path = index_dir(config, workdir)
+    vec_cfg = vectors_lib.vector_config(config.vectors)
+    storage = storage_config(config)
+    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+    dp = sharding_lib.data_parallel_size(mesh)
+    if vec_cfg.batch_size % dp:
+        raise ValueError(f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} data shards of mesh {dict(mesh.shape)}")
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index")
+    num_blocks_total, block_dim = vectors_lib.block_layout(vec_cfg)
+    if vec_fn.dim != num_blocks_total * block_dim:
+        raise ValueError(f"featurizer dim {vec_fn.dim} != {num_blocks_total} blocks x {block_dim}")
+    manifest = index_manifest(run, vec_cfg, storage, vec_fn.dim)
+    builder = index_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
+    counters = {"tokens": 0, "truncated": 0}
+    rows_fn = make_rows_fn(run, vec_fn, mesh, counters)
+    logging.info("index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)", path,
+                 builder.num_rows, vec_fn.dim, storage.dtype, builder.chunk_rows, builder.chunks.start, builder.chunks.stop)
+    bar = tqdm.tqdm(total=len(builder.chunks), desc="index", unit="chunk", disable=jax.process_index() > 0,
+                    mininterval=2.0, dynamic_ncols=True)
+    stats = builder.build(rows_fn, progress=lambda done, total: bar.update(done - bar.n))
+    bar.close()
+    if counters["truncated"]:
+        logging.warning("%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len)
+    itemsize = index_lib._NP_DTYPES[storage.dtype].itemsize
+    summary = {
+        "index": str(path), "process_index": process_index, "process_count": process_count,
+        "rows": builder.num_rows, "dim": vec_fn.dim, "dtype": storage.dtype,
+        "rows_written": stats.rows_written, "chunks_written": stats.chunks_written,
+        "chunks_skipped": stats.chunks_skipped, "chunks_read_back": stats.chunks_read_back,
+        "tokens": counters["tokens"], "seconds": stats.seconds,
+        "examples_per_s": stats.rows_written / stats.seconds if stats.seconds else None,
+        "tokens_per_s": counters["tokens"] / stats.seconds if stats.seconds else None,
+        "write_seconds": stats.write_seconds, "write_fraction": stats.write_fraction,
+        "bytes_per_example": vec_fn.dim * itemsize + (4 if storage.dtype == "int8" else 0),
+        "complete": stats.finalized,
+    }
+    (path / f"build_summary-p{process_index:04d}.json").write_text(json.dumps(summary, indent=1))
+    logging.info("index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s",
+                 stats.rows_written, stats.seconds, summary["examples_per_s"] or 0, summary["tokens_per_s"] or 0,
+                 100 * stats.write_fraction, "; complete" if stats.finalized else "")
+    return summary
+
+
+def verify_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, recompute_r: bool = True) -> dict:
+    """Checks the whole index of this config (see `index.verify_index`); raises naming bad row ranges."""
+    return index_lib.verify_index(index_dir(config, workdir), recompute_r=recompute_r)
 
 
 # ---------------------------------------------------------------------------------------

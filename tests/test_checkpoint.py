@@ -1,0 +1,123 @@
+"""Checkpoints: bit-exact round trip of params + full Adafactor state, refusals, run config."""
+
+import functools
+import json
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from conftest import skip_if_not_enough_devices
+from trackstar_jax import checkpoint, sharding, train
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile():
+    """Cheaper XLA compiles for this module (process-global flag, restored on exit)."""
+    old = jax.config.jax_optimization_level
+    jax.config.update("jax_optimization_level", "O0")
+    yield
+    jax.config.update("jax_optimization_level", old)
+
+
+def _trained_state(cfg, steps=2):
+    """A TrainState after `steps` Adafactor updates on random tokens (non-trivial v_row/v_col/v)."""
+    cfg.model.num_layers = 1  # one block has every parameter kind; compiles faster
+    key = (json.dumps(cfg.to_dict(), sort_keys=True, default=str), steps)
+    if key not in _CACHE:
+        _CACHE[key] = _train(cfg, steps)
+    return _CACHE[key]
+
+
+_CACHE = {}
+
+
+def _train(cfg, steps):
+    model_cfg, opt = checkpoint.model_config_from(cfg), train.make_optimizer(checkpoint.optimizer_config_from(cfg))
+    graphdef, state = train.init_state(model_cfg, opt, 0)
+    step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, opt=opt))
+    rng = np.random.default_rng(0)
+    for _ in range(steps):
+        batch = {"tokens": rng.integers(4, cfg.model.vocab_size, (4, 16)).astype(np.int32),
+                 "loss_mask": np.ones((4, 16), np.int32), "example_id": np.arange(4, dtype=np.int32)}
+        state, _ = step(state, batch)
+    return model_cfg, opt, state
+
+
+@pytest.mark.parametrize("param_dtype,min_dim", [("float32", 32), ("bfloat16", 32)])
+def test_roundtrip_is_bit_exact_into_a_sharded_target(tiny_config, tmp_path, param_dtype, min_dim):
+    skip_if_not_enough_devices(8)
+    tiny_config.model.param_dtype = param_dtype
+    tiny_config.train.min_dim_size_to_factor = min_dim
+    model_cfg, opt, state = _trained_state(tiny_config)
+    v_row = optax.tree_utils.tree_get(state.opt_state, "v_row")
+    v = optax.tree_utils.tree_get(state.opt_state, "v")
+    # Both regimes of Adafactor's state are present: factored (v_row / v_col) and full v.
+    assert any(x.shape != (1,) and np.abs(np.asarray(x)).sum() > 0 for x in jax.tree.leaves(v_row))
+    assert any(x.shape != (1,) and np.abs(np.asarray(x)).sum() > 0 for x in jax.tree.leaves(v))
+
+    mngr = checkpoint.CheckpointManager(tmp_path / "ck")
+    assert mngr.save(state, tiny_config) == 2
+    mngr.wait_until_finished()
+    mesh = sharding.make_mesh()  # 8 devices
+    _, target = checkpoint.abstract_state(model_cfg, opt, mesh)
+    step, back = mngr.restore_latest(target, expect_config=tiny_config)
+    mngr.close()
+    assert step == 2
+    assert jax.tree.structure(back) == jax.tree.structure(state)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert b.sharding.mesh.size == 8
+    assert back.params["layer_0"]["attn"]["query"]["kernel"].dtype == np.dtype(param_dtype)
+
+
+def test_never_overwrites_a_newer_checkpoint(tiny_config, tmp_path):
+    _, _, state = _trained_state(tiny_config)
+    mngr = checkpoint.CheckpointManager(tmp_path / "ck")
+    mngr.save(state, tiny_config)
+    mngr.wait_until_finished()
+    older = state.replace(step=state.step - 1)
+    for s in (state, older):
+        with pytest.raises(ValueError, match="refusing to save step [12] .* already holds step 2"):
+            mngr.save(s, tiny_config)
+    assert mngr.all_steps() == [2]
+    mngr.close()
+
+
+def test_restore_names_the_mismatching_field(tiny_config, tmp_path):
+    model_cfg, opt, state = _trained_state(tiny_config)
+    mngr = checkpoint.CheckpointManager(tmp_path / "ck")
+    mngr.save(state, tiny_config)
+    mngr.wait_until_finished()
+    _, target = checkpoint.abstract_state(model_cfg, opt)
+    tiny_config.model.mlp_dim = 512
+    tiny_config.model.norm = "layer"
+    with pytest.raises(ValueError, match=r"model\.mlp_dim: saved 256, now 512; model\.norm: saved 'rms', now 'layer'"):
+        mngr.restore_latest(target, expect_config=tiny_config)
+    with pytest.raises(FileNotFoundError, match="no checkpoint for step 7"):
+        mngr.restore(7, target)
+    mngr.close()
+    empty = checkpoint.CheckpointManager(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="no checkpoint in"):
+        empty.restore_latest(target)
+    empty.close()
+
+
+def test_run_config_guards_the_workdir(tiny_config, tmp_path):
+    checkpoint.save_run_config(tmp_path, tiny_config)
+    assert checkpoint.load_run_config(tmp_path).model.embed_dim == tiny_config.model.embed_dim
+    tiny_config.train.num_steps = 5  # resumable key: allowed, recorded
+    tiny_config.vectors.proj_dim = 4  # a later stage's section: allowed
+    checkpoint.save_run_config(tmp_path, tiny_config)
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["num_steps"] == 5
+    tiny_config.train.learning_rate = 0.5
+    tiny_config.data.embedded.num_facts = 7
+    with pytest.raises(ValueError, match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "
+                                         r"train\.learning_rate: saved 0\.01, now 0\.5"):
+        checkpoint.save_run_config(tmp_path, tiny_config)
+    with pytest.raises(FileNotFoundError, match="no run config"):
+        checkpoint.load_run_config(tmp_path / "nothing")
+    with pytest.raises(FileNotFoundError, match="no run config"):
+        checkpoint.load_run(tmp_path / "nothing")
