@@ -91,6 +91,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.index = ml_collections.ConfigDict()
     c.index.dtype = "bfloat16"  # "float32" | "bfloat16" | "float16" | "int8" (per-row scale)
     c.index.chunk_rows = 1024  # rows per zarr chunk (= unit of resumable progress)
+    c.index.r_every_chunks = 0  # chunks per saved R_train partial sum (0 = auto: saving R costs <= 2% of the data)
+    c.index.dir = "index"  # subdirectory of workdir; one per vector setting (e.g. "index_nocorr")
 
     # --- retrieval (exact top-k) ---
     c.retrieval = ml_collections.ConfigDict()

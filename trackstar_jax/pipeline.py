@@ -470,6 +470,9 @@ def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *
     if vec_cfg.batch_size % dp:
         raise ValueError(f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} data shards of mesh {dict(mesh.shape)}")
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    bad = checkpoint_lib.config_mismatches(run.config, config, sections=checkpoint_lib.RUN_SECTIONS, ignore=())
+    if bad:
+        raise ValueError(f"config disagrees with the run in {workdir} (its config.json): " + "; ".join(bad))
     vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index")
     num_blocks_total, block_dim = vectors_lib.block_layout(vec_cfg)
     if vec_fn.dim != num_blocks_total * block_dim:

@@ -1,0 +1,172 @@
+"""pipeline.build_index on a tiny trained run: rows equal the featurizer's vectors, the manifest
+identifies the run, R_train matches numpy, an interrupted (disk-full) build resumes to the same
+bytes, and a changed corpus / projection seed / model is refused."""
+
+import errno
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from trackstar_jax import checkpoint, data, index, pipeline, vectors
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile(tmp_path_factory):
+    """Cheaper XLA compiles, and a compilation cache shared by the builds of this module."""
+    old = (jax.config.values["jax_disable_most_optimizations"], jax.config.jax_compilation_cache_dir,
+           jax.config.jax_persistent_cache_min_compile_time_secs)
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old[0])
+    jax.config.update("jax_compilation_cache_dir", old[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[2])
+
+
+def _config():
+    from experiments import tiny
+
+    c = tiny.get_config()
+    c.data.embedded.num_facts = 30
+    c.data.embedded.num_distractors = 40
+    c.train.num_steps = 3
+    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 3
+    c.train.num_completions = 0
+    c.train.max_new_tokens = 2
+    c.index.chunk_rows = 64
+    c.index.r_every_chunks = 1
+    return c
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    pipeline.train(_config(), workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def f32_index(run_dir):
+    c = _config()
+    c.index.dtype, c.index.dir = "float32", "index_f32"
+    summary = pipeline.build_index(c, run_dir)
+    return c, summary
+
+
+def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
+    c, summary = f32_index
+    run = checkpoint.load_run(run_dir)
+    n = len(run.corpus.examples)
+    assert summary["rows"] == summary["rows_written"] == n and summary["complete"]
+    assert summary["tokens"] > n and 0 <= summary["write_fraction"] < 1
+    reader = index.open_index(pipeline.index_dir(c, run_dir))
+    got = reader.read_dequantized(0, n)
+    # Reference: the featurizer over data.index_batches (padded to max_len, not length-bucketed).
+    vec_cfg = vectors.vector_config(c.vectors)
+    fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state)
+    ref = []
+    for b in data.index_batches(run.corpus, run.tokenizer, vec_cfg.batch_size, run.model_cfg.max_len):
+        v = fn(run.params, fn.precond, b)
+        ref.append(v[b["example_id"] >= 0])
+    ref = np.concatenate(ref)
+    assert ref.shape == got.shape == (n, vec_cfg.dim)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
+    # R_train is the block autocorrelation of exactly these rows.
+    r = reader.r_train()
+    k2 = vec_cfg.proj_dim**2
+    blocks = np.stack([got[:, b * k2:(b + 1) * k2].astype(np.float64).T @ got[:, b * k2:(b + 1) * k2]
+                       for b in range(2 * vec_cfg.num_blocks)])
+    assert r.count == n
+    np.testing.assert_allclose(r.total, blocks, rtol=1e-5, atol=1e-6 * np.abs(blocks).max())
+
+
+def test_manifest_identifies_the_run(run_dir, f32_index):
+    c, _ = f32_index
+    run = checkpoint.load_run(run_dir)
+    m = index.open_index(pipeline.index_dir(c, run_dir)).manifest
+    assert m["model"]["checkpoint_step"] == 3
+    assert m["model"]["fingerprint"] == index.tree_fingerprint({"params": run.params, "opt_state": run.opt_state})
+    assert m["vectors"] | {} == {"output_fn": "loss", "num_blocks": 2, "proj_dim": 8, "proj_seed": 0, "correction": True,
+                                 "path": "fast", "dim": 256, "num_blocks_total": 4, "block_dim": 64}
+    assert m["corpus"] == {"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)}
+    assert m["storage"]["dtype"] == "float32" and m["code_version"]
+    expect = {"model": {"fingerprint": m["model"]["fingerprint"]}, "vectors": {"proj_seed": 0, "dim": 256}}
+    index.open_index(pipeline.index_dir(c, run_dir), expect=expect)
+
+
+def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypatch):
+    """A bf16 build that hits ENOSPC at chunk 1 keeps chunk 0, resumes, and ends equal to
+    rounding the float32 index to bfloat16 (same featurizer bits, deterministic rounding)."""
+    c = _config()
+    c.index.dir = "index_bf16"
+    real = index.IndexBuilder._write_rows
+
+    def full_disk(self, lo, hi, stored, scale):
+        if lo >= 64:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, lo, hi, stored, scale)
+
+    monkeypatch.setattr(index.IndexBuilder, "_write_rows", full_disk)
+    with pytest.raises(index.IndexWriteError, match=r"chunk 1, rows \[64, 128\) failed \(the disk is full"):
+        pipeline.build_index(c, run_dir)
+    path = pipeline.index_dir(c, run_dir)
+    assert index.open_index(path).complete_chunks == frozenset({0})
+    monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
+    summary = pipeline.build_index(c, run_dir)
+    assert summary["chunks_skipped"] == 1 and summary["complete"]
+    assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
+    reader = index.open_index(path)
+    rows, scale = reader.read_block(0, reader.num_rows)
+    f32 = index.open_index(pipeline.index_dir(f32_index[0], run_dir)).read_dequantized(0, reader.num_rows)
+    assert scale is None and rows.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(rows.view(np.uint16), f32.astype(ml_dtypes.bfloat16).view(np.uint16))
+    report = pipeline.verify_index(c, run_dir)
+    assert report["ok"] and report["bytes_on_disk"] >= reader.num_rows * 256 * 2
+
+
+def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
+    c, _ = f32_index
+    other = _config()
+    other.index.dtype, other.index.dir = "float32", "index_f32"
+    other.vectors.proj_seed = 1
+    with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'vectors.proj_seed' is 0 in the index but 1"):
+        pipeline.build_index(other, run_dir)
+    other.vectors.proj_seed, other.vectors.correction = 0, False
+    with pytest.raises(index.IndexMismatchError, match=r"'model.fingerprint'|'vectors.correction'"):
+        pipeline.build_index(other, run_dir)
+    # A regenerated corpus (one passage edited, fingerprint updated consistently).
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("index_bf16"))
+    corpus = data.load_corpus(copy / "corpus")
+    texts = corpus.texts
+    texts[5] = texts[5] + " Edited."
+    lines = [json.dumps({"example_id": i, "text": t}) for i, t in enumerate(texts)]
+    (copy / "corpus" / "examples.jsonl").write_text("\n".join(lines) + "\n")
+    meta = json.loads((copy / "corpus" / "meta.json").read_text())
+    meta["fingerprint"] = data.fingerprint(texts)
+    (copy / "corpus" / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'corpus.fingerprint'"):
+        pipeline.build_index(c, copy)
+
+
+def test_config_sections_are_checked(tiny_config):
+    tiny_config.index.chunk_size = 3
+    with pytest.raises(ValueError, match="unknown config key.*config.index: chunk_size"):
+        pipeline.storage_config(tiny_config)
+    tiny_config.hessian.lam = 0.5
+    with pytest.raises(ValueError, match="config.hessian: lam"):
+        pipeline.hessian_config(tiny_config)
+    assert pipeline.bucket_len(3, 64) == 16 and pipeline.bucket_len(17, 64) == 32 and pipeline.bucket_len(70, 64) == 64
+
+
+def test_config_of_another_run_is_refused(run_dir):
+    c = _config()
+    c.model.embed_dim = 32
+    with pytest.raises(ValueError, match=r"config disagrees with the run .*model.embed_dim: saved 64, now 32"):
+        pipeline.build_index(c, run_dir)
