@@ -105,10 +105,26 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.query_mode = "gold"  # "gold" target or the model's own "prediction"
     c.eval.template_variant = 0  # which of the prompt templates (Table A.1)
     c.eval.max_queries = 0  # 0 = all
-    c.eval.methods = ("trackstar",)  # rows of the table to compute
+    c.eval.methods = ("trackstar",)  # rows of the table (names in baselines.METHODS, e.g. "bm25", "exp3")
+    c.eval.relations = ""  # comma-separated relations to query ("" = every relation of the corpus)
+    c.eval.lama_dir = ""  # LAMA folder with relations.jsonl for templates ("" = config.data.path); LAMA corpora only
+    c.eval.pararel_dir = ""  # ParaRel patterns folder for template variants 1, 2 ("" = none)
+    c.eval.num_proponents = 10  # proponents retrieved per query (MRR is over this list; recall/precision@10)
+    c.eval.max_per_bucket = 1000  # §A.4: facts sampled per frequency bucket
+    c.eval.max_per_relation_target_per_bucket = 25  # §A.4: cap per (relation, target) within a bucket
+    c.eval.max_per_relation_target = 100  # §A.4: cap per (relation, target) overall
+    c.eval.max_incorrect_per_bucket = 0  # §A.4: cap on facts the model gets wrong, per bucket (0 = no cap)
+    c.eval.bucket_edges = (1, 10, 100, 1_000, 10_000, 100_000)  # fact-frequency bucket lower edges (§A.4)
+    c.eval.include_unmentioned = False  # keep facts no passage mentions (frequency 0)
+    c.eval.max_new_tokens = 8  # greedy completion length (correctness, prediction-mode targets)
+    c.eval.bm25_k1 = 1.2  # Lucene defaults
+    c.eval.bm25_b = 0.75
+    c.eval.bootstrap_seed = 0  # seed of the 95% bootstrap intervals
+    c.eval.num_examples_shown = 3  # queries whose proponents are printed / put in table.md
 
     # --- tail-patch (§4.3) ---
     c.tailpatch = ml_collections.ConfigDict()
     c.tailpatch.top_ks = (1, 3, 5, 10)
     c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
+    c.tailpatch.batch_size = 16  # (query, proponent) pairs per vmapped step (each holds a parameter copy)
     return c

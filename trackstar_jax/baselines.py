@@ -12,14 +12,15 @@ Lucene English stopword list. The query text is the prompt followed by the targe
 `inputs_plaintext + targets_plaintext`. Ranking is exact over every passage, with the same
 tie rule as gradient retrieval (higher score first, then lower example id).
 
-The other baselines of Table 1 (TRAK, gradient dot product / cosine, Experiments 1-5) are
-gradient methods: configurations of the vector / Hessian / normalisation stages, listed in
-`experiments/method_*.py`, not code here.
+The other rows of Table 1 (TRAK, gradient dot product / cosine, Experiments 1-5, TrackStar)
+are gradient methods: settings of the vector / Hessian / normalisation stages. `METHODS`
+names every row and its settings; `experiments/method_*.py` hold one config per row.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
 import bm25s
 import numpy as np
@@ -86,3 +87,66 @@ def stable_topk(scores: Float[np.ndarray, "n"], k: int) -> Int[np.ndarray, "k"]:
         cand = np.nonzero(scores >= kth)[0]  # every row tied with it stays a candidate
     order = np.lexsort((cand, -scores[cand]))
     return cand[order[:k]].astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------
+# The rows of Table 1 (§5.1-5.2): what each named method is
+# ---------------------------------------------------------------------------------------
+
+METHOD_KINDS = ("gold", "bm25", "gradient")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """One row of the fact-tracing table.
+
+    Attributes:
+      name: key used in `config.eval.methods` and in table.json.
+      kind: "gold" (the fact's own evidence passages, tail-patch only), "bm25", or
+        "gradient" (retrieval from a gradient index).
+      label: the row label, as in Table 1.
+      output_fn, correction: the index's `vectors` settings (optimizer second-moment
+        correction = the "Optim." column).
+      hessian: the `hessian.mode` ("none" / "train" = R_train / "mixed" = TrackStar's R).
+      unit_norm: the "Unit norm" column.
+    """
+
+    name: str
+    kind: str
+    label: str
+    output_fn: str = "loss"
+    correction: bool = False
+    hessian: str = "none"
+    unit_norm: bool = False
+
+    def overrides(self) -> dict[str, Any]:
+        """Config overrides (dotted keys) that select this row's index and scoring."""
+        if self.kind != "gradient":
+            return {}
+        return {"vectors.output_fn": self.output_fn, "vectors.correction": self.correction,
+                "hessian.mode": self.hessian, "hessian.unit_norm": self.unit_norm}
+
+
+# Table 1 of the paper. Exp. 1 is the gradient dot product (TracIn-style, Pruthi et al. 2020)
+# and Exp. 2 the gradient cosine (Han et al. 2022/2023); TRAK as the paper ran it: margin
+# output function with TRAK's example-level Q on candidates, R_train, no optimizer
+# correction, no unit norm (§4.4, §A.1.1).
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("trex_gold", "gold", "T-REx gold"),
+    Method("bm25", "bm25", "BM25"),
+    Method("trak", "gradient", "TRAK", output_fn="trak", correction=False, hessian="train", unit_norm=False),
+    Method("exp1", "gradient", "Exp. 1 (grad dot)", correction=False, hessian="none", unit_norm=False),
+    Method("exp2", "gradient", "Exp. 2 (grad cosine)", correction=False, hessian="none", unit_norm=True),
+    Method("exp3", "gradient", "Exp. 3", correction=False, hessian="train", unit_norm=True),
+    Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
+    Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
+    Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
+)}
+TABLE1_ORDER = tuple(METHODS)
+
+
+def method(name: str) -> Method:
+    """`METHODS[name]`, or a ValueError listing the known rows."""
+    if name not in METHODS:
+        raise ValueError(f"unknown evaluation method {name!r} in config.eval.methods (known: {', '.join(METHODS)})")
+    return METHODS[name]

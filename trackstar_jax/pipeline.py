@@ -32,13 +32,17 @@ import numpy as np
 import tqdm
 from absl import logging
 
+from trackstar_jax import baselines as baselines_lib
 from trackstar_jax import checkpoint as checkpoint_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import generate as generate_lib
 from trackstar_jax import hessian as hessian_lib
 from trackstar_jax import index as index_lib
+from trackstar_jax import metrics as metrics_lib
 from trackstar_jax import model as model_lib
+from trackstar_jax import queries as queries_lib
 from trackstar_jax import sharding as sharding_lib
+from trackstar_jax import tailpatch as tailpatch_lib
 from trackstar_jax import train as train_lib
 from trackstar_jax import vectors as vectors_lib
 
@@ -522,3 +526,416 @@ def verify_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
 # ---------------------------------------------------------------------------------------
 # Stage 4: evaluate (issue #6)
 # ---------------------------------------------------------------------------------------
+
+
+# Keys of config.eval / config.tailpatch read by `evaluate` (a misspelt key is an error).
+EVAL_KEYS = ("query_mode", "template_variant", "max_queries", "methods", "relations", "lama_dir", "pararel_dir",
+             "num_proponents", "max_per_bucket", "max_per_relation_target_per_bucket", "max_per_relation_target",
+             "max_incorrect_per_bucket", "bucket_edges", "include_unmentioned", "max_new_tokens", "bm25_k1", "bm25_b",
+             "bootstrap_seed", "num_examples_shown")
+TAILPATCH_KEYS = ("top_ks", "learning_rate", "batch_size")
+QUERY_MODES = ("gold", "prediction")
+EVAL_DIR = "eval"
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """Typed view of `config.eval` + `config.tailpatch` (see experiments/base.py)."""
+
+    query_mode: str
+    template_variant: int
+    max_queries: int
+    methods: tuple[str, ...]
+    relations: tuple[str, ...]
+    lama_dir: str
+    pararel_dir: str
+    num_proponents: int
+    selection: queries_lib.SelectionConfig
+    max_new_tokens: int
+    bm25_k1: float
+    bm25_b: float
+    bootstrap_seed: int
+    num_examples_shown: int
+    top_ks: tuple[int, ...]
+    tailpatch_lr: float
+    tailpatch_batch_size: int
+
+
+def eval_settings(config: ml_collections.ConfigDict) -> EvalSettings:
+    """`config.eval` / `config.tailpatch` -> `EvalSettings` (unknown keys and bad values raise, naming the key)."""
+    for name, known in (("eval", EVAL_KEYS), ("tailpatch", TAILPATCH_KEYS)):
+        unknown = sorted(set(config[name].keys()) - set(known))
+        if unknown:
+            raise ValueError(f"unknown config key(s) in config.{name}: {', '.join(unknown)} (known: {', '.join(known)})")
+    e, t = config.eval, config.tailpatch
+    if e.query_mode not in QUERY_MODES:
+        raise ValueError(f"config.eval.query_mode must be one of {QUERY_MODES}, got {e.query_mode!r}")
+    methods = tuple(e.methods)
+    for m in methods:
+        baselines_lib.method(m)  # raises naming an unknown row
+    if not methods:
+        raise ValueError("config.eval.methods is empty: name at least one row (e.g. 'bm25', 'trackstar')")
+    top_ks = tuple(int(k) for k in t.top_ks)
+    if int(e.num_proponents) < max(top_ks, default=1) or int(e.num_proponents) < 1:
+        raise ValueError(f"config.eval.num_proponents={e.num_proponents} must be >= max(config.tailpatch.top_ks)={max(top_ks)}")
+    edges = tuple(int(x) for x in e.bucket_edges)
+    if not edges or list(edges) != sorted(set(edges)) or edges[0] < 1:
+        raise ValueError(f"config.eval.bucket_edges must be increasing positive integers, got {edges}")
+    sel = queries_lib.SelectionConfig(
+        max_per_bucket=int(e.max_per_bucket), max_per_relation_target_per_bucket=int(e.max_per_relation_target_per_bucket),
+        max_per_relation_target=int(e.max_per_relation_target), max_incorrect_per_bucket=int(e.max_incorrect_per_bucket),
+        bucket_edges=edges, include_unmentioned=bool(e.include_unmentioned), seed=int(config.seed))
+    return EvalSettings(
+        query_mode=str(e.query_mode), template_variant=int(e.template_variant), max_queries=int(e.max_queries),
+        methods=methods, relations=tuple(r.strip() for r in str(e.relations).split(",") if r.strip()),
+        lama_dir=str(e.lama_dir), pararel_dir=str(e.pararel_dir), num_proponents=int(e.num_proponents), selection=sel,
+        max_new_tokens=int(e.max_new_tokens), bm25_k1=float(e.bm25_k1), bm25_b=float(e.bm25_b),
+        bootstrap_seed=int(e.bootstrap_seed), num_examples_shown=int(e.num_examples_shown), top_ks=top_ks,
+        tailpatch_lr=float(t.learning_rate), tailpatch_batch_size=int(t.batch_size))
+
+
+@dataclasses.dataclass
+class EvalQueries:
+    """The query set of an evaluation run.
+
+    Attributes:
+      queries: encoded queries (query_id = row).
+      encoded: `(tokens, loss_mask)` per query.
+      completions, correct: the model's greedy completion of each prompt and its §4.2 correctness.
+      report: what happened to every fact (drops, no evidence, empty targets).
+      templates: the templates used.
+    """
+
+    queries: list[queries_lib.Query]
+    encoded: list[tuple[np.ndarray, np.ndarray]]
+    completions: list[str]
+    correct: list[bool]
+    report: queries_lib.QueryReport
+    templates: dict[str, list[str]]
+
+
+def eval_templates(run: checkpoint_lib.Run, ev: EvalSettings, relations: list[str], data_path: str) -> dict[str, list[str]]:
+    """The corpus's own templates (embedded source) or LAMA relations.jsonl + ParaRel (LAMA source)."""
+    if run.corpus.templates:
+        return {k: list(v) for k, v in run.corpus.templates.items()}
+    lama = ev.lama_dir or data_path
+    if not lama:
+        raise ValueError("the corpus has no prompt templates: set config.eval.lama_dir to a folder with LAMA relations.jsonl")
+    root = pathlib.Path(lama)
+    root = root if (root / "relations.jsonl").is_file() else root.parent  # data.path may point at TREx/
+    return queries_lib.load_templates(root, ev.pararel_dir or None, relations)
+
+
+def make_eval_queries(run: checkpoint_lib.Run, ev: EvalSettings, data_path: str = "") -> EvalQueries:
+    """Facts -> sampled, labelled, encoded queries with the model's greedy completions (§4.2, §A.4).
+
+    Raises:
+      ValueError: the corpus has no facts; a queried relation has no template (names it);
+        no query survives.
+    """
+    corpus = run.corpus
+    if not corpus.facts:
+        raise ValueError(f"corpus {corpus.name} has no facts to query (fact tracing needs source 'embedded' or 'lama')")
+    have = sorted({f.relation for f in corpus.facts})
+    missing = [r for r in ev.relations if r not in have]
+    if missing:
+        raise ValueError(f"config.eval.relations {missing} have no facts in corpus {corpus.name} (it has {have})")
+    relations = list(ev.relations) or have
+    templates = eval_templates(run, ev, relations, data_path)
+    for r in relations:
+        queries_lib.template_for(templates, r, ev.template_variant)  # a relation with no template: error naming it
+    mention_index = queries_lib.MentionIndex(corpus.texts)
+    facts = [f for f in corpus.facts if f.relation in set(relations)]
+    mentions = queries_lib.mention_ids(facts, mention_index)
+    entailing = queries_lib.entailing_ids(corpus.facts)
+    freq = {k: len(v) for k, v in mentions.items()}
+    max_len, bs = run.model_cfg.max_len, 64
+    correct_all = None
+    if ev.selection.max_incorrect_per_bucket > 0:  # §A.4 caps wrong predictions: needs them for every candidate
+        cand = queries_lib.build_queries(facts, templates, variant=ev.template_variant, entailing=entailing,
+                                         mentions=mentions, bucket_edges=ev.selection.bucket_edges)
+        _, flags = queries_lib.predict(run.graphdef, run.params, run.tokenizer, cand, max_new_tokens=ev.max_new_tokens,
+                                       max_len=max_len, batch_size=bs)
+        correct_all = {q.fact_id: c for q, c in zip(cand, flags)}
+    report = queries_lib.QueryReport()
+    report.dropped_relation_filter = len(corpus.facts) - len(facts)
+    report.num_facts = len(corpus.facts) - len(facts)
+    selected = queries_lib.select_facts(facts, freq, ev.selection, report, correct=correct_all)
+    selected = queries_lib.take_balanced(selected, freq, ev.max_queries, ev.selection.bucket_edges)
+    report.num_selected = len(selected)
+    qs = queries_lib.build_queries(selected, templates, variant=ev.template_variant, entailing=entailing,
+                                   mentions=mentions, bucket_edges=ev.selection.bucket_edges, report=report)
+    completions, correct = queries_lib.predict(run.graphdef, run.params, run.tokenizer, qs,
+                                               max_new_tokens=ev.max_new_tokens, max_len=max_len, batch_size=bs)
+    by_fact = {q.fact_id: (c, ok) for q, c, ok in zip(qs, completions, correct)}
+    if ev.query_mode == "prediction":
+        qs = queries_lib.with_targets(qs, completions, report)
+    encode = functools.partial(data_lib.encode_query, run.tokenizer, max_len=max_len)
+    qs, enc = queries_lib.encode_queries(qs, encode, report)
+    if not qs:
+        raise ValueError(f"no query left after selection and encoding: {json.dumps(report.to_dict())}")
+    return EvalQueries(qs, enc, [by_fact[q.fact_id][0] for q in qs], [by_fact[q.fact_id][1] for q in qs], report, templates)
+
+
+@dataclasses.dataclass
+class Retrieved:
+    """One method's ranked proponents (and opponents, for gradient methods) per query."""
+
+    proponent_ids: list[list[int]]
+    proponent_scores: list[list[float]]
+    opponent_ids: list[list[int]] | None = None
+    opponent_scores: list[list[float]] | None = None
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def method_config(config: ml_collections.ConfigDict, m: baselines_lib.Method) -> ml_collections.ConfigDict:
+    """`config` with the row's vectors / hessian settings and its own index directory.
+
+    Rows that share (output_fn, correction) share an index: the Hessian and the unit norm
+    apply at scoring time. TrackStar's setting (loss, corrected) uses `config.index.dir`
+    (the index `launch.build_index` builds by default); every other setting gets
+    `<index.dir>_<output_fn>_<corr|nocorr>`, whichever row config asks for it.
+    """
+    c = ml_collections.ConfigDict(config.to_dict())
+    for key, value in m.overrides().items():
+        section, field = key.split(".")
+        c[section][field] = value
+    if (m.output_fn, m.correction) != ("loss", True):
+        c.index.dir = f"{config.index.dir}_{m.output_fn}_{'corr' if m.correction else 'nocorr'}"
+    return c
+
+
+def query_vectors(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded: list[tuple[np.ndarray, np.ndarray]],
+                  mesh: jax.sharding.Mesh) -> np.ndarray:
+    """Raw query vectors `[Q, d]` (loss on the target tokens only), in batches of `vectors.batch_size`."""
+    bs = vec_fn.vec_cfg.batch_size
+    seq_len = max(len(t) for t, _ in encoded)
+    out = []
+    for lo in range(0, len(encoded), bs):
+        items = encoded[lo:lo + bs]
+        batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
+        out.append(vec_fn(run.params, vec_fn.precond, batch)[: len(items)])
+    return np.concatenate(out)
+
+
+def gradient_retrieval(config: ml_collections.ConfigDict, workdir: pathlib.Path, run: checkpoint_lib.Run,
+                       m: baselines_lib.Method, eq: EvalQueries, k: int, mesh: jax.sharding.Mesh) -> Retrieved:
+    """Builds (or reuses) the row's index, scores every query against it, keeps top / bottom k."""
+    mc = method_config(config, m)
+    summary = build_index(mc, workdir)
+    reader = index_lib.open_index(index_dir(mc, workdir))
+    vec_cfg = vectors_lib.vector_config(mc.vectors)
+    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
+                                        role="query")
+    q_raw = query_vectors(run, vec_fn, eq.encoded, mesh)
+    scoring = index_lib.prepare_scoring(reader, hessian_config(mc), q_raw)
+    q_prime = scoring.finalize_queries(q_raw)
+    from trackstar_jax import retrieval as retrieval_lib  # noqa: PLC0415  (issue 5; imported where used)
+
+    res = retrieval_lib.stream_topk(q_prime, reader, k, int(mc.retrieval.read_chunk_rows), mesh=mesh,
+                                    row_scale=scoring.row_scale)
+    res = jax.device_get(res)
+    return Retrieved(np.asarray(res.top_ids).tolist(), np.asarray(res.top_scores).tolist(),
+                     np.asarray(res.bottom_ids).tolist(), np.asarray(res.bottom_scores).tolist(),
+                     info={"index": str(reader.path), "index_seconds": summary.get("seconds"),
+                           "whitening": scoring.whitening.describe()})
+
+
+def retrieve_for_method(config: ml_collections.ConfigDict, workdir: pathlib.Path, run: checkpoint_lib.Run,
+                        m: baselines_lib.Method, eq: EvalQueries, ev: EvalSettings, mesh: jax.sharding.Mesh,
+                        bm25: baselines_lib.BM25 | None) -> Retrieved:
+    """Proponents of every query for one table row."""
+    k = ev.num_proponents
+    if m.kind == "gold":  # the fact's own entailing passages, in id order (T-REx gold row)
+        ids = [list(q.entailing_ids[:k]) for q in eq.queries]
+        return Retrieved(ids, [[1.0] * len(i) for i in ids])
+    if m.kind == "bm25":
+        scores, ids = bm25.topk([q.prompt + q.target for q in eq.queries], k)
+        return Retrieved(ids.tolist(), scores.tolist())
+    return gradient_retrieval(config, workdir, run, m, eq, k, mesh)
+
+
+def tailpatch_all(run: checkpoint_lib.Run, eq: EvalQueries, retrieved: dict[str, Retrieved], ev: EvalSettings,
+                  mesh: jax.sharding.Mesh) -> dict[tuple[int, int], float]:
+    """Tail-patch delta p for every distinct (query, proponent) pair among the rows' top-k (§4.3).
+
+    Pairs shared by several rows (BM25 and TrackStar often agree) are computed once.
+    """
+    kmax = max(ev.top_ks)
+    pairs = sorted({(qi, int(p)) for r in retrieved.values() for qi, ids in enumerate(r.proponent_ids) for p in ids[:kmax]})
+    if not pairs:
+        return {}
+    props = sorted({p for _, p in pairs})
+    row_of = {p: i for i, p in enumerate(props)}
+    enc_props = []
+    for p in props:
+        t, _ = data_lib.encode_example(run.tokenizer, run.corpus.examples[p].text, run.model_cfg.max_len)
+        m = np.ones(len(t), np.int32)
+        m[0] = 0  # pretraining loss: every token after BOS
+        enc_props.append((t, m))
+    prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
+    query_rows = data_lib.pad_batch(eq.encoded, list(range(len(eq.encoded))), len(eq.encoded),
+                                    max(len(t) for t, _ in eq.encoded))
+    opt_cfg = checkpoint_lib.optimizer_config_from(run.config)
+    opt = train_lib.make_optimizer(opt_cfg)
+    lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, ev.tailpatch_lr)
+    dp = sharding_lib.data_parallel_size(mesh)
+    bs = -(-ev.tailpatch_batch_size // dp) * dp
+    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=opt)
+    idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
+    bar = tqdm.tqdm(total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True)
+    res = tailpatch_lib.run_pairs(fn, run.params, run.opt_state, prop_rows, query_rows, idx, batch_size=bs,
+                                  lr_scale=lr_scale, progress=lambda n: bar.update(n - bar.n))
+    bar.close()
+    return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
+
+
+def query_records(eq: EvalQueries, r: Retrieved, deltas: dict[tuple[int, int], float], ev: EvalSettings,
+                  m: baselines_lib.Method) -> list[dict]:
+    """Per-query metric values of one row (inputs of `metrics.method_row`)."""
+    out = []
+    for qi, q in enumerate(eq.queries):
+        ids = r.proponent_ids[qi]
+        rec = {"query_id": q.query_id, "has_evidence": q.has_evidence, "correct": eq.correct[qi], "bucket": q.bucket}
+        if m.kind != "gold":
+            rec.update(metrics_lib.query_metrics(ids, q.entailing_ids))
+            rec.update(metrics_lib.query_metrics(ids, q.mention_ids, prefix="mention_"))
+        rec.update(metrics_lib.tailpatch_at_k([deltas[(qi, int(p))] for p in ids[:max(ev.top_ks)]], ev.top_ks))
+        out.append(rec)
+    return out
+
+
+def write_retrievals(path: pathlib.Path, run: checkpoint_lib.Run, eq: EvalQueries, r: Retrieved, m: baselines_lib.Method,
+                     deltas: dict[tuple[int, int], float]) -> None:
+    """Per-query proponents in the PAIR-code/pretraining-tda schema (+ fact fields, tail-patch deltas)."""
+    texts = run.corpus.texts
+    with open(path, "w") as f:
+        for qi, q in enumerate(eq.queries):
+            ids = [int(i) for i in r.proponent_ids[qi]]
+            gold = set(q.entailing_ids)
+            row = {"example_id": q.query_id, "query_set": m.name, "inputs_plaintext": q.prompt,
+                   "targets_plaintext": q.target, "fact_id": q.fact_id, "relation": q.relation,
+                   "frequency": q.frequency, "frequency_bucket": q.bucket, "has_trex_sentence": q.has_evidence,
+                   "model_completion": eq.completions[qi], "model_correct": eq.correct[qi],
+                   "proponents": [texts[i] for i in ids], "proponent_ids": ids,
+                   "proponent_scores": [float(s) for s in r.proponent_scores[qi]],
+                   "proponent_correct": [i in gold for i in ids],
+                   "proponent_tailpatch": [deltas.get((qi, i)) for i in ids]}
+            if r.opponent_ids is not None:
+                oids = [int(i) for i in r.opponent_ids[qi]]
+                row.update({"opponents": [texts[i] for i in oids], "opponent_ids": oids,
+                            "opponent_scores": [float(s) for s in r.opponent_scores[qi]]})
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+    """Stage 4: the fact-tracing table (§4-5, Table 1 / A.1 / A.2) for every row in `config.eval.methods`.
+
+    Builds the query set from the run's facts (`make_eval_queries`), retrieves proponents per
+    row (T-REx gold, BM25, and gradient rows whose indices are built or reused under
+    `workdir/<index.dir>[_<output_fn>_<corr|nocorr>]`), tail-patches every distinct (query,
+    top-k proponent) pair from the final checkpoint, and writes to `workdir/eval/`:
+    `queries.jsonl`, `query_report.json`, `retrievals/<method>.jsonl` (PAIR-code schema),
+    `table.json` (one row per method with 95% intervals and correctness / frequency splits)
+    and `table.md`.
+
+    Returns:
+      The table.json content.
+    """
+    t0 = time.perf_counter()
+    workdir = pathlib.Path(workdir)
+    quiet_library_logs()
+    ev = eval_settings(config)
+    methods = [baselines_lib.method(n) for n in ev.methods]
+    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    out_dir = workdir / EVAL_DIR
+    (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
+
+    eq = make_eval_queries(run, ev, str(run.config.data.get("path", "")))
+    queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")
+    report = eq.report.to_dict()
+    (out_dir / "query_report.json").write_text(json.dumps(report, indent=1))
+    accuracy = sum(eq.correct) / len(eq.correct)
+    logging.info("eval: %d queries (%s mode, template %d), model accuracy %.3f, %d without evidence, %d empty targets; "
+                 "buckets %s", len(eq.queries), ev.query_mode, ev.template_variant, accuracy, report["num_no_evidence"],
+                 report["num_empty_target"], report["per_bucket"])
+    if report["num_no_evidence"]:
+        logging.warning("eval: %d queried facts have no entailing passage in the corpus; they are excluded from MRR / "
+                        "recall / precision (fact ids %s)", report["num_no_evidence"], report["no_evidence_fact_ids"][:10])
+
+    bm25 = None
+    if any(m.kind == "bm25" for m in methods):
+        bm25 = baselines_lib.BM25(run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
+    retrieved, seconds = {}, {}
+    for m in methods:
+        t1 = time.perf_counter()
+        retrieved[m.name] = retrieve_for_method(config, workdir, run, m, eq, ev, mesh, bm25)
+        seconds[m.name] = time.perf_counter() - t1
+        logging.info("eval: retrieved for %s in %.1fs", m.label, seconds[m.name])
+    t1 = time.perf_counter()
+    deltas = tailpatch_all(run, eq, retrieved, ev, mesh)
+    tailpatch_seconds = time.perf_counter() - t1
+    logging.info("eval: tail-patched %d distinct (query, proponent) pairs in %.1fs", len(deltas), tailpatch_seconds)
+
+    names = list(metrics_lib.ATTRIBUTION_METRICS) + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS] + \
+        [f"tailpatch_at_{k}" for k in ev.top_ks]
+    rows = []
+    for m in methods:
+        r = retrieved[m.name]
+        write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run, eq, r, m, deltas)
+        extra = {"label": m.label, "kind": m.kind, "settings": dataclasses.asdict(m), "gold_attribution": m.kind == "gold",
+                 "retrieval_seconds": seconds[m.name], **({"scoring": r.info} if r.info else {})}
+        rows.append(metrics_lib.method_row(m.name, query_records(eq, r, deltas, ev, m), names,
+                                           bucket_order=queries_lib.bucket_order(ev.selection.bucket_edges),
+                                           seed=ev.bootstrap_seed, extra=extra))
+    table = {
+        "rows": rows, "query_mode": ev.query_mode, "template_variant": ev.template_variant,
+        "num_queries": len(eq.queries), "model_accuracy": accuracy, "query_report": report,
+        "corpus": {"name": run.corpus.name, "num_examples": len(run.corpus.examples), "num_facts": len(run.corpus.facts)},
+        "model": {"num_params": model_lib.param_count(run.params), "checkpoint_step": run.step,
+                  "config": dataclasses.asdict(run.model_cfg)},
+        "tailpatch": {"learning_rate": ev.tailpatch_lr, "top_ks": list(ev.top_ks), "num_pairs": len(deltas),
+                      "seconds": tailpatch_seconds},
+        "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
+        "seconds": time.perf_counter() - t0,
+    }
+    (out_dir / "table.json").write_text(json.dumps(table, indent=1))
+    (out_dir / "table.md").write_text(table_markdown(table, eq, retrieved, run, ev))
+    logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
+    return table
+
+
+def table_markdown(table: dict, eq: EvalQueries, retrieved: dict[str, Retrieved], run: checkpoint_lib.Run,
+                   ev: EvalSettings) -> str:
+    """table.md: the main table, the correct / incorrect split, and a few queries' top proponents."""
+    rows = table["rows"]
+    cols = list(metrics_lib.ATTRIBUTION_METRICS) + [f"tailpatch_at_{k}" for k in ev.top_ks]
+    shown = [{**r, "method": r["label"]} for r in rows]
+    head = (f"Fact tracing on {table['corpus']['name']} ({table['corpus']['num_examples']} passages), "
+            f"{table['num_queries']} queries ({table['query_mode']} targets, template {table['template_variant']}), "
+            f"model {table['model']['num_params']:,} params at step {table['model']['checkpoint_step']}, "
+            f"accuracy {table['model_accuracy']:.3f}. Mean [{table['ci']}]; tail-patch in percentage points.\n\n")
+    md = "# Fact tracing table\n\n" + head + metrics_lib.markdown_table(shown, cols)
+    for label in ("correct", "incorrect"):
+        sub = [{**r["by_correctness"][label], "method": r["label"], "gold_attribution": r["gold_attribution"]}
+               for r in rows if label in r["by_correctness"]]
+        if sub:
+            md += "\n" + metrics_lib.markdown_table(sub, cols, title=f"Facts the model predicts {label}ly (Table A.2)")
+    md += "\n" + metrics_lib.markdown_table(
+        [{"method": r["label"], "num_queries": r["num_queries"], **{k: r.get(k) for k in r if k.startswith("mention_")}}
+         for r in rows if r["kind"] != "gold"],
+        [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS],
+        title="Looser label: proponent mentions both entities")
+    md += "\n## Example queries\n"
+    for qi, q in enumerate(eq.queries[: ev.num_examples_shown]):
+        md += f"\n**{q.prompt}** →{q.target}  (model: {eq.completions[qi]!r}, {'correct' if eq.correct[qi] else 'incorrect'}; " \
+              f"{len(q.entailing_ids)} gold passages)\n\n"
+        for name, r in retrieved.items():
+            if name == "trex_gold":
+                continue
+            md += f"- {baselines_lib.METHODS[name].label}:\n"
+            for rank, (p, s) in enumerate(zip(r.proponent_ids[qi][:3], r.proponent_scores[qi][:3]), 1):
+                mark = "✓" if p in set(q.entailing_ids) else " "
+                md += f"  {rank}. {mark} [{p}] ({s:.3g}) {run.corpus.texts[p][:160]}\n"
+    return md

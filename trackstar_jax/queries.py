@@ -466,6 +466,27 @@ def select_facts(facts: Sequence[Any], frequencies: Mapping[str, int], cfg: Sele
     return [facts[i] for i, _ in chosen]
 
 
+def take_balanced(facts: Sequence[Any], frequencies: Mapping[str, int], n: int,
+                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> list[Any]:
+    """At most `n` facts taken round-robin over frequency buckets (keeps the §A.4 balance).
+
+    `facts` is `select_facts` output (already shuffled within buckets); the result keeps
+    its (bucket, position) order. `n <= 0` keeps everything.
+    """
+    if n <= 0 or len(facts) <= n:
+        return list(facts)
+    by_bucket: dict[str, list[int]] = collections.defaultdict(list)
+    for i, f in enumerate(facts):
+        by_bucket[bucket_name(int(frequencies[f.fact_id]), bucket_edges)].append(i)
+    queues = [collections.deque(v) for v in by_bucket.values()]
+    keep: list[int] = []
+    while len(keep) < n:
+        for q in queues:
+            if q and len(keep) < n:
+                keep.append(q.popleft())
+    return [facts[i] for i in sorted(keep)]
+
+
 def build_queries(facts: Sequence[Any], templates: Mapping[str, Sequence[str]], *, variant: int,
                   entailing: Mapping[str, Sequence[int]], mentions: Mapping[str, Sequence[int]],
                   bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,

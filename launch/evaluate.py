@@ -1,0 +1,39 @@
+"""Stage 4, the fact-tracing table: `python -m launch.evaluate --config=experiments/trex_table1.py --workdir=runs/t1`.
+
+One command from nothing to the table: pretrains the model (or resumes / reuses the
+checkpoint in `--workdir`), builds (or reuses) every gradient index the chosen rows need, then
+evaluates every row of `config.eval.methods` and writes `workdir/eval/table.{json,md}`.
+The table and the top proponents of a few queries are printed at the end.
+Overrides: `--config.eval.methods='("bm25","trackstar")' --config.eval.query_mode=prediction`.
+"""
+
+import pathlib
+
+import jax
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from trackstar_jax import pipeline
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; an existing run is reused).")
+_TRAIN = flags.DEFINE_bool("train", True, "Pretrain / resume first (a finished run is only reloaded).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    logging.info("devices: %s", jax.devices())
+    if _TRAIN.value:
+        summary = pipeline.train(_CONFIG.value, _WORKDIR.value)
+        print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")
+    table = pipeline.evaluate(_CONFIG.value, _WORKDIR.value)
+    print(pathlib.Path(_WORKDIR.value, pipeline.EVAL_DIR, "table.md").read_text())
+    print(f"wrote {pathlib.Path(_WORKDIR.value, pipeline.EVAL_DIR, 'table.json')} ({len(table['rows'])} rows, "
+          f"{table['num_queries']} queries, {table['seconds']:.0f}s)")
+
+
+if __name__ == "__main__":
+    jax.config.config_with_absl()
+    app.run(main)
