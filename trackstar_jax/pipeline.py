@@ -234,9 +234,9 @@ class _DropLibraryInfo(std_logging.Filter):
 
 def quiet_library_logs() -> None:
     """Keeps absl INFO logs readable: orbax's per-save INFO chatter is dropped."""
-    handler = logging.get_absl_handler()
-    if not any(isinstance(f, _DropLibraryInfo) for f in handler.filters):
-        handler.addFilter(_DropLibraryInfo())
+    for target in (logging.get_absl_handler(), logging.get_absl_logger()):
+        if not any(isinstance(f, _DropLibraryInfo) for f in target.filters):
+            target.addFilter(_DropLibraryInfo())
 
 
 def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
@@ -828,13 +828,25 @@ def write_retrievals(path: pathlib.Path, run: checkpoint_lib.Run, eq: EvalQuerie
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
+def eval_dir(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> pathlib.Path:
+    """`workdir/eval` for gold targets with template 0; `eval_<mode>[_t<variant>]` otherwise.
+
+    Query modes and template variants get their own folders, so one run can hold the main
+    table, the prediction-mode table and the Table A.1 template variations side by side.
+    """
+    mode, variant = str(config.eval.query_mode), int(config.eval.template_variant)
+    suffix = "" if (mode, variant) == ("gold", 0) else f"_{mode}" + (f"_t{variant}" if variant else "")
+    return pathlib.Path(workdir) / (EVAL_DIR + suffix)
+
+
 def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
     """Stage 4: the fact-tracing table (§4-5, Table 1 / A.1 / A.2) for every row in `config.eval.methods`.
 
     Builds the query set from the run's facts (`make_eval_queries`), retrieves proponents per
     row (T-REx gold, BM25, and gradient rows whose indices are built or reused under
     `workdir/<index.dir>[_<output_fn>_<corr|nocorr>]`), tail-patches every distinct (query,
-    top-k proponent) pair from the final checkpoint, and writes to `workdir/eval/`:
+    top-k proponent) pair from the final checkpoint, and writes to `eval_dir(config, workdir)`
+    (`workdir/eval/` for gold targets and template 0):
     `queries.jsonl`, `query_report.json`, `retrievals/<method>.jsonl` (PAIR-code schema),
     `table.json` (one row per method with 95% intervals and correctness / frequency splits)
     and `table.md`.
@@ -849,8 +861,13 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     methods = [baselines_lib.method(n) for n in ev.methods]
     mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
-    out_dir = workdir / EVAL_DIR
+    out_dir = eval_dir(config, workdir)
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
+    stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
+    if stale:  # a previous evaluation's rows would not match this query set
+        logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
+        for f in stale:
+            f.unlink()
 
     eq = make_eval_queries(run, ev, str(run.config.data.get("path", "")))
     queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")

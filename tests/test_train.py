@@ -1,0 +1,197 @@
+"""Stage 1 (pipeline.train): sharded train step, loss decrease, resume, refusals, load_run."""
+
+import json
+import logging
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import skip_if_not_enough_devices
+from trackstar_jax import checkpoint, data, generate, pipeline, sharding, train
+
+
+def _config(tiny_config, steps):
+    c = tiny_config
+    c.model.num_layers = 1  # compiles faster; every parameter kind is still there
+    c.train.num_steps = steps
+    c.train.log_every_steps = 10
+    c.train.eval_every_steps = steps
+    c.train.checkpoint_every_steps = 50
+    c.train.num_completions = 4
+    return c
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """A 100-step tiny run made in two calls (60 steps, then resumed to 100)."""
+    from experiments import tiny
+
+    workdir = tmp_path_factory.mktemp("run")
+    first = pipeline.train(_config(tiny.get_config(), 60), workdir)
+    summary = pipeline.train(_config(tiny.get_config(), 100), workdir)
+    return workdir, first, summary
+
+
+def _train_losses(workdir):
+    recs = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in recs if "train/loss" in r}, [r for r in recs if "eval/loss" in r]
+
+
+def test_loss_decreases_on_the_embedded_corpus(run):
+    workdir, first, summary = run
+    losses, evals = _train_losses(workdir)
+    assert sorted(losses) == list(range(10, 101, 10))  # logged every 10 steps, across the resume
+    assert losses[10] > np.log(512) - 1.0  # starts near chance
+    assert losses[100] < losses[10] - 2.0
+    assert [r["step"] for r in evals] == [60, 100] and evals[-1]["eval/loss"] < losses[10] - 1.0
+    assert summary["step"] == 100 and first["step"] == 60
+    assert summary["num_fact_prompts"] == 120 and len(summary["completions"]) == 4
+    assert json.loads((workdir / "train_summary.json").read_text())["step"] == 100
+
+
+def test_resumed_run_continues_the_same_batches(run, tiny_config, tmp_path):
+    """The resumed run sees the batches of an uninterrupted run: the loss at step 70 (10 steps
+    after the resume at 60) equals that of a reference loop written out here."""
+    workdir, _, _ = run
+    tiny_config = _config(tiny_config, 100)
+    corpus, tok = data.load_corpus(workdir / "corpus"), data.load_tokenizer(workdir / "tokenizer.model")
+    mesh = sharding.make_mesh()
+    model_cfg, opt = pipeline.model_config(tiny_config), train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    graphdef, target = checkpoint.abstract_state(model_cfg, opt, mesh)
+    mngr = checkpoint.CheckpointManager(workdir / "checkpoints")
+    assert mngr.all_steps() == [50, 60, 100]
+    _, state = mngr.restore(60, target)
+    mngr.close()
+    step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+    batches = data.train_batches(corpus, tok, 32, model_cfg.max_len, seed=0, start_step=60)
+    ms = []
+    for _ in range(10):
+        state, m = step(state, pipeline.device_batch(next(batches), mesh))
+        ms.append(jax.device_get(m))
+    ref = sum(float(m["loss"]) * float(m["num_tokens"]) for m in ms) / sum(float(m["num_tokens"]) for m in ms)
+    np.testing.assert_allclose(_train_losses(workdir)[0][70], ref, rtol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [3])
+def test_one_and_eight_devices_give_the_same_loss(tiny_config, steps):
+    skip_if_not_enough_devices(8)
+    tiny_config.model.num_layers = 1
+    corpus = data.build_corpus(tiny_config.data, 0)
+    tok = data.train_tokenizer(corpus.texts, 512)
+    model_cfg, opt = pipeline.model_config(tiny_config), train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    batches = data.train_batches(corpus, tok, 16, model_cfg.max_len, seed=0)
+    host = [next(batches) for _ in range(steps)]
+    results = []
+    for devices in (jax.devices()[:1], jax.devices()[:8]):
+        mesh = sharding.make_mesh(devices=devices)
+        graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
+        jit_step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+        losses = []
+        for b in host:
+            batch = pipeline.device_batch(b, mesh)
+            assert len(batch["tokens"].sharding.device_set) == len(devices)
+            state, m = jit_step(state, batch)
+            losses.append(float(m["loss"]))
+        results.append((losses, jax.device_get(state.params)))
+    (l1, p1), (l8, p8) = results
+    np.testing.assert_allclose(l1, l8, rtol=1e-5, atol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), p1, p8)
+    assert l1[-1] < l1[0]
+
+
+def test_rerun_of_a_finished_run_does_not_retrain_or_overwrite(run, tiny_config):
+    workdir, _, summary = run
+    ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
+    mtimes = {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()}
+    again = pipeline.train(_config(tiny_config, 100), workdir)
+    assert again["step"] == 100 and again["train_loss"] is None
+    np.testing.assert_allclose(again["eval_loss"], summary["eval_loss"], rtol=1e-6)
+    assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ckpts
+    assert {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()} == mtimes
+
+
+def test_load_run_gives_the_trained_model(run):
+    workdir, _, summary = run
+    r = checkpoint.load_run(workdir)
+    assert r.step == 100 and r.model_cfg == pipeline.model_config(r.config)
+    assert r.corpus.fingerprint == data.load_corpus(workdir / "corpus").fingerprint
+    assert r.tokenizer.vocab_size <= r.model_cfg.vocab_size
+    import optax
+
+    assert jax.tree.leaves(optax.tree_utils.tree_get(r.opt_state, "v_row"))
+    # The loaded params reproduce the run's completions.
+    rows = summary["completions"]
+    outs = generate.complete(r.graphdef, r.params, r.tokenizer, [x["prompt"] for x in rows], 8, r.model_cfg.max_len)
+    assert outs == [x["completion"] for x in rows]
+
+
+def test_refuses_a_workdir_of_another_run(run, tiny_config):
+    workdir, _, _ = run
+    tiny_config.model.embed_dim = 32
+    with pytest.raises(ValueError, match=r"different run.*model\.embed_dim: saved 64, now 32"):
+        pipeline.train(_config(tiny_config, 100), workdir)
+
+
+def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
+    """config.json lost, checkpoint kept: the checkpoint's own config still guards it."""
+    workdir, _, _ = run
+    import shutil
+
+    other = tmp_path / "w"
+    shutil.copytree(workdir / "checkpoints", other / "checkpoints")
+    tiny_config.model.mlp_dim = 128
+    with pytest.raises(ValueError, match=r"does not match the config: model\.mlp_dim: saved 256, now 128"):
+        pipeline.train(_config(tiny_config, 100), other)
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("train.num_step", 3, r"unknown config key\(s\) in config\.train: num_step"),
+    ("data.tokenizer", "bpe", r"unknown config key\(s\) in config\.data: tokenizer"),
+    ("train.global_batch_size", 12, r"global_batch_size=12 is not divisible by the 8"),
+])
+def test_bad_config_is_named(tiny_config, tmp_path, key, value, match):
+    skip_if_not_enough_devices(8)
+    section, name = key.split(".")
+    with tiny_config.unlocked():
+        setattr(getattr(tiny_config, section), name, value)
+    with pytest.raises(ValueError, match=match):
+        pipeline.train(tiny_config, tmp_path)
+
+
+def test_overlong_passages_are_truncated_and_counted(tiny_config, tmp_path, caplog):
+    tiny_config.model.max_len = 12
+    with caplog.at_level(logging.WARNING):
+        corpus, tok = pipeline.prepare_data(tiny_config, tmp_path)
+    n = len(data.truncation_report(corpus.texts, tok, 12))
+    assert n > 0 and f"{n} of {len(corpus.examples)} passages exceed model.max_len=12" in caplog.text
+
+
+def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path):
+    tiny_config.model.vocab_size = 600
+    pipeline.prepare_data(tiny_config, tmp_path)  # trains a tokenizer of <= 600 pieces
+    tiny_config.model.vocab_size = 100
+    with pytest.raises(ValueError, match=r"pieces > config\.model\.vocab_size=100"):
+        pipeline.prepare_data(tiny_config, tmp_path)
+
+
+def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
+    """Reference: recompute the full forward for each new token and take the argmax."""
+    from trackstar_jax import model as model_lib
+
+    tiny_config.model.num_layers = 1
+    cfg = pipeline.model_config(tiny_config)
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 1))
+    prompts = [[2, 10, 11, 12], [2, 40], [2, 7, 7, 7, 7, 7, 7]]
+    got = generate.greedy_generate(graphdef, params, prompts, 5, cfg.max_len, eos_id=3)
+    forward = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t))
+    for p, g in zip(prompts, got):
+        seq = list(p)
+        for _ in range(5):
+            buf = np.zeros((1, cfg.max_len), np.int32)  # one shape: one compile; causal, so
+            buf[0, : len(seq)] = seq  # the padding after the sequence cannot matter
+            nxt = int(np.argmax(np.asarray(forward(params, buf))[0, len(seq) - 1]))
+            seq.append(nxt)
+            if nxt == 3:
+                break
+        assert g == seq[len(p):]
