@@ -7,8 +7,6 @@ The table and the top proponents of a few queries are printed at the end.
 Overrides: `--config.eval.methods='("bm25","trackstar")' --config.eval.query_mode=prediction`.
 """
 
-import pathlib
-
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -29,8 +27,9 @@ def main(argv):
         summary = pipeline.train(_CONFIG.value, _WORKDIR.value)
         print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")
     table = pipeline.evaluate(_CONFIG.value, _WORKDIR.value)
-    print(pathlib.Path(_WORKDIR.value, pipeline.EVAL_DIR, "table.md").read_text())
-    print(f"wrote {pathlib.Path(_WORKDIR.value, pipeline.EVAL_DIR, 'table.json')} ({len(table['rows'])} rows, "
+    out = pipeline.eval_dir(_CONFIG.value, _WORKDIR.value)
+    print((out / "table.md").read_text())
+    print(f"wrote {out / 'table.json'} ({len(table['rows'])} rows, "
           f"{table['num_queries']} queries, {table['seconds']:.0f}s)")
 
 

@@ -232,3 +232,11 @@ def test_queries_from_real_lama_lines(shared_data):
             assert any(a.lower() in low for a in q.aliases) and any(a.lower() in low for a in q.subject_aliases)
     P103 = [q for q in qs if q.relation == "P103"]
     assert P103 and all(q.prompt.startswith("The native language of ") for q in P103)
+
+
+def test_take_balanced_round_robins_buckets():
+    facts = [_fact(f"a{i}", f"A{i}", "P1", "X") for i in range(6)] + [_fact(f"b{i}", f"B{i}", "P1", "Y") for i in range(2)]
+    freq = {**{f"a{i}": 3 for i in range(6)}, **{f"b{i}": 50 for i in range(2)}}
+    got = [f.fact_id for f in queries.take_balanced(facts, freq, 4, (1, 10))]
+    assert got == ["a0", "a1", "b0", "b1"]  # 2 + 2, not the first 4 of the big bucket
+    assert len(queries.take_balanced(facts, freq, 0, (1, 10))) == 8
