@@ -1,0 +1,47 @@
+"""Every experiments/*.py loads, and its sections turn into the typed objects the stages use."""
+
+import importlib
+import pathlib
+
+import jax
+import ml_collections
+import pytest
+
+from trackstar_jax import data, model, pipeline
+
+EXPERIMENTS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
+                     if p.stem != "__init__")
+
+
+def test_the_expected_configs_exist():
+    assert {"base", "tiny", "small", "paper_154m", "paper_1b", "paper_8b"} <= set(EXPERIMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_config_loads_and_types(name):
+    config = importlib.import_module(f"experiments.{name}").get_config()
+    assert isinstance(config, ml_collections.ConfigDict)
+    model_cfg = pipeline.model_config(config)  # unknown model keys would raise
+    pipeline.optimizer_config(config)
+    pipeline._check_train_keys(config)  # unknown train keys would raise
+    data_cfg = data.data_config(config.data)  # unknown data keys would raise
+    assert data_cfg.source in data.SOURCES
+    _, params = model.abstract_params(model_cfg)  # builds abstractly (no allocation)
+    assert model.param_count(params) > 0 and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    assert config.train.global_batch_size > 0 and config.train.num_steps > 0
+
+
+def test_tiny_and_small_sizes():
+    tiny = pipeline.model_config(importlib.import_module("experiments.tiny").get_config())
+    small = pipeline.model_config(importlib.import_module("experiments.small").get_config())
+    assert model.param_count(model.abstract_params(tiny)[1]) < 1_000_000
+    assert 5e6 <= model.param_count(model.abstract_params(small)[1]) <= 20e6
+
+
+def test_unknown_keys_in_a_config_file_are_named(tiny_config):
+    tiny_config.model.embed_dims = 32  # a typo in an experiment file (not a CLI override)
+    with pytest.raises(ValueError, match=r"config\.model: embed_dims"):
+        pipeline.model_config(tiny_config)
+    tiny_config.train.warmup = 5
+    with pytest.raises(ValueError, match=r"config\.train: warmup"):
+        pipeline._check_train_keys(tiny_config)

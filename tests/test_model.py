@@ -1,0 +1,209 @@
+"""Model: shapes, causal masking, RoPE / MQA / norms / full forward vs numpy, paper sizes."""
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from trackstar_jax import model as model_lib
+
+SMALL = model_lib.LMConfig(vocab_size=50, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=12)
+
+
+def _np_rope(x, base):
+    """Reference RoPE over the last axis: pair (i, i + h/2) rotated by angle p / base^(2i/h)."""
+    x = np.asarray(x, np.float64)
+    out = np.empty_like(x)
+    t, h = x.shape[1], x.shape[-1]
+    for p in range(t):
+        for i in range(h // 2):
+            theta = p / base ** (2 * i / h)
+            a, b = x[:, p, ..., i], x[:, p, ..., i + h // 2]
+            out[:, p, ..., i] = a * math.cos(theta) - b * math.sin(theta)
+            out[:, p, ..., i + h // 2] = b * math.cos(theta) + a * math.sin(theta)
+    return out
+
+
+def _np_norm(x, scale, kind, eps=1e-6):
+    x = np.asarray(x, np.float64)
+    if kind == "layer":
+        x = x - x.mean(-1, keepdims=True)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * scale
+
+
+def _np_softmax(z):
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def _np_mqa(x, p, h, hd, base):
+    """Reference multi-query attention: h query heads, one shared key/value head, causal."""
+    b, t, _ = x.shape
+    q = (x @ p["query"]["kernel"]).reshape(b, t, h, hd)
+    k, v = x @ p["key"]["kernel"], x @ p["value"]["kernel"]
+    q, k = _np_rope(q, base), _np_rope(k, base)
+    ctx = np.zeros((b, t, h, hd))
+    for bi in range(b):
+        for hi in range(h):
+            s = q[bi, :, hi] @ k[bi].T / math.sqrt(hd)  # [t, t]
+            s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+            ctx[bi, :, hi] = _np_softmax(s) @ v[bi]
+    return ctx.reshape(b, t, h * hd) @ p["out"]["kernel"]
+
+
+def _np_forward(cfg, params, tokens):
+    """Reference forward of the whole decoder (pre-norm residual blocks, SwiGLU)."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    x = p["embed"][tokens]
+    for i in range(cfg.num_layers):
+        lp = p[f"layer_{i}"]
+        x = x + _np_mqa(_np_norm(x, lp["attn_norm"]["scale"], cfg.norm), lp["attn"], cfg.num_heads, cfg.head_dim,
+                        cfg.rope_base)
+        hn = _np_norm(x, lp["mlp_norm"]["scale"], cfg.norm)
+        g = hn @ lp["mlp"]["gate"]["kernel"]
+        x = x + (g / (1 + np.exp(-g)) * (hn @ lp["mlp"]["up"]["kernel"])) @ lp["mlp"]["down"]["kernel"]
+    x = _np_norm(x, p["final_norm"]["scale"], cfg.norm)
+    if cfg.tie_embeddings:
+        return x @ p["embed"].T / math.sqrt(cfg.embed_dim)
+    return x @ p["unembed"]["kernel"]
+
+
+_apply = jax.jit(model_lib.apply, static_argnums=0)  # one dispatch per forward (fast tests)
+
+
+def _random_params(cfg, seed=0):
+    """Model params with random (not unit) norm scales, as a pure dict."""
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg, seed))
+    params = nnx.to_pure_dict(params)
+    key = jax.random.key(seed + 1)
+    flat = model_lib.flat_params(params)
+    for i, path in enumerate(sorted(flat)):
+        if path.endswith("scale"):
+            node = params
+            *head, last = path.split("/")
+            for h in head:
+                node = node[h]
+            node[last] = 1.0 + 0.3 * jax.random.normal(jax.random.fold_in(key, i), node[last].shape)
+    return graphdef, params
+
+
+@pytest.mark.parametrize("tie,norm", [(True, "rms"), (False, "layer")])
+def test_forward_matches_numpy_reference(tie, norm):
+    cfg = dataclasses.replace(SMALL, tie_embeddings=tie, norm=norm)
+    graphdef, params = _random_params(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9)).astype(np.int32)
+    with jax.default_matmul_precision("highest"):
+        logits = _apply(graphdef, params, jnp.asarray(tokens))
+    assert logits.shape == (2, 9, cfg.vocab_size) and logits.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(logits), _np_forward(cfg, params, tokens), rtol=1e-4, atol=1e-4)
+    assert ("unembed" in params) == (not tie)
+
+
+def test_causal_masking():
+    graphdef, params = _random_params(SMALL)
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, SMALL.vocab_size, (1, 10)).astype(np.int32)
+    base = np.asarray(_apply(graphdef, params, jnp.asarray(tokens)))
+    for j in (3, 7, 9):
+        changed = tokens.copy()
+        changed[0, j] = (changed[0, j] + 1) % SMALL.vocab_size
+        out = np.asarray(_apply(graphdef, params, jnp.asarray(changed)))
+        np.testing.assert_allclose(out[0, :j], base[0, :j], rtol=1e-6, atol=1e-6)  # earlier logits untouched
+        assert not np.allclose(out[0, j], base[0, j])  # the changed position itself does change
+
+
+def test_rope_matches_numpy_and_is_relative():
+    x = np.random.default_rng(2).standard_normal((2, 7, 3, 8)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(model_lib.rope(jnp.asarray(x), 10_000.0)), _np_rope(x, 10_000.0),
+                               rtol=1e-5, atol=1e-5)
+    # <rope(q)_m, rope(k)_n> depends only on m - n.
+    q = np.tile(np.random.default_rng(3).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
+    k = np.tile(np.random.default_rng(4).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
+    rq, rk = np.asarray(model_lib.rope(jnp.asarray(q), 100.0)), np.asarray(model_lib.rope(jnp.asarray(k), 100.0))
+    dots = np.einsum("md,nd->mn", rq[0], rk[0])
+    np.testing.assert_allclose(dots[3, 1], dots[5, 3], rtol=1e-5)
+    np.testing.assert_allclose(dots[6, 6], dots[0, 0], rtol=1e-5)
+
+
+def test_multi_query_attention_matches_numpy():
+    cfg = SMALL
+    attn = model_lib.MultiQueryAttention(cfg, "layer_0/attn", rngs=nnx.Rngs(params=0))
+    p = nnx.to_pure_dict(nnx.state(attn, nnx.Param))
+    assert p["key"]["kernel"].shape == (cfg.embed_dim, cfg.head_dim)  # one shared key head
+    assert p["query"]["kernel"].shape == (cfg.embed_dim, cfg.num_heads * cfg.head_dim)
+    x = np.random.default_rng(5).standard_normal((2, 6, cfg.embed_dim)).astype(np.float32)
+    with jax.default_matmul_precision("highest"):
+        y = np.asarray(attn(jnp.asarray(x)))
+    ref = _np_mqa(x.astype(np.float64), jax.tree.map(np.asarray, p), cfg.num_heads, cfg.head_dim, cfg.rope_base)
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_norm_matches_numpy(kind):
+    cfg = dataclasses.replace(SMALL, norm=kind)
+    norm = model_lib.Norm(cfg.embed_dim, "final_norm", cfg)
+    norm.scale[...] = jnp.linspace(0.5, 1.5, cfg.embed_dim)
+    x = np.random.default_rng(6).standard_normal((3, cfg.embed_dim)).astype(np.float32) * 3 + 1
+    np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), _np_norm(x, np.linspace(0.5, 1.5, cfg.embed_dim), kind),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_tap_sees_every_attributed_layer_and_identity_tap_is_a_no_op():
+    graphdef, params = _random_params(SMALL)
+    tokens = jnp.asarray(np.arange(8, dtype=np.int32)[None])
+    seen = {}
+
+    def tap(path, x, y):
+        seen[path] = (x.shape, y.shape)
+        return y
+
+    out = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t, tap=tap))(params, tokens)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(_apply(graphdef, params, tokens)))
+    assert sorted(seen) == sorted(model_lib.attributed_paths(params))
+    assert "embed" not in seen and seen["layer_1/mlp/down/kernel"] == ((1, 8, 24), (1, 8, 16))
+
+
+def test_lm_targets_and_example_losses():
+    graphdef, params = _random_params(SMALL)
+    tokens = np.random.default_rng(7).integers(4, SMALL.vocab_size, (2, 6)).astype(np.int32)
+    mask = np.array([[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]], np.int32)
+    losses = jax.jit(lambda p, b: model_lib.example_losses(lambda x: model_lib.apply(graphdef, p, x), b))(
+        params, {"tokens": tokens, "loss_mask": mask})
+    logits = np.asarray(_apply(graphdef, params, jnp.asarray(tokens[:, :-1])), np.float64)
+    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    ref = [-sum(logp[b, t - 1, tokens[b, t]] for t in range(1, 6) if mask[b, t]) for b in range(2)]
+    np.testing.assert_allclose(np.asarray(losses), ref, rtol=1e-5)
+
+
+def test_bad_model_config_and_overlong_input():
+    with pytest.raises(ValueError, match="model.norm"):
+        model_lib.LMConfig(norm="batch")
+    with pytest.raises(ValueError, match="head_dim must be even"):
+        model_lib.LMConfig(head_dim=7)
+    with pytest.raises(ValueError, match="model.num_layers must be positive"):
+        model_lib.LMConfig(num_layers=0)
+    graphdef, params = _random_params(SMALL)
+    with pytest.raises(ValueError, match="exceeds model.max_len=12"):
+        model_lib.apply(graphdef, params, jnp.zeros((1, 13), jnp.int32))
+
+
+@pytest.mark.parametrize("name,target", [("paper_154m", 154e6), ("paper_1b", 1e9), ("paper_8b", 8e9)])
+def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
+    import importlib
+
+    from trackstar_jax import pipeline
+
+    cfg = pipeline.model_config(importlib.import_module(f"experiments.{name}").get_config())
+    _, params = model_lib.abstract_params(cfg)  # jax.eval_shape: nothing is allocated
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+    n = model_lib.param_count(params)
+    assert abs(n - target) / target < 0.10, f"{name}: {n:,} parameters vs the paper's {target:,.0f}"
+    # Table A.3 shapes: multi-query (one key/value head), SwiGLU (gate/up/down)
+    flat = model_lib.flat_params(params)
+    assert flat["layer_0/attn/key/kernel"].shape == (cfg.embed_dim, cfg.head_dim)
+    assert flat["layer_0/mlp/gate/kernel"].shape == (cfg.embed_dim, cfg.mlp_dim)
