@@ -237,6 +237,8 @@ def test_queries_from_real_lama_lines(shared_data):
 def test_take_balanced_round_robins_buckets():
     facts = [_fact(f"a{i}", f"A{i}", "P1", "X") for i in range(6)] + [_fact(f"b{i}", f"B{i}", "P1", "Y") for i in range(2)]
     freq = {**{f"a{i}": 3 for i in range(6)}, **{f"b{i}": 50 for i in range(2)}}
-    got = [f.fact_id for f in queries.take_balanced(facts, freq, 4, (1, 10))]
+    rep = queries.QueryReport()
+    got = [f.fact_id for f in queries.take_balanced(facts, freq, 4, (1, 10), rep)]
     assert got == ["a0", "a1", "b0", "b1"]  # 2 + 2, not the first 4 of the big bucket
+    assert rep.dropped_max_queries == 4 and rep.num_selected == 4 and rep.per_bucket == {"[1,10)": 2, "[10,inf)": 2}
     assert len(queries.take_balanced(facts, freq, 0, (1, 10))) == 8

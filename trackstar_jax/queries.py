@@ -105,6 +105,7 @@ class QueryReport:
     dropped_bucket_cap: int = 0
     dropped_unmentioned: int = 0
     dropped_incorrect_cap: int = 0
+    dropped_max_queries: int = 0
     num_selected: int = 0
     no_evidence_fact_ids: list[str] = dataclasses.field(default_factory=list)
     empty_target_fact_ids: list[str] = dataclasses.field(default_factory=list)
@@ -467,12 +468,23 @@ def select_facts(facts: Sequence[Any], frequencies: Mapping[str, int], cfg: Sele
 
 
 def take_balanced(facts: Sequence[Any], frequencies: Mapping[str, int], n: int,
-                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> list[Any]:
+                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, report: QueryReport | None = None) -> list[Any]:
     """At most `n` facts taken round-robin over frequency buckets (keeps the §A.4 balance).
 
     `facts` is `select_facts` output (already shuffled within buckets); the result keeps
-    its (bucket, position) order. `n <= 0` keeps everything.
+    its (bucket, position) order. `n <= 0` keeps everything. With `report`, the cut is
+    counted (`dropped_max_queries`) and `num_selected` / `per_bucket` describe the result.
     """
+    out = _take_balanced(facts, frequencies, n, bucket_edges)
+    if report is not None:
+        report.dropped_max_queries += len(facts) - len(out)
+        report.num_selected = len(out)
+        counts = collections.Counter(bucket_name(int(frequencies[f.fact_id]), bucket_edges) for f in out)
+        report.per_bucket = {b: counts[b] for b in bucket_order(bucket_edges) if counts[b]}
+    return out
+
+
+def _take_balanced(facts, frequencies, n, bucket_edges):
     if n <= 0 or len(facts) <= n:
         return list(facts)
     by_bucket: dict[str, list[int]] = collections.defaultdict(list)
