@@ -661,8 +661,7 @@ def make_eval_queries(run: checkpoint_lib.Run, ev: EvalSettings, data_path: str 
     report.dropped_relation_filter = len(corpus.facts) - len(facts)
     report.num_facts = len(corpus.facts) - len(facts)
     selected = queries_lib.select_facts(facts, freq, ev.selection, report, correct=correct_all)
-    selected = queries_lib.take_balanced(selected, freq, ev.max_queries, ev.selection.bucket_edges)
-    report.num_selected = len(selected)
+    selected = queries_lib.take_balanced(selected, freq, ev.max_queries, ev.selection.bucket_edges, report)
     qs = queries_lib.build_queries(selected, templates, variant=ev.template_variant, entailing=entailing,
                                    mentions=mentions, bucket_edges=ev.selection.bucket_edges, report=report)
     completions, correct = queries_lib.predict(run.graphdef, run.params, run.tokenizer, qs,
