@@ -145,7 +145,7 @@ def jit_vector_step(graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_li
 def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> None:
     """Raises ValueError naming the example ids whose vector has NaN/inf or that have no target token.
 
-    Padding rows (`example_id < 0`) are exempt from the empty-target check.
+    Padding rows (`example_id < 0`) are exempt from both checks (their vectors are discarded).
     """
     ids = np.asarray(example_ids)
     finite = np.asarray(aux["finite"])
@@ -156,7 +156,7 @@ def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> Non
             f"example id(s) {empty.tolist()} have no target tokens (loss_mask is 0 on every token after BOS; "
             "a query with an empty target?)"
         )
-    bad = ids[~finite]
+    bad = ids[~finite & (ids >= 0)]
     if bad.size:
         raise ValueError(f"NaN/inf in the gradient vectors of example id(s) {bad.tolist()}")
     del vectors

@@ -1,0 +1,138 @@
+"""Fast factored path == materialised reference path (issue 3), fp32, 1e-4 relative."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from trackstar_jax import factored, grads, model as model_lib, preconditioner as pc, train, vectors
+
+# The same model and batch shapes as test_grads.py, so that eager primitive compiles are shared.
+VOCAB, B, T = 97, 4, 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile():
+    """Cheaper XLA compiles for this module (process-global flag: restored on exit)."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+def _setup(tied: bool, min_dim: int, head_dim: int = 16, steps: int = 3, optimizer: str = "adafactor"):
+    """A tiny model after a few real optimizer steps (a realistic second-moment state)."""
+    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2, head_dim=head_dim,
+                             mlp_dim=64, max_len=16, tie_embeddings=tied)
+    if optimizer == "adafactor":
+        opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=min_dim, warmup_steps=1))
+    else:
+        opt = optax.adam(1e-2)
+    graphdef, state = train.init_state(cfg, opt, seed=0)
+    # Eager (op-by-op) throughout this module: XLA caches each primitive once, which on a
+    # 2-core CPU is far cheaper than compiling a whole program per parametrised case.
+    step = functools.partial(train.train_step, graphdef=graphdef, opt=opt)
+    for s in range(steps):
+        state, _ = step(state, _batch(s, B, T))
+    return cfg, graphdef, state
+
+
+def _batch(seed, b, t, prompt=0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, size=(b, t)).astype(np.int32)
+    tokens[:, 0] = 1  # BOS
+    mask = np.ones((b, t), np.float32)
+    mask[:, : 1 + prompt] = 0
+    return {"tokens": tokens, "loss_mask": mask}
+
+
+@functools.lru_cache(maxsize=None)
+def _state(tied, min_dim, head_dim=16, optimizer="adafactor"):
+    return _setup(tied, min_dim, head_dim, optimizer=optimizer)
+
+
+def _both(cfg, graphdef, state, vec_cfg, batch, exact):
+    plan = vectors.make_plan(state.params, cfg, vec_cfg)
+    corr = (pc.from_opt_state(state.params, state.opt_state, plan.paths, exact=exact)
+            if vec_cfg.correction else None)
+    kw = dict(graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn, seed=vec_cfg.proj_seed)
+    with jax.default_matmul_precision("highest"):
+        fast = factored.factored_vectors(state.params, corr, batch, **kw)
+        ref = grads.reference_vectors(state.params, corr, batch, **kw)
+    return np.asarray(fast), np.asarray(ref), corr
+
+
+def _rel(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("output_fn", grads.OUTPUT_FNS)
+def test_fast_equals_reference_where_optax_factors(output_fn, correction, tied):
+    # min_dim_size_to_factor=16: every kernel of this model is factored, so the rank-one
+    # correction the fast path folds into P0/P1 is exact and the paths must agree.
+    cfg, graphdef, state = _state(tied, 16)
+    vc = vectors.VectorConfig(output_fn=output_fn, num_blocks=2, proj_dim=4, correction=correction, proj_seed=7)
+    batch = _batch(100, B, T, prompt=3)
+    fast, ref, corr = _both(cfg, graphdef, state, vc, batch, exact=True)
+    if correction:
+        assert not corr.full  # nothing needed an exact element-wise factor
+    assert np.max(np.abs(ref)) > 0
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
+    assert _rel(fast, ref) < 1e-4
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adam"])
+def test_fast_uses_rank_one_v_where_v_is_full(optimizer):
+    # Default min_dim_size_to_factor=128: nothing is factored; Adam's nu is always full.
+    # The fast path must equal the reference run with the same rank-one factorisation of V,
+    # and differ (measurably, but modestly) from the exact element-wise correction.
+    cfg, graphdef, state = _state(False, 128, optimizer=optimizer)
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True)
+    batch = _batch(101, B, T)
+    fast, ref_rank1, corr = _both(cfg, graphdef, state, vc, batch, exact=False)
+    assert not corr.full
+    np.testing.assert_allclose(fast, ref_rank1, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref_rank1)))
+    _, ref_exact, corr_exact = _both(cfg, graphdef, state, vc, batch, exact=True)
+    assert corr_exact.full
+    rel = np.linalg.norm(fast - ref_exact) / np.linalg.norm(ref_exact)
+    cos = np.sum(fast * ref_exact, -1) / np.linalg.norm(fast, axis=-1) / np.linalg.norm(ref_exact, axis=-1)
+    assert 1e-4 < rel < 1.0 and np.all(cos > 0.3), (rel, cos)
+
+
+def test_margin_equals_loss_with_per_token_q():
+    # -log p = softplus(-f) for f = log(p/(1-p)), so (p-1) grad f == grad(-log p) exactly.
+    cfg, graphdef, state = _state(True, 16)
+    batch = _batch(102, B, T, prompt=2)
+    out = {}
+    for fn in ("loss", "margin"):
+        vc = vectors.VectorConfig(output_fn=fn, num_blocks=2, proj_dim=4)
+        out[fn], _, _ = _both(cfg, graphdef, state, vc, batch, exact=True)
+    np.testing.assert_allclose(out["margin"], out["loss"], rtol=1e-4, atol=1e-4 * np.max(np.abs(out["loss"])))
+
+
+def test_fast_equals_reference_with_projection_bigger_than_matrices():
+    # k = 32 >= every input dim of this model (d = 2 * 2 * 32^2 = 2^12).
+    cfg, graphdef, state = _state(False, 16)
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=32, correction=True)
+    fast, ref, _ = _both(cfg, graphdef, state, vc, _batch(103, B, T, prompt=1), exact=True)
+    assert fast.shape == (B, 2 * 2 * 32 * 32)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
+
+
+def test_uneven_blocks_and_layer_norm():
+    # 3 layers in 2 blocks (layers {0, 1} and {2}), LayerNorm: the plan and both paths still agree.
+    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=3, embed_dim=32, num_heads=2, head_dim=16,
+                             mlp_dim=64, max_len=16, tie_embeddings=True, norm="layer")
+    opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
+    graphdef, state = train.init_state(cfg, opt, seed=1)
+    state, _ = train.train_step(state, _batch(5, B, T), graphdef=graphdef, opt=opt)
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True)
+    plan = vectors.make_plan(state.params, cfg, vc)
+    assert plan.entry("layer_1/mlp/up/kernel").side == 1 and plan.entry("layer_2/mlp/up/kernel").side == 3
+    fast, ref, _ = _both(cfg, graphdef, state, vc, _batch(104, B, T, prompt=2), exact=True)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))

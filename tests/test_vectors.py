@@ -1,0 +1,125 @@
+"""The jitted, sharded featurize step: determinism, 1 vs 8 devices, config and bad input."""
+
+import functools
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+
+from conftest import skip_if_not_enough_devices
+from trackstar_jax import model as model_lib, sharding, train, vectors
+
+# Same model / batch shapes as test_factored.py and test_grads.py.
+VOCAB, B, T = 97, 8, 12
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile():
+    """Cheaper XLA compiles for this module (process-global flag: restored on exit)."""
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)
+
+
+@functools.lru_cache(maxsize=None)
+def _state():
+    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2, head_dim=16,
+                             mlp_dim=64, max_len=16, tie_embeddings=False)
+    opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
+    graphdef, state = train.init_state(cfg, opt, seed=0)
+    state, _ = train.train_step(state, _batch(0), graphdef=graphdef, opt=opt)
+    return cfg, graphdef, state
+
+
+def _batch(seed, prompt=2):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(1, VOCAB, size=(B, T)).astype(np.int32)
+    tokens[:, 0] = 1
+    mask = np.ones((B, T), np.float32)
+    mask[:, : 1 + prompt] = 0
+    return {"tokens": tokens, "loss_mask": mask, "example_id": np.arange(10, 10 + B, dtype=np.int32)}
+
+
+VC = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(num_devices, correction=True):
+    cfg, graphdef, state = _state()
+    vc = VC if correction else vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=False, proj_seed=3)
+    mesh = sharding.make_mesh(devices=jax.devices()[:num_devices])
+    return vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state if correction else None, mesh=mesh)
+
+
+def test_deterministic_and_equal_on_1_and_8_devices():
+    skip_if_not_enough_devices(8)
+    cfg, graphdef, state = _state()
+    batch = _batch(1)
+    fn8 = _fn(8)
+    first = fn8(state.params, fn8.precond, batch)
+    second = fn8(state.params, fn8.precond, {k: v.copy() for k, v in batch.items()})
+    np.testing.assert_array_equal(first, second)  # bit-identical across runs
+    out, _ = fn8.jitted(state.params, fn8.precond, {k: batch[k] for k in ("tokens", "loss_mask")})
+    assert len(out.sharding.device_set) == 8  # the batch really was split over the data axis
+    fn1 = _fn(1)
+    one = fn1(state.params, fn1.precond, batch)
+    np.testing.assert_allclose(one, first, rtol=1e-5, atol=1e-5 * np.abs(first).max())
+    assert first.shape == (B, VC.dim) and first.dtype == np.float32
+
+
+def test_bad_input_errors():
+    cfg, graphdef, state = _state()
+    with pytest.raises(ValueError, match="correction=False"):
+        vectors.make_vector_fn(graphdef, cfg, VC, state.params, None)
+    fn = _fn(1)
+    batch = _batch(2)
+    batch["loss_mask"][3, 1:] = 0  # a query whose target is empty
+    with pytest.raises(ValueError, match=r"\[13\]"):
+        fn(state.params, fn.precond, batch)
+    batch["example_id"][3] = -1  # ... unless it is a padding row
+    assert np.all(fn(state.params, fn.precond, batch)[3] == 0)
+    with pytest.raises(ValueError, match="not divisible"):
+        _fn(8)(state.params, fn.precond, {k: v[:3] for k, v in batch.items()})
+    nan_params = jax.tree.map(lambda x: x * np.nan, state.params)
+    with pytest.raises(ValueError, match=r"NaN/inf .*\[10, 11, 12, 14, 15, 16, 17\]"):
+        fn(nan_params, fn.precond, batch)
+    aux = {"finite": np.array([True, False, True, False]), "num_targets": np.array([3, 3, 3, 3])}
+    with pytest.raises(ValueError, match=r"\[7, 9\]"):
+        vectors.check_outputs(None, aux, np.array([6, 7, 8, 9]))
+
+
+def test_parameter_tree_must_match_the_block_plan():
+    cfg, graphdef, state = _state()
+    params = dict(state.params)
+    params["layer_0"] = dict(params["layer_0"], lora={"kernel": np.ones((4, 4), np.float32)})
+    with pytest.raises(ValueError, match="layer_0/lora/kernel"):
+        vectors.make_plan(params, cfg, VC)
+
+
+def test_correction_off_needs_no_optimizer_state():
+    cfg, graphdef, state = _state()
+    fn = _fn(8, correction=False)
+    assert fn.precond is None
+    out = fn(state.params, None, _batch(1))
+    assert out.shape == (B, VC.dim)
+    assert np.abs(out - _fn(8)(state.params, _fn(8).precond, _batch(1))).max() > 1e-3 * np.abs(out).max()
+
+
+def test_config_and_layout():
+    assert vectors.block_layout(vectors.VectorConfig(num_blocks=8, proj_dim=64)) == (16, 4096)
+    assert vectors.VectorConfig(num_blocks=8, proj_dim=64).dim == 2**16
+    assert vectors.projection_dim_for(2**12, 2) == 32
+    with pytest.raises(ValueError, match="d=1000"):
+        vectors.projection_dim_for(1000, 2)
+    with pytest.raises(ValueError, match="output_fn"):
+        vectors.VectorConfig(output_fn="kl")
+    with pytest.raises(ValueError, match="vectors.path"):
+        vectors.VectorConfig(path="slow")
+    from experiments import base, tiny
+    for mod in (base, tiny):
+        vc = vectors.vector_config(mod.get_config().vectors)
+        assert vc.dim == 2 * vc.num_blocks * vc.proj_dim**2
+    with pytest.raises(ValueError, match="proj_dims"):
+        vectors.vector_config(ml_collections.ConfigDict({"proj_dims": 3}))
