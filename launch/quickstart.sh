@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job on the embedded default corpus, end to end (README: "The two commands").
+#
+# On a fresh machine with Python 3.11: creates .venv and installs the package (launch/_venv.sh),
+# then runs the pipeline stage by stage, each as `python -m launch.<stage>`, on
+# experiments/tiny.py into $WORKDIR (default runs/quickstart):
+#   train: build the corpus -> train the tokenizer -> pretrain -> report loss + completions
+# Later stages append their own `stage launch.<name>` line below.
+#
+# A rerun resumes: every stage reuses what is already in $WORKDIR (a finished stage only
+# reports) and never overwrites it; a $WORKDIR made with a different config is refused.
+# Start afresh with another WORKDIR, or delete the old one yourself.
+# Extra arguments go to every stage, e.g. `bash launch/quickstart.sh --config.train.num_steps=300`.
+set -euo pipefail
+source "$(dirname "$0")/_venv.sh" test
+cd "$REPO"
+WORKDIR="${WORKDIR:-runs/quickstart}"
+CONFIG="${CONFIG:-experiments/tiny.py}"
+START=$SECONDS
+
+stage() {
+  local name="$1"; shift
+  local t0=$SECONDS
+  echo "[quickstart] python -m $name --config=$CONFIG --workdir=$WORKDIR $*" >&2
+  "$PY" -m "$name" --config="$CONFIG" --workdir="$WORKDIR" "$@"
+  echo "[quickstart] $name done in $((SECONDS - t0)) s" >&2
+}
+
+stage launch.train "$@"
+
+echo "[quickstart] all stages done in $((SECONDS - START)) s; results in $WORKDIR" >&2
