@@ -1,0 +1,238 @@
+"""retrieval.py: exact sharded / streamed top-k and bottom-k vs a numpy lexsort over the full
+score matrix (planted ties), over devices, mesh axis types, storage dtypes, formulations,
+uneven row counts, k larger than a shard, real zarr indices, and bad input."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import AxisType
+
+import jax
+from conftest import skip_if_not_enough_devices
+from trackstar_jax import index, retrieval, sharding
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
+
+
+def tied_data(n, d=16, q=5, seed=0):
+    """Small-integer rows and queries: every score is an exact integer in float32 (any
+    summation order, any dtype), so the data is full of exact ties -- plus planted duplicate
+    rows across shard / block / chunk boundaries and rows scoring exactly zero."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-2, 3, (n, d)).astype(np.float32)
+    for dst, src in ((n - 1, 0), (n // 2, 1), (n // 3, 1), (min(n - 2, 5), n - 3)):
+        x[dst] = x[src]
+    x[n // 4] = 0  # scores exactly 0 for every query (sign-of-zero canonicalisation)
+    queries = rng.integers(-2, 3, (q, d)).astype(np.float32)
+    return x, queries
+
+
+def mesh_of(num_devices, axis_type=AxisType.Auto, shape=None):
+    skip_if_not_enough_devices(num_devices)
+    return sharding.make_mesh(shape, devices=jax.devices()[:num_devices], axis_type=axis_type)
+
+
+def assert_exact(res, ref):
+    for name, got, want in zip(retrieval.TopK._fields, res, ref):
+        if name.endswith("ids"):
+            np.testing.assert_array_equal(got, want, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, np.asarray(want, np.float32), err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------
+# Exactness vs numpy
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n, k, block_rows", [(37, 10, None), (1001, 7, 64)])
+def test_topk_equals_argsort_with_ties(num_devices, dtype, n, k, block_rows):
+    # n=37 on 8 devices: shards of 5 rows < k=10, 3 padding rows; n=1001, blocks of 64:
+    # several blocks per shard, the last one clamped and overlapping.
+    x, q = tied_data(n)
+    mesh = mesh_of(num_devices)
+    scale = None
+    if dtype == "int8":  # int8 rows always come with a per-row scale; powers of two keep scores exact
+        scale = 2.0 ** np.random.default_rng(1).integers(-2, 3, n).astype(np.float32)
+    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=block_rows) if block_rows else None
+    res = retrieval.topk(q, x.astype(DTYPES[dtype]), k, row_scale=scale, mesh=mesh, plan=plan)
+    assert_exact(res, retrieval.reference_topk(q, x, k, scale))
+
+
+def test_signed_zero_scores_tie_by_id():
+    # XLA's top_k orders floats totally (+0 above -0); -0 * anything must still tie with +0.
+    x, q = tied_data(64)
+    x[::2] = 0  # every other row scores zero ...
+    scale = np.where(np.arange(64) % 4 == 0, -1.0, 1.0).astype(np.float32)  # ... half of them as -0
+    res = retrieval.topk(q, x, 64, row_scale=scale, mesh=mesh_of(8))
+    assert_exact(res, retrieval.reference_topk(q, x, 64, scale))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("query_major, upcast", [(True, None), (False, None), (True, "convert"), (False, "convert")])
+def test_every_formulation_is_exact(dtype, query_major, upcast):
+    x, q = tied_data(203, q=20)
+    if dtype == "float32" and upcast == "convert":
+        upcast = "none"
+    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast)
+    res = retrieval.topk(q, x.astype(DTYPES[dtype]), 9, mesh=mesh_of(8), plan=plan)
+    assert_exact(res, retrieval.reference_topk(q, x, 9))
+
+
+def test_plan_picks_layout_by_regime():
+    one = retrieval.make_plan(1, 4096, np.float32, backend="cpu")
+    many = retrieval.make_plan(1024, 4096, np.float32, backend="cpu")
+    assert not one.query_major and many.query_major and one.upcast == "none"
+    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
+    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "convert"
+    assert retrieval.make_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
+    assert many.block_rows * 1024 <= 1 << 21  # the score tile stays small
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_random_floats_match_float64_reference(num_devices):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((517, 64)).astype(np.float32)
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    scale = rng.uniform(0.5, 2.0, 517).astype(np.float32)
+    res = retrieval.topk(q, x, 12, row_scale=scale, mesh=mesh_of(num_devices))
+    ts, ti, bs, bi = retrieval.reference_topk(q, x, 12, scale)
+    full = (q.astype(np.float64) @ x.T.astype(np.float64)) * scale
+    np.testing.assert_allclose(res.top_scores, ts, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.bottom_scores, bs, rtol=1e-5, atol=1e-5)
+    # every returned id really has the returned score (ids may only differ at float near-ties)
+    np.testing.assert_allclose(np.take_along_axis(full, res.top_ids, 1), res.top_scores, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(full, res.bottom_ids, 1), res.bottom_scores, rtol=1e-5, atol=1e-5)
+    assert (res.top_ids == ti).mean() > 0.95 and (res.bottom_ids == bi).mean() > 0.95
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Auto, AxisType.Explicit])
+@pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2)])
+def test_explicit_and_auto_mesh_axes(axis_type, shape):
+    x, q = tied_data(301)
+    mesh = mesh_of(8, axis_type, shape)
+    ref = retrieval.reference_topk(q, x, 40)  # k=40 > 38 rows per shard
+    assert_exact(retrieval.topk(q, x, 40, mesh=mesh), ref)
+    assert_exact(retrieval.stream_topk(q, retrieval.ArrayReader(x), 40, 100, mesh=mesh), ref)
+
+
+# ------------------------------------------------------------------------------------------
+# Streaming
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize("chunk_rows, query_batch_size", [(1, None), (100, 2), (333, 3), (1000, 1)])
+def test_stream_equals_in_memory(num_devices, chunk_rows, query_batch_size):
+    x, q = tied_data(700, q=7)
+    mesh = mesh_of(num_devices)
+    scale = 2.0 ** np.random.default_rng(2).integers(-1, 2, 700).astype(np.float32)
+    reader = retrieval.ArrayReader(x.astype(np.int8), row_scale=scale)  # int8-style reader scale
+    extra = np.where(np.arange(700) % 3 == 0, 0.5, 1.0).astype(np.float32)  # e.g. 1/||R^-1/2 g||
+    k = 15
+    streamed = retrieval.stream_topk(q, reader, k, chunk_rows, mesh=mesh, row_scale=extra, query_batch_size=query_batch_size)
+    in_memory = retrieval.topk(q, x.astype(np.int8), k, row_scale=scale * extra, mesh=mesh)
+    assert_exact(streamed, in_memory)
+    assert_exact(streamed, retrieval.reference_topk(q, x, k, scale * extra))
+
+
+def test_stream_random_floats_equals_in_memory():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((900, 32)).astype(ml_dtypes.bfloat16)
+    q = rng.standard_normal((6, 32)).astype(np.float32)
+    a = retrieval.stream_topk(q, retrieval.ArrayReader(x), 20, 256, mesh=mesh_of(8), query_batch_size=4)
+    b = retrieval.topk(q, x, 20, mesh=mesh_of(8))
+    np.testing.assert_allclose(a.top_scores, b.top_scores, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(a.bottom_scores, b.bottom_scores, rtol=1e-6, atol=1e-6)
+    assert (a.top_ids == b.top_ids).mean() > 0.97 and (a.bottom_ids == b.bottom_ids).mean() > 0.97
+
+
+def _tiny_index(path, dtype, num_rows=300):
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((num_rows, 64)).astype(np.float32)
+    manifest = index.make_manifest(
+        num_rows=num_rows, dim=64, num_blocks_total=4, storage=index.StorageConfig(dtype=dtype, chunk_rows=64),
+        model={"checkpoint_step": 1, "fingerprint": "sha256:m"}, vectors={"proj_seed": 0},
+        corpus={"name": "t", "fingerprint": "sha256:c", "num_examples": num_rows})
+    index.IndexBuilder(path, manifest).build(lambda lo, hi: data[lo:hi])
+    return index.open_index(path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
+def test_stream_over_zarr_index(tmp_path, dtype):
+    reader = _tiny_index(tmp_path / "ix", dtype)
+    q = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+    res = retrieval.stream_topk(q, reader, 8, 100, mesh=mesh_of(8))
+    rows = reader.read_dequantized(0, reader.num_rows)
+    ts, ti, bs, bi = retrieval.reference_topk(q, rows, 8)
+    np.testing.assert_allclose(res.top_scores, ts, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(res.bottom_scores, bs, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(res.top_ids, ti)
+    np.testing.assert_array_equal(res.bottom_ids, bi)
+    same = retrieval.retrieve(q, tmp_path / "ix", 8, chunk_rows=128)  # notebook API, by path
+    np.testing.assert_array_equal(same.top_ids, ti)
+
+
+def test_corrupt_chunk_error_names_the_rows(tmp_path):
+    reader = _tiny_index(tmp_path / "ix", "bfloat16")
+    (tmp_path / "ix" / "vectors" / "c" / "2" / "0").unlink()
+    q = np.ones((2, 64), np.float32)
+    with pytest.raises(index.IndexCorruptError, match=r"rows \[128, 192\)"):
+        retrieval.stream_topk(q, reader, 5, 64)
+
+
+# ------------------------------------------------------------------------------------------
+# Bad input
+# ------------------------------------------------------------------------------------------
+
+
+def test_bad_k_and_shapes_are_clear_errors():
+    x, q = tied_data(20)
+    reader = retrieval.ArrayReader(x)
+    for k in (0, -3):
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            retrieval.topk(q, x, k)
+        with pytest.raises(ValueError, match="k must be >= 1"):
+            retrieval.stream_topk(q, reader, k, 8)
+    with pytest.raises(ValueError, match=r"k=21 is larger than the number of index rows \(20\)"):
+        retrieval.topk(q, x, 21)
+    with pytest.raises(ValueError, match=r"k=21 is larger than the number of index rows \(20\)"):
+        retrieval.stream_topk(q, reader, 21, 8)
+    with pytest.raises(ValueError, match=r"queries must be \[num_queries, 16\]"):
+        retrieval.topk(q[:, :8], x, 3)
+    with pytest.raises(ValueError, match=r"row_scale has shape \(19,\), expected \(20,\)"):
+        retrieval.stream_topk(q, reader, 3, 8, row_scale=np.ones(19))
+    with pytest.raises(ValueError, match="unsupported row dtype float64"):
+        retrieval.topk(q, x.astype(np.float64), 3)
+    bad = q.copy()
+    bad[2, 0] = np.nan
+    with pytest.raises(ValueError, match=r"query index\(es\) \[2\]"):
+        retrieval.topk(bad, x, 3)
+
+
+def test_non_finite_rows_are_an_error():
+    x, q = tied_data(50)
+    x[7, 0] = np.inf
+    with pytest.raises(ValueError, match="non-finite retrieval scores"):
+        retrieval.topk(q, x, 50, mesh=mesh_of(8))
+
+
+def test_empty_query_set_gives_empty_output():
+    x, _ = tied_data(20)
+    for res in (retrieval.topk(np.zeros((0, 16)), x, 4), retrieval.stream_topk(np.zeros((0, 16)), retrieval.ArrayReader(x), 4, 8)):
+        assert all(a.shape == (0, 4) for a in res)
+
+
+def test_reader_errors_propagate_from_the_prefetch_thread():
+    x, q = tied_data(100)
+
+    class Broken(retrieval.ArrayReader):
+        def read_block(self, start, stop):
+            if start >= 50:
+                raise index.IndexCorruptError(f"rows [{start}, {stop}) cannot be read")
+            return super().read_block(start, stop)
+
+    with pytest.raises(index.IndexCorruptError, match=r"rows \[50, 75\)"):
+        retrieval.stream_topk(q, Broken(x), 3, 25)

@@ -1,0 +1,569 @@
+"""Exact top-k retrieval: every query scored against every index row (paper §4: "exact scoring
+between each query and all candidate examples"), sharded over a mesh and streamed from disk.
+
+Per query we keep the top-k rows (proponents, highest score first) and the bottom-k rows
+(opponents, lowest score first). The order is total and deterministic: proponents by
+(score descending, id ascending), opponents by (score ascending, id ascending), so equal
+scores always come out lowest id first, on any number of devices and for any chunking.
+
+How (issue 5, style.md §4.3):
+  * Rows are split over all devices of the mesh. Inside `jax.shard_map`, each device walks its
+    rows in blocks, scores a block against the queries (float32 accumulation whatever the
+    storage dtype), and merges it into a running local top-k / bottom-k with *global* row ids.
+    The candidates are all-gathered and merged into the global result.
+  * Exact ties without a composite sort key: `lax.top_k` is stable (equal values keep their
+    input order, documented). Every merge concatenates candidate lists in ascending-id order
+    (running list before the new block, device 0 before device 1, earlier chunk before later
+    chunk), and each list is itself sorted by (score desc, id asc), so among equal scores the
+    input position order *is* the id order and the stable selection keeps the lowest ids.
+    Opponents are the top-k of the negated scores, with the same argument. Negative zero is
+    canonicalised to +0 first, so that a total-order comparison cannot split -0 from +0.
+  * Rows that do not exist (padding to a multiple of the device count, the overlap of a
+    clamped last block) get score -inf and id `SENTINEL`; they can never beat a real row
+    (every real score is finite; a non-finite score is reported as an error).
+  * Streaming (`stream_topk`): the index is read chunk by chunk through an `IndexReader`,
+    the next chunk is read (and put on the devices) by a background thread while the current
+    one is scored, queries go in fixed-size batches, and the running top-k is merged across
+    chunks with the same stable merge -- the result equals the in-memory `topk`.
+
+CPU layout notes (measured on the 2-core dev machine, BUILD_NOTES "Issue 5"): a single query
+must be scored as `rows @ q` (row-major matvec, memory-bound, ~the read bandwidth), never as
+`q @ rows.T`; many queries as `q @ rows.T` in blocks whose score tile stays small (fresh
+large buffers cost page faults on every call). XLA:CPU converts bfloat16 element by element
+through a slow path, so bfloat16 rows are read as uint32 pairs and widened with integer
+shifts (`upcast="bf16_pairs"`), which is exact.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import functools
+import math
+from typing import Any, Iterator, NamedTuple, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jaxtyping import Array, Float, Int
+
+# Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
+SENTINEL = int(np.iinfo(np.int32).max)
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+UPCASTS = ("none", "convert", "bf16_pairs")
+# Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
+# 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
+# enough that per-block overhead is negligible (BUILD_NOTES "Issue 5").
+_SCORE_TILE = 1 << 21
+_UPCAST_TILE = 1 << 20
+# Up to this many queries the rows are the matmul's row operand (`rows @ q.T`, matvec-like).
+_ROWS_MAJOR_MAX_QUERIES = 16
+
+
+class TopK(NamedTuple):
+    """Exact retrieval result (host numpy arrays).
+
+    Attributes:
+      top_scores: `[Q, k]` float32, descending (proponents).
+      top_ids: `[Q, k]` int64 row ids; equal scores in ascending id order.
+      bottom_scores: `[Q, k]` float32, ascending (opponents: most negative first).
+      bottom_ids: `[Q, k]` int64 row ids; equal scores in ascending id order.
+    """
+
+    top_scores: np.ndarray
+    top_ids: np.ndarray
+    bottom_scores: np.ndarray
+    bottom_ids: np.ndarray
+
+
+class IndexReader(Protocol):
+    """What retrieval needs from an index (implemented by `index.IndexReader`, `ArrayReader`)."""
+
+    num_rows: int
+    dim: int
+    dtype: Any
+    manifest: dict
+
+    def read_block(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+
+class ArrayReader:
+    """An in-memory `IndexReader` over an array (tests, benchmarks, notebooks).
+
+    `read_block` returns views (no copy). `row_scale` plays the role of the int8 dequantisation
+    scale of `index.IndexReader` (returned with every block).
+    """
+
+    def __init__(self, rows: np.ndarray, row_scale: np.ndarray | None = None, manifest: dict | None = None):
+        rows = np.asarray(rows)
+        if rows.ndim != 2:
+            raise ValueError(f"rows must be [num_rows, dim], got shape {rows.shape}")
+        if row_scale is not None:
+            row_scale = np.asarray(row_scale, np.float32)
+            if row_scale.shape != (rows.shape[0],):
+                raise ValueError(f"row_scale has shape {row_scale.shape}, expected ({rows.shape[0]},)")
+        self.rows, self.row_scale = rows, row_scale
+        self.num_rows, self.dim = rows.shape
+        self.dtype = rows.dtype
+        self.manifest = dict(manifest or {})
+
+    def read_block(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Rows `[start, stop)` and their scale (None when the reader has none)."""
+        if not 0 <= start < stop <= self.num_rows:
+            raise ValueError(f"row range [{start}, {stop}) is outside [0, {self.num_rows})")
+        return self.rows[start:stop], None if self.row_scale is None else self.row_scale[start:stop]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static choices of the scoring kernel (hashable; part of the jit cache key).
+
+    Attributes:
+      block_rows: rows per device per inner step (bounds the score / widened-row tiles).
+      query_major: score as `q @ rows.T` (True) or `(rows @ q.T).T` (False).
+      upcast: how non-float32 rows become float32: "none" (float32 rows), "convert"
+        (`astype`), "bf16_pairs" (bfloat16 read as uint32 pairs, widened by shifts; exact).
+    """
+
+    block_rows: int
+    query_major: bool
+    upcast: str
+
+    def __post_init__(self):
+        if self.upcast not in UPCASTS:
+            raise ValueError(f"upcast must be one of {UPCASTS}, got {self.upcast!r}")
+        if self.block_rows < 1:
+            raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
+
+
+def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = None,
+              block_rows: int | None = None, query_major: bool | None = None, upcast: str | None = None) -> Plan:
+    """Chooses the fastest known formulation for a regime (see the module docstring).
+
+    Args:
+      num_queries: queries scored together.
+      dim: vector dimension.
+      dtype: storage dtype of the rows.
+      backend: "cpu", "gpu", "tpu" (default: JAX's default backend).
+      block_rows, query_major, upcast: overrides (benchmarks compare formulations with them).
+
+    Returns:
+      Plan.
+    """
+    name = _dtype_name(dtype)
+    backend = backend or jax.default_backend()
+    if upcast is None:
+        if name == "float32":
+            upcast = "none"
+        elif name == "bfloat16" and backend == "cpu" and dim % 2 == 0:
+            upcast = "bf16_pairs"
+        else:
+            upcast = "convert"
+    if query_major is None:
+        query_major = num_queries > _ROWS_MAJOR_MAX_QUERIES
+    if block_rows is None:
+        rows = _SCORE_TILE // max(num_queries, 1)
+        if upcast != "none":
+            rows = min(rows, _UPCAST_TILE // max(dim, 1))
+        block_rows = 1 << max(6, int(math.log2(max(rows, 1))))
+    return Plan(block_rows=int(block_rows), query_major=bool(query_major), upcast=upcast)
+
+
+# --------------------------------------------------------------------------------------------
+# The per-device kernel
+# --------------------------------------------------------------------------------------------
+
+
+def _dtype_name(dtype: Any) -> str:
+    dt = np.dtype(dtype)
+    if dt == np.dtype(ml_dtypes.bfloat16):
+        return "bfloat16"
+    name = dt.name
+    if name not in STORAGE_DTYPES:
+        raise ValueError(f"unsupported row dtype {name}; expected one of {STORAGE_DTYPES}")
+    return name
+
+
+def _widen(blk: Array, upcast: str) -> tuple[Array, ...]:
+    """Float32 operands of a row block: `(rows,)`, or `(even, odd)` columns for bf16 pairs."""
+    if upcast == "none":
+        return (blk,)
+    if upcast == "convert":
+        return (blk.astype(jnp.float32),)
+    # blk is uint32 [b, d/2]: the low half-word is bf16 column 2j, the high one column 2j+1
+    # (little-endian). A bf16 is the top 16 bits of the float32 with the same value.
+    even = lax.bitcast_convert_type(blk << 16, jnp.float32)
+    odd = lax.bitcast_convert_type(blk & jnp.uint32(0xFFFF0000), jnp.float32)
+    return even, odd
+
+
+def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[Array, "q b"]:
+    """Scores `[Q, b]` of a row block against the queries, accumulated in float32."""
+    out = None
+    for qp, rp in zip(q_parts, _widen(blk, plan.upcast)):
+        if plan.query_major:
+            s = jnp.dot(qp, rp.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+        else:
+            s = jnp.dot(rp, qp.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32).T
+        out = s if out is None else out + s
+    return out
+
+
+def _merge(carry: tuple[Array, ...], cand: tuple[Array, ...], k: int) -> tuple[Array, ...]:
+    """Stable merge of two candidate lists; `carry` must hold the lower ids.
+
+    Both lists are `(top_scores, top_ids, neg_bottom_scores, bottom_ids)`, each `[Q, *]` and
+    sorted by (value desc, id asc); bottoms are kept negated so one rule serves both.
+    """
+    out = []
+    for (cs, ci), (ns, ni) in ((carry[0:2], cand[0:2]), (carry[2:4], cand[2:4])):
+        s = jnp.concatenate([cs, ns], axis=1)
+        i = jnp.concatenate([ci, ni], axis=1)
+        v, p = lax.top_k(s, min(k, s.shape[1]))
+        out += [v, jnp.take_along_axis(i, p, axis=1)]
+    return tuple(out)
+
+
+def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] | None, base: Int[Array, ""],
+                 n_valid: Int[Array, ""], *, k: int, plan: Plan) -> tuple[Array, ...]:
+    """Running top-k / bottom-k of one device's rows `[m, d]` (ids `base + local index`).
+
+    Returns `(top_s, top_i, neg_bot_s, bot_i)`, each `[Q, min(k, m)]`, sorted (value desc, id asc).
+    """
+    m = rows.shape[0]
+    nq = q.shape[0]
+    if plan.upcast == "bf16_pairs":
+        # Reinterpret [m, d] bf16 as [m, d/2] uint32 (a bitcast, no data movement); split the
+        # query into the matching even / odd columns.
+        rows = lax.bitcast_convert_type(rows.reshape(m, rows.shape[1] // 2, 2), jnp.uint32)
+        q_parts = (q[:, 0::2], q[:, 1::2])
+    else:
+        q_parts = (q,)
+    bs = min(plan.block_rows, m)
+    num_blocks = -(-m // bs)
+    kk = min(k, m)
+
+    def block(i, carry):
+        # The last block is clamped to end at m; rows it shares with the previous block are masked.
+        start = jnp.minimum(i * bs, m - bs)
+        blk = lax.dynamic_slice_in_dim(rows, start, bs) if num_blocks > 1 else rows
+        s = _block_scores(q_parts, blk, plan)
+        if scale is not None:
+            s = s * (lax.dynamic_slice_in_dim(scale, start, bs) if num_blocks > 1 else scale)[None, :]
+        local = start + jnp.arange(bs, dtype=jnp.int32)
+        ids = base + local
+        valid = (local >= i * bs) & (ids < n_valid)
+        s = jnp.where(s == 0, jnp.float32(0), s)  # -0.0 -> +0.0 (ties must not depend on the sign of zero)
+        top = jnp.where(valid[None, :], s, -jnp.inf)
+        bot = jnp.where(valid[None, :], -s, -jnp.inf)
+        ids = jnp.broadcast_to(jnp.where(valid, ids, SENTINEL)[None, :], (nq, bs))
+        return _merge(carry, (top, ids, bot, ids), kk)
+
+    neg_inf = jnp.full((nq, kk), -jnp.inf, jnp.float32)
+    none = jnp.full((nq, kk), SENTINEL, jnp.int32)
+    # Block 0 outside the loop: its output is device-varying, as the loop carry must be.
+    carry = block(0, (neg_inf, none, neg_inf, none))
+    return carry if num_blocks == 1 else lax.fori_loop(1, num_blocks, block, carry)
+
+
+@functools.lru_cache(maxsize=128)
+def _sharded_fn(mesh: Mesh, k: int, plan: Plan, has_scale: bool):
+    """jit(shard_map(...)) computing the global top-k of one row array over `mesh`."""
+    axes = tuple(mesh.axis_names)
+
+    def per_device(q, rows, *rest):
+        scale = rest[0] if has_scale else None
+        offset, n_valid = rest[-2:]
+        base = offset + lax.axis_index(axes) * rows.shape[0]
+        local = _device_topk(q, rows, scale, base, n_valid, k=k, plan=plan)
+        # [D, Q, kk] -> [Q, D*kk] in device order, i.e. ascending-id order of the lists.
+        gathered = [jnp.moveaxis(lax.all_gather(x, axes, axis=0, to="invarying"), 0, 1).reshape(x.shape[0], -1) for x in local]
+        kk = local[0].shape[1]
+        heads = tuple(g[:, :kk] for g in gathered)
+        tails = tuple(g[:, kk:] for g in gathered)
+        return _merge(heads, tails, k) if gathered[0].shape[1] > kk else heads
+
+    in_specs = (P(), P(axes, None)) + ((P(axes),) if has_scale else ()) + (P(), P())
+    return jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=in_specs, out_specs=P()))
+
+
+@functools.lru_cache(maxsize=16)
+def _merge_fn(k: int):
+    return jax.jit(functools.partial(_merge, k=k))
+
+
+# --------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------
+
+
+def _default_mesh() -> Mesh:
+    from trackstar_jax import sharding  # noqa: PLC0415  (layer 0; imported late to keep import light)
+
+    return sharding.make_mesh(devices=jax.devices()[:1])
+
+
+def _check_queries(queries: Any, dim: int) -> np.ndarray:
+    q = np.asarray(queries, np.float32)
+    if q.ndim != 2 or (q.shape[0] and q.shape[1] != dim):
+        raise ValueError(f"queries must be [num_queries, {dim}] (the index dim), got shape {q.shape}")
+    if q.shape[0] and not np.isfinite(q).all():
+        bad = np.flatnonzero(~np.isfinite(q).all(axis=1))
+        raise ValueError(f"queries contain NaN/inf (query index(es) {bad[:10].tolist()})")
+    return q
+
+
+def _check_k(k: int, num_rows: int) -> int:
+    if not isinstance(k, (int, np.integer)) or isinstance(k, bool):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if k <= 0:
+        raise ValueError(f"k must be >= 1, got {k}")
+    if k > num_rows:
+        raise ValueError(f"k={k} is larger than the number of index rows ({num_rows})")
+    return int(k)
+
+
+def _empty(k: int) -> TopK:
+    s, i = np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    return TopK(s, i, s.copy(), i.copy())
+
+
+def _finish(res: tuple[Any, ...], num_queries: int) -> TopK:
+    """Device candidates -> host `TopK`; refuses non-finite scores (they would break exactness)."""
+    ts, ti, nbs, bi = (np.asarray(x)[:num_queries] for x in jax.device_get(res))
+    if not (np.isfinite(ts).all() and np.isfinite(nbs).all()) or (ti == SENTINEL).any() or (bi == SENTINEL).any():
+        bad = sorted({int(i) for a, s in ((ti, ts), (bi, nbs)) for i in a[~np.isfinite(s)] if i != SENTINEL})
+        raise ValueError("non-finite retrieval scores (NaN/inf in index rows, queries or row_scale, or float32 "
+                         f"overflow); affected row id(s): {bad[:10]}")
+    return TopK(ts, ti.astype(np.int64), -nbs, bi.astype(np.int64))
+
+
+def _host_rows(x: np.ndarray, n: int) -> np.ndarray:
+    """`x` (rows first) as a C-contiguous, 64-byte-aligned array of `n` rows, zero-padded.
+
+    Alignment lets `device_put` on CPU alias the buffer instead of copying it; the padded
+    rows are masked as non-existent by the kernel. Returns `x` itself when it already fits.
+    """
+    x = np.asarray(x)
+    if x.shape[0] == n and x.flags.c_contiguous and x.ctypes.data % 64 == 0:
+        return x
+    shape = (n,) + x.shape[1:]
+    nbytes = int(np.prod(shape)) * x.dtype.itemsize
+    buf = np.empty(nbytes + 64, np.uint8)
+    off = (-buf.ctypes.data) % 64
+    out = buf[off: off + nbytes].view(x.dtype).reshape(shape)
+    out[: x.shape[0]] = x
+    out[x.shape[0]:] = 0
+    return out
+
+
+def _put_rows(mesh: Mesh, rows: Any, scale: Any) -> tuple[Any, Any]:
+    """Rows `[n, d]` and scale `[n]` split over all mesh axes (rows must divide evenly)."""
+    axes = tuple(mesh.axis_names)
+    if isinstance(rows, np.ndarray):
+        rows = _host_rows(rows, rows.shape[0])
+    rows = jax.device_put(rows, NamedSharding(mesh, P(axes, None)))
+    if scale is not None:
+        scale = jax.device_put(np.asarray(scale, np.float32), NamedSharding(mesh, P(axes)))
+    return rows, scale
+
+
+def _put_replicated(mesh: Mesh, x: Any) -> jax.Array:
+    return jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def _combine_scale(a: np.ndarray | None, b: np.ndarray | None) -> np.ndarray | None:
+    if a is None:
+        return None if b is None else np.asarray(b, np.float32)
+    return np.asarray(a, np.float32) if b is None else np.asarray(a, np.float32) * np.asarray(b, np.float32)
+
+
+def _scalars(mesh: Mesh, offset: int, n_valid: int) -> tuple[jax.Array, jax.Array]:
+    return _put_replicated(mesh, np.int32(offset)), _put_replicated(mesh, np.int32(n_valid))
+
+
+def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array, "n"] | None = None,
+         mesh: Mesh | None = None, *, plan: Plan | None = None) -> TopK:
+    """Exact top-k proponents and bottom-k opponents of every query over in-memory rows.
+
+    score(query j, row m) = (queries[j] · rows[m]) * row_scale[m], accumulated in float32.
+
+    Args:
+      queries: `[Q, d]` float query vectors (cast to float32). `Q == 0` gives empty results.
+      rows: `[n, d]` rows (numpy or jax array) in float32, bfloat16, float16 or int8.
+      k: results per query and side, `1 <= k <= n`.
+      row_scale: optional `[n]` per-row multiplier (int8 dequantisation scale times, e.g., the
+        on-the-fly `1/||R^{-1/2} g_m||` of `index.prepare_scoring`).
+      mesh: rows are split over all of its devices (default: one device).
+      plan: kernel formulation (default `make_plan(...)`).
+
+    Returns:
+      TopK with `[Q, k]` arrays: proponents by (score desc, id asc), opponents by (score asc, id asc).
+
+    Raises:
+      ValueError: bad shapes/dtypes, k out of range, non-finite queries or scores.
+    """
+    if getattr(rows, "ndim", 0) != 2:
+        raise ValueError(f"rows must be [num_rows, dim], got shape {getattr(rows, 'shape', None)}")
+    n, d = rows.shape
+    _dtype_name(rows.dtype)
+    k = _check_k(k, n)
+    q = _check_queries(queries, d)
+    if row_scale is not None and tuple(np.shape(row_scale)) != (n,):
+        raise ValueError(f"row_scale has shape {tuple(np.shape(row_scale))}, expected ({n},)")
+    if q.shape[0] == 0:
+        return _empty(k)
+    mesh = mesh or _default_mesh()
+    num_dev = mesh.devices.size
+    n_pad = -(-n // num_dev) * num_dev
+    if n_pad != n:  # shard_map needs equal shards; the extra rows are masked (costs one copy)
+        rows = jnp.pad(rows, ((0, n_pad - n), (0, 0))) if isinstance(rows, jax.Array) else _host_rows(rows, n_pad)
+        if row_scale is not None:
+            row_scale = _host_rows(np.asarray(row_scale, np.float32), n_pad)
+    plan = plan or make_plan(q.shape[0], d, rows.dtype)
+    rows, scale = _put_rows(mesh, rows, row_scale)
+    fn = _sharded_fn(mesh, k, plan, scale is not None)
+    args = (_put_replicated(mesh, q), rows) + ((scale,) if scale is not None else ()) + _scalars(mesh, 0, n)
+    return _finish(fn(*args), q.shape[0])
+
+
+def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh
+            ) -> Iterator[tuple[int, jax.Array, jax.Array | None]]:
+    """Yields `(start, rows, scale)` on the mesh, every chunk padded to `chunk_rows` rows.
+
+    A background thread reads (and puts on the devices) chunk i+1 while the caller scores
+    chunk i. The reader's errors are re-raised here, in the caller's thread.
+    """
+    starts = list(range(0, reader.num_rows, chunk_rows))
+
+    def load(start: int):
+        stop = min(start + chunk_rows, reader.num_rows)
+        rows, scale = reader.read_block(start, stop)
+        if tuple(rows.shape) != (stop - start, reader.dim):
+            raise ValueError(f"reader returned shape {tuple(rows.shape)} for rows [{start}, {stop}), "
+                             f"expected {(stop - start, reader.dim)}")
+        scale = _combine_scale(scale, None if row_scale is None else row_scale[start:stop])
+        rows = _host_rows(rows, chunk_rows)
+        scale = None if scale is None else _host_rows(scale, chunk_rows)
+        return (start,) + _put_rows(mesh, rows, scale)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval-prefetch") as pool:
+        pending = pool.submit(load, starts[0]) if starts else None
+        for i in range(len(starts)):
+            cur = pending.result()  # re-raises the reader's error (it names the row range)
+            if i + 1 < len(starts):
+                pending = pool.submit(load, starts[i + 1])
+            yield cur
+
+
+def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk_rows: int, mesh: Mesh | None = None,
+                row_scale: Float[Array, "n"] | None = None, *, query_batch_size: int | None = None,
+                plan: Plan | None = None) -> TopK:
+    """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
+
+    Each chunk of `chunk_rows` rows is read by a background thread while the previous one is
+    scored on the mesh; every query batch is merged into its running result after each chunk.
+    Equal to `topk(queries, all rows, k, row_scale)` (same ids, same order).
+
+    Args:
+      queries: `[Q, d]` query vectors.
+      reader: an `IndexReader` (`index.open_index(...)`, `ArrayReader`); its int8 per-row
+        scale is applied automatically.
+      k: results per query and side, `1 <= k <= reader.num_rows`.
+      chunk_rows: rows read per step (rounded up to a multiple of the device count).
+      mesh: devices to split each chunk over (default: one device).
+      row_scale: optional `[num_rows]` extra per-row multiplier (on-the-fly scoring scales).
+      query_batch_size: queries scored together (default: all); the last batch is padded.
+      plan: kernel formulation (default `make_plan(...)`).
+
+    Returns:
+      TopK (see `topk`).
+
+    Raises:
+      ValueError: bad shapes, k out of range, non-finite queries or scores.
+      The reader's own error (e.g. `index.IndexCorruptError`, naming the row range) when a
+      chunk is missing or corrupt.
+    """
+    n, d = int(reader.num_rows), int(reader.dim)
+    _dtype_name(reader.dtype)
+    k = _check_k(k, n)
+    q = _check_queries(queries, d)
+    if row_scale is not None:
+        row_scale = np.asarray(row_scale, np.float32)
+        if row_scale.shape != (n,):
+            raise ValueError(f"row_scale has shape {row_scale.shape}, expected ({n},) (one per index row)")
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    if q.shape[0] == 0:
+        return _empty(k)
+    mesh = mesh or _default_mesh()
+    num_dev = mesh.devices.size
+    chunk_rows = -(-min(int(chunk_rows), n) // num_dev) * num_dev
+    qbs = min(int(query_batch_size or q.shape[0]), q.shape[0])
+    batches = [_host_rows(q[i: i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
+    plan = plan or make_plan(qbs, d, reader.dtype)
+    merge = _merge_fn(k)
+    results: list[tuple[Any, ...] | None] = [None] * len(batches)
+    q_dev = [_put_replicated(mesh, b) for b in batches]
+    for start, rows_d, scale_d in _chunks(reader, chunk_rows, row_scale, mesh):
+        fn = _sharded_fn(mesh, k, plan, scale_d is not None)
+        tail = ((scale_d,) if scale_d is not None else ()) + _scalars(mesh, start, n)
+        for b, qd in enumerate(q_dev):
+            cand = fn(qd, rows_d, *tail)
+            results[b] = cand if results[b] is None else merge(results[b], cand)
+    out = [_finish(r, min(qbs, q.shape[0] - b * qbs)) for b, r in enumerate(results)]
+    return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))
+
+
+def retrieve(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any = None, mesh: Mesh | None = None,
+             chunk_rows: int = 65_536, query_batch_size: int | None = 64) -> TopK:
+    """Notebook API: exact top-k / bottom-k of query vectors over an index.
+
+    Args:
+      queries: `[Q, d]` query vectors already in the index's scoring space (e.g. from
+        `index.Scoring.finalize_queries`), or `[d]` for one query.
+      index: an index directory (opened with `index.open_index`), an `IndexReader`, or an
+        in-memory `[n, d]` array.
+      k: results per query and side.
+      row_scale: optional `[n]` per-row multiplier (e.g. `index.Scoring.row_scale`).
+      mesh: devices (default: one device).
+      chunk_rows: rows streamed per step when reading from an index.
+      query_batch_size: queries scored together when streaming.
+
+    Returns:
+      TopK.
+    """
+    q = np.asarray(queries, np.float32)
+    if q.ndim == 1:
+        q = q[None, :]
+    if isinstance(index, (np.ndarray, jax.Array)):
+        return topk(q, index, k, row_scale=row_scale, mesh=mesh)
+    if not hasattr(index, "read_block"):
+        from trackstar_jax import index as index_lib  # noqa: PLC0415  (same layer; only for paths)
+
+        index = index_lib.open_index(index)
+    return stream_topk(q, index, k, chunk_rows, mesh=mesh, row_scale=row_scale, query_batch_size=query_batch_size)
+
+
+def reference_topk(queries: np.ndarray, rows: np.ndarray, k: int, row_scale: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Slow numpy reference: full float64 score matrix, lexsort by (score, id).
+
+    Returns `(top_scores, top_ids, bottom_scores, bottom_ids)` like `TopK`. Used by tests and
+    benchmarks; exact ties are resolved lowest id first.
+    """
+    x = np.asarray(rows).astype(np.float64)
+    s = np.asarray(queries, np.float64) @ x.T
+    if row_scale is not None:
+        s = s * np.asarray(row_scale, np.float64)[None, :]
+    ids = np.arange(s.shape[1])
+    top_i = np.stack([np.lexsort((ids, -r))[:k] for r in s]) if len(s) else np.zeros((0, k), np.int64)
+    bot_i = np.stack([np.lexsort((ids, r))[:k] for r in s]) if len(s) else np.zeros((0, k), np.int64)
+    return (np.take_along_axis(s, top_i, 1), top_i, np.take_along_axis(s, bot_i, 1), bot_i)
+
+
+__all__: Sequence[str] = ("TopK", "ArrayReader", "Plan", "make_plan", "topk", "stream_topk", "retrieve",
+                          "reference_topk", "SENTINEL")
