@@ -184,10 +184,15 @@ def fact_prompts(corpus: data_lib.Corpus, max_facts: int = 0) -> list[tuple[str,
             if corpus.templates.get(rel):
                 out.append((data_lib.fill_template(corpus.templates[rel][0], f.subject), f))
             elif f.evidence_ids:
-                text = corpus.examples[f.evidence_ids[0]].text
-                cut = min((text.find(a) for a in f.object_aliases if text.find(a) > 0), default=-1)
-                if cut > 0:
-                    out.append((text[:cut].rstrip(), f))
+                # The longest passage prefix that ends right before an alias of the object.
+                best = ""
+                for e in f.evidence_ids[:8]:
+                    text = corpus.examples[e].text
+                    cuts = [text.find(a) for a in f.object_aliases if a and text.find(a) > 0]
+                    if cuts and min(cuts) > len(best):
+                        best = text[: min(cuts)].rstrip()
+                if best:
+                    out.append((best, f))
             if max_facts and len(out) >= max_facts:
                 return out
     return out
