@@ -41,6 +41,7 @@ from trackstar_jax import index as index_lib
 from trackstar_jax import metrics as metrics_lib
 from trackstar_jax import model as model_lib
 from trackstar_jax import queries as queries_lib
+from trackstar_jax import retrieval as retrieval_lib
 from trackstar_jax import sharding as sharding_lib
 from trackstar_jax import tailpatch as tailpatch_lib
 from trackstar_jax import train as train_lib
@@ -734,8 +735,6 @@ def gradient_retrieval(config: ml_collections.ConfigDict, workdir: pathlib.Path,
     q_raw = query_vectors(run, vec_fn, eq.encoded, mesh)
     scoring = index_lib.prepare_scoring(reader, hessian_config(mc), q_raw)
     q_prime = scoring.finalize_queries(q_raw)
-    from trackstar_jax import retrieval as retrieval_lib  # noqa: PLC0415  (issue 5; imported where used)
-
     res = retrieval_lib.stream_topk(q_prime, reader, k, int(mc.retrieval.read_chunk_rows), mesh=mesh,
                                     row_scale=scoring.row_scale)
     res = jax.device_get(res)

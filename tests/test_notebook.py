@@ -1,0 +1,186 @@
+"""pipeline.evaluate end to end on a tiny run, then notebooks/inspect_proponents.ipynb on its output.
+
+Checks that can fail: table.json has every required field with intervals; BM25 ranks the
+exact template passage first on the embedded corpus (MRR 1); the per-row means equal the
+metrics recomputed from the written retrievals; a stored tail-patch delta equals a fresh
+`tailpatch_pairs` call for that (query, proponent) pair; prediction mode queries the model's
+own completions; the notebook executes headless (nbclient).
+"""
+
+import json
+import os
+import pathlib
+
+import jax
+import numpy as np
+import pytest
+
+from trackstar_jax import checkpoint, data, metrics, pipeline, results, tailpatch, train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+METHODS = ("trex_gold", "bm25", "trackstar")
+REQUIRED = ("method", "mrr", "recall_at_10", "precision_at_10", "tailpatch_at_1", "tailpatch_at_10", "num_queries")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fast_compile(tmp_path_factory):
+    """Cheaper XLA compiles and a module-local compilation cache (process-global flags, restored)."""
+    keys = ("jax_disable_most_optimizations", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {k: jax.config.values[k] for k in keys}
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)
+
+
+def _config():
+    from experiments import tiny
+
+    c = tiny.get_config()
+    c.data.embedded.num_facts = 24
+    c.data.embedded.num_distractors = 30
+    c.train.num_steps = 10
+    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 10
+    c.train.num_completions = 0
+    c.train.max_new_tokens = 2
+    c.index.chunk_rows = 32
+    c.eval.methods = METHODS
+    c.eval.max_new_tokens = 4
+    c.eval.num_examples_shown = 2
+    c.tailpatch.batch_size = 8
+    return c
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("run")
+    pipeline.train(_config(), workdir)
+    table = pipeline.evaluate(_config(), workdir)
+    return workdir, table
+
+
+def test_table_has_every_row_field_and_interval(evaluated):
+    workdir, table = evaluated
+    on_disk = json.loads((workdir / "eval" / "table.json").read_text())
+    assert on_disk["rows"] == json.loads(json.dumps(table["rows"]))
+    assert [r["method"] for r in table["rows"]] == list(METHODS)
+    n = table["num_queries"]
+    assert n == table["query_report"]["num_selected"] - table["query_report"]["num_empty_target"] > 0
+    for r in table["rows"]:
+        for k in REQUIRED:
+            assert k in r, (r["method"], k)
+        for k in REQUIRED[1:-1]:
+            assert len(r[k + "_ci"]) == 2, (r["method"], k)
+            if r[k] is not None:
+                assert r[k + "_ci"][0] <= r[k] <= r[k + "_ci"][1]
+        assert r["num_queries"] == n
+    gold = table["rows"][0]
+    assert gold["gold_attribution"] and gold["mrr"] is None and gold["tailpatch_at_1"] is not None
+    md = (workdir / "eval" / "table.md").read_text()
+    assert "| T-REx gold |" in md and "| TrackStar |" in md and "## Example queries" in md
+
+
+def test_bm25_finds_the_template_passage(evaluated):
+    """The embedded corpus states every fact in the form of template 0: BM25 ranks it first."""
+    _, table = evaluated
+    bm25 = next(r for r in table["rows"] if r["method"] == "bm25")
+    assert bm25["mrr"] == pytest.approx(1.0) and bm25["recall_at_10"] == pytest.approx(1.0)
+
+
+def test_rows_equal_metrics_recomputed_from_retrievals(evaluated):
+    workdir, table = evaluated
+    res = results.load_results(workdir)
+    for r in table["rows"]:
+        rows = res.retrievals[r["method"]]
+        if r["method"] != "trex_gold":
+            mrr = [metrics.ground_truth_metrics(x["proponent_correct"])["mrr"] for x in rows if x["has_trex_sentence"]]
+            assert r["mrr"] == pytest.approx(np.mean(mrr))
+        tp10 = [np.mean(x["proponent_tailpatch"][:10]) for x in rows if x["proponent_tailpatch"]]
+        assert r["tailpatch_at_10"] == pytest.approx(np.mean(tp10))
+        for x, q in zip(rows, res.queries):
+            assert x["inputs_plaintext"] == q.prompt and x["targets_plaintext"] == q.target
+            assert x["proponent_correct"] == [i in set(q.entailing_ids) for i in x["proponent_ids"]]
+
+
+def test_stored_tailpatch_equals_a_fresh_step(evaluated):
+    workdir, _ = evaluated
+    res = results.load_results(workdir)
+    run = checkpoint.load_run(workdir)
+    row = res.retrievals["trackstar"][1]
+    q = res.queries[1]
+    pid = row["proponent_ids"][0]
+    query = data.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len)
+    t, _ = data.encode_example(run.tokenizer, run.corpus.texts[pid], run.model_cfg.max_len)
+    prop = {"tokens": t, "loss_mask": np.r_[0, np.ones(len(t) - 1, np.int32)]}
+    opt = train.make_optimizer(checkpoint.optimizer_config_from(run.config))
+    fresh = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
+    got = fresh(run.params, run.opt_state, {k: v[None] for k, v in prop.items()}, {k: v[None] for k, v in query.items()},
+                graphdef=run.graphdef, opt=opt)
+    np.testing.assert_allclose(float(got["delta_prob"][0]), row["proponent_tailpatch"][0], rtol=1e-3, atol=1e-7)
+
+
+def test_gradient_rows_have_opponents_and_scores_sorted(evaluated):
+    workdir, table = evaluated
+    res = results.load_results(workdir)
+    for m in ("trackstar",):
+        for x in res.retrievals[m]:
+            s = x["proponent_scores"]
+            assert s == sorted(s, reverse=True) and len(s) == 10
+            assert x["opponent_scores"] == sorted(x["opponent_scores"]) and x["opponent_scores"][0] <= s[-1]
+    ts = next(r for r in table["rows"] if r["method"] == "trackstar")
+    assert ts["scoring"]["whitening"]["mode"] == "mixed" and ts["scoring"]["whitening"]["unit_norm"]
+
+
+def test_prediction_mode_queries_the_models_completion(evaluated):
+    workdir, _ = evaluated
+    c = _config()
+    c.eval.query_mode = "prediction"
+    c.eval.methods = ("bm25",)
+    table = pipeline.evaluate(c, workdir)
+    res = results.load_results(workdir, "eval_prediction")
+    assert table["query_mode"] == "prediction" and pipeline.eval_dir(c, workdir).name == "eval_prediction"
+    for x in res.retrievals["bm25"]:
+        assert x["targets_plaintext"] == " " + x["model_completion"]
+
+
+def test_unknown_method_and_missing_template_errors(evaluated):
+    workdir, _ = evaluated
+    c = _config()
+    c.eval.methods = ("bm26",)
+    with pytest.raises(ValueError, match="unknown evaluation method 'bm26'"):
+        pipeline.evaluate(c, workdir)
+    c = _config()
+    c.eval.template_variant = 7
+    with pytest.raises(ValueError, match="has no template variant 7"):
+        pipeline.evaluate(c, workdir)
+
+
+def test_highlight_marks_whole_word_entities():
+    html = results.highlight("Ann Lee was born in Paris; Parisian food <3", ["Ann Lee"], ["Paris"])
+    assert html.count("<mark") == 2
+    assert '<mark style="background:#cfe8ff">Ann Lee</mark>' in html
+    assert '<mark style="background:#ffe3a8">Paris</mark>;' in html and "Parisian food &lt;3" in html
+
+
+def test_notebook_runs_headless(evaluated):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    workdir, _ = evaluated
+    nb = nbformat.read(REPO / "notebooks" / "inspect_proponents.ipynb", as_version=4)
+    env = {"TRACKSTAR_WORKDIR": str(workdir), "TRACKSTAR_QUERY_ID": "1"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # the kernel subprocess inherits them
+    try:
+        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    html = "".join(o.get("data", {}).get("text/html", "") for o in outputs)
+    assert "<mark" in html and "TrackStar" in html
