@@ -1,0 +1,275 @@
+"""Featurization throughput and memory: training step vs fast factored path vs reference path vs a
+TRAK-style baseline, side by side in one process. One JSON object per line, one per (config, d).
+
+    python -m benchmarks.featurize [--configs tiny,small] [--dims 4096,65536] [--steps 5]
+    python -m benchmarks.featurize --rank1_workdir=RUN [--rank1_rows 256]
+
+The second form measures what the fast path's rank-one V costs where optax kept a full
+second moment: on the first rows of a trained run's corpus, fast vectors (rank-one V) vs the
+exact reference (element-wise V): relative error, per-row cosine and top-10 neighbour
+overlap after unit normalisation (see `rank_one_gap`).
+
+* train: the project's jitted train step (`pipeline.make_jit_train_step`, state donated).
+* fast: `vectors.jit_vector_step` with path="fast" (what the index builder runs).
+* reference: the same step with path="reference" (vmap(grad), materialised gradients).
+* trak: TRAK without its CUDA kernel: per-example gradients (vmap(grad)), flattened, times a
+  dense Gaussian `[|theta|, d]` projection generated chunk by chunk on the fly (as
+  MadryLab/trak's BasicProjector does). Its cost is |theta| * d per batch for generating P
+  plus |theta| * d per example; it runs on `--trak_batch` examples, and, when the whole
+  projection would take too long, on the first `--trak_max_chunks` chunks of P and is
+  extrapolated linearly in the number of chunks (every chunk does identical work): the row
+  then says `trak_chunks_timed` < `trak_chunks_total`.
+
+Every path sees the same `[batch, seq_len]` batch of random tokens with every position after
+BOS a target (a training example), after a compile and a warm-up call. tokens/s counts all
+`batch * seq_len` positions. Peak bytes = the compiled executable's
+`memory_analysis()`: arguments + outputs + temporaries - aliased (donated) bytes, i.e. what
+XLA must hold at once for one call. `*_peak_bytes_2x_batch` compiles (does not run) each step
+at twice the batch, to show how memory scales with batch.
+
+d = 2 * num_blocks * k^2: the config's num_blocks when d allows an integer k, otherwise the
+largest num_blocks <= num_layers that does (recorded in the row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import json
+import math
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trackstar_jax import grads, model as model_lib, pipeline, sharding, train, vectors
+
+# "medium": the largest config that fits this benchmark's time budget on a 2-core CPU.
+EXTRA_CONFIGS = {
+    "medium": dict(base="small", model=dict(num_layers=8, embed_dim=512, num_heads=8, head_dim=64, mlp_dim=2048)),
+}
+
+
+def _config(name: str):
+    if name in EXTRA_CONFIGS:
+        spec = EXTRA_CONFIGS[name]
+        config = importlib.import_module(f"experiments.{spec['base']}").get_config()
+        for k, v in spec["model"].items():
+            setattr(config.model, k, v)
+        return config
+    return importlib.import_module(f"experiments.{name}").get_config()
+
+
+def _num_blocks(d: int, preferred: int, num_layers: int) -> int:
+    for nb in [preferred] + list(range(num_layers, 0, -1)):
+        if 1 <= nb <= num_layers:
+            try:
+                vectors.projection_dim_for(d, nb)
+                return nb
+            except ValueError:
+                pass
+    raise ValueError(f"no num_blocks <= {num_layers} gives an integer k for d={d}")
+
+
+def _peak(compiled) -> int:
+    m = compiled.memory_analysis()
+    return int(m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _time(fn, args, steps: int, donate_first: bool = False) -> float:
+    """Median seconds per call after one warm-up call (blocks on every call)."""
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(steps):
+        if donate_first:
+            args = (out[0],) + tuple(args[1:])
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _batch(b: int, t: int, vocab: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(4, vocab, (b, t)).astype(np.int32)
+    tokens[:, 0] = 2  # BOS
+    mask = np.ones((b, t), np.int32)
+    mask[:, 0] = 0
+    return {"tokens": tokens, "loss_mask": mask, "example_id": np.arange(b, dtype=np.int32)}
+
+
+def trak_style_vectors(params, batch, *, graphdef, plan, d: int, chunk: int, num_chunks: int, seed: int = 0):
+    """TRAK-style features: flattened per-example gradient x dense N(0, 1/d) projection made on the fly.
+
+    Processes the first `num_chunks` chunks of `chunk` gradient coordinates (all of them when
+    `num_chunks` covers |theta|); each chunk's `[chunk, d]` block of P is generated from
+    `fold_in(key, chunk_index)`, used, and dropped.
+
+    Returns:
+      `[B, d]` float32.
+    """
+    g = grads.per_example_grads(params, batch, plan, graphdef=graphdef)
+    flat = jnp.concatenate([g[p].reshape(g[p].shape[0], -1) for p in plan.paths], axis=1)
+    b, n = flat.shape
+    flat = jnp.pad(flat, ((0, 0), (0, num_chunks * chunk - n))) if num_chunks * chunk > n else flat
+    key = jax.random.key(seed)
+
+    def body(i, acc):
+        block = jax.random.normal(jax.random.fold_in(key, i), (chunk, d), jnp.float32) / math.sqrt(d)
+        return acc + jax.lax.dynamic_slice_in_dim(flat, i * chunk, chunk, axis=1) @ block
+
+    return jax.lax.fori_loop(0, num_chunks, body, jnp.zeros((b, d), jnp.float32))
+
+
+def bench_one(name: str, d: int, args) -> dict:
+    config = _config(name)
+    model_cfg = pipeline.model_config(config)
+    opt = train.make_optimizer(pipeline.optimizer_config(config))
+    mesh = sharding.make_mesh()
+    graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
+    b = args.batch or int(config.vectors.batch_size)
+    t = args.seq_len or model_cfg.max_len
+    host = _batch(b, t, model_cfg.vocab_size)
+    batch = pipeline.device_batch(host, mesh)
+
+    # --- training step (also gives the optimizer state a realistic, non-zero V) ---
+    step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+    train_c = step.lower(state, batch).compile()
+    train_peak = _peak(train_c)
+    train_2x = _peak(step.lower(state, pipeline.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile())
+    state, _ = train_c(state, batch)
+    params = jax.tree.map(jnp.copy, state.params)  # the timed train steps donate `state`
+    opt_state = jax.tree.map(jnp.copy, state.opt_state)
+    train_s = _time(train_c, (state, batch), args.steps, donate_first=True)
+
+    nb = _num_blocks(d, int(config.vectors.num_blocks), model_cfg.num_layers)
+    k = vectors.projection_dim_for(d, nb)
+    row = {"config": name, "d": d, "num_blocks": nb, "k": k, "batch": b, "seq_len": t,
+           "params": model_lib.param_count(params),
+           "attributed_params": model_lib.param_count({p: x for p, x in model_lib.flat_params(params).items()
+                                                       if p in model_lib.attributed_paths(params)}),
+           "train_tokens_per_s": b * t / train_s, "train_peak_bytes": train_peak, "train_peak_bytes_2x_batch": train_2x}
+
+    features = {}
+    for path in ("fast", "reference"):
+        vc = vectors.VectorConfig(num_blocks=nb, proj_dim=k, correction=True, path=path)
+        plan = vectors.make_plan(params, model_cfg, vc)
+        precond = vectors.make_precond(params, opt_state, vc, plan)
+        jitted = vectors.jit_vector_step(graphdef, vc, plan, mesh)
+        vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
+        compiled = jitted.lower(params, precond, vb).compile()
+        host2 = _batch(2 * b, t, model_cfg.vocab_size)
+        row[f"{path}_peak_bytes"] = _peak(compiled)
+        row[f"{path}_peak_bytes_2x_batch"] = _peak(jitted.lower(
+            params, precond, {k_: jnp.asarray(host2[k_]) for k_ in ("tokens", "loss_mask")}).compile())
+        secs = _time(compiled, (params, precond, vb), args.steps if path == "fast" else max(1, args.steps // 2))
+        row[f"{path}_tokens_per_s"] = b * t / secs
+        features[path] = np.asarray(compiled(params, precond, vb)[0])
+    # The two paths agree up to the rank-one V of unfactored matrices (exact where optax factors).
+    f, r = features["fast"], features["reference"]
+    row["fast_vs_reference_rel_err"] = float(np.linalg.norm(f - r) / np.linalg.norm(r))
+
+    # --- TRAK-style baseline ---
+    tb = min(args.trak_batch, b)
+    plan = vectors.make_plan(params, model_cfg, vectors.VectorConfig(num_blocks=nb, proj_dim=k))
+    n_attr = row["attributed_params"]
+    total_chunks = -(-n_attr // args.trak_chunk)
+    timed_chunks = min(total_chunks, args.trak_max_chunks)
+    trak_batch = {"tokens": jnp.asarray(host["tokens"][:tb]), "loss_mask": jnp.asarray(host["loss_mask"][:tb])}
+    per_chunk_s = []
+    for n_chunks in sorted({max(1, timed_chunks // 2), timed_chunks}):
+        fn = jax.jit(functools.partial(trak_style_vectors, graphdef=graphdef, plan=plan, d=d,
+                                       chunk=args.trak_chunk, num_chunks=n_chunks))
+        c = fn.lower(params, trak_batch).compile()
+        per_chunk_s.append((n_chunks, _time(c, (params, trak_batch), 1)))
+    if len(per_chunk_s) == 2 and timed_chunks < total_chunks:  # linear fit: fixed grad cost + per-chunk cost
+        (n1, s1), (n2, s2) = per_chunk_s
+        slope = max((s2 - s1) / (n2 - n1), 0.0)
+        trak_s = s2 + slope * (total_chunks - n2)
+    else:
+        trak_s = per_chunk_s[-1][1]
+    row.update({"trak_batch": tb, "trak_chunks_timed": timed_chunks, "trak_chunks_total": total_chunks,
+                "trak_tokens_per_s": tb * t / trak_s})
+
+    row["fast_over_train"] = row["fast_tokens_per_s"] / row["train_tokens_per_s"]
+    row["fast_over_reference"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
+    row["fast_over_trak"] = row["fast_tokens_per_s"] / row["trak_tokens_per_s"]
+    dev = jax.devices()[0]
+    row["device"] = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
+    row["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    return {k_: (float(f"{v:.5g}") if isinstance(v, float) else v) for k_, v in row.items()}
+
+
+def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
+    """Fast path (rank-one V) vs exact reference (element-wise V) on a trained run's corpus rows."""
+    from trackstar_jax import checkpoint, data, factored, preconditioner
+
+    run = checkpoint.load_run(workdir)
+    cfg = run.model_cfg
+    nb = _num_blocks(d, int(run.config.vectors.num_blocks), cfg.num_layers)
+    vc = vectors.VectorConfig(num_blocks=nb, proj_dim=vectors.projection_dim_for(d, nb))
+    plan = vectors.make_plan(run.params, cfg, vc)
+    exact = preconditioner.from_opt_state(run.params, run.opt_state, plan.paths, exact=True)
+    rank1 = preconditioner.from_opt_state(run.params, run.opt_state, plan.paths, exact=False)
+    kw = dict(graphdef=run.graphdef, plan=plan, seed=vc.proj_seed)
+    fast_fn = jax.jit(functools.partial(factored.factored_vectors, **kw))
+    ref_fn = jax.jit(functools.partial(grads.reference_vectors, **kw))
+    out = {"fast": [], "exact": [], "ref_rank1": []}
+    for b in data.index_batches(run.corpus, run.tokenizer, batch, cfg.max_len, stop=rows):
+        keep = b["example_id"] >= 0
+        vb = {"tokens": b["tokens"], "loss_mask": b["loss_mask"]}
+        out["fast"].append(np.asarray(fast_fn(run.params, exact, vb))[keep])
+        out["exact"].append(np.asarray(ref_fn(run.params, exact, vb))[keep])
+        out["ref_rank1"].append(np.asarray(ref_fn(run.params, rank1, vb))[keep])
+    f, e, r1 = (np.concatenate(out[k]).astype(np.float64) for k in ("fast", "exact", "ref_rank1"))
+    cos = np.sum(f * e, 1) / np.linalg.norm(f, axis=1) / np.linalg.norm(e, axis=1)
+    fu, eu = f / np.linalg.norm(f, axis=1, keepdims=True), e / np.linalg.norm(e, axis=1, keepdims=True)
+
+    def top10(u):
+        s = u @ u.T
+        np.fill_diagonal(s, -np.inf)
+        return np.argsort(-s, axis=1)[:, :10]
+
+    tf, te = top10(fu), top10(eu)
+    overlap = np.mean([len(set(a) & set(b_)) / 10 for a, b_ in zip(tf, te)])
+    factor_err = preconditioner.rank_one_error(exact)
+    return {"bench": "rank_one_v", "workdir": str(workdir), "step": run.step, "rows": int(f.shape[0]), "d": d,
+            "min_dim_size_to_factor": int(run.config.train.min_dim_size_to_factor),
+            "non_rank_one_params": sorted(factor_err), "factor_rel_err_mean": float(np.mean(list(factor_err.values()) or [0])),
+            "fast_vs_exact_rel_err": float(np.linalg.norm(f - e) / np.linalg.norm(e)),
+            "fast_vs_exact_cos_mean": float(cos.mean()), "fast_vs_exact_cos_min": float(cos.min()),
+            "top10_overlap_fast_vs_exact": float(overlap),
+            "fast_vs_reference_same_rank1_rel_err": float(np.linalg.norm(f - r1) / np.linalg.norm(r1)),
+            "device": f"{jax.devices()[0].platform}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--configs", default="tiny,small")
+    parser.add_argument("--dims", default="4096,65536")
+    parser.add_argument("--batch", type=int, default=0, help="examples per step (0: config.vectors.batch_size)")
+    parser.add_argument("--seq_len", type=int, default=0, help="0: model.max_len")
+    parser.add_argument("--steps", type=int, default=5, help="timed calls (median) per path")
+    parser.add_argument("--trak_batch", type=int, default=4)
+    parser.add_argument("--trak_chunk", type=int, default=8192, help="gradient coordinates per P block")
+    parser.add_argument("--trak_max_chunks", type=int, default=16)
+    parser.add_argument("--rank1_workdir", default="", help="trained run: measure rank-one V vs exact V instead")
+    parser.add_argument("--rank1_rows", type=int, default=256)
+    args = parser.parse_args()
+    if args.rank1_workdir:
+        for d in (int(x) for x in args.dims.split(",")):
+            print(json.dumps(rank_one_gap(args.rank1_workdir, args.rank1_rows, args.batch or 32, d)), flush=True)
+        return
+    for name in args.configs.split(","):
+        for d in (int(x) for x in args.dims.split(",")):
+            print(json.dumps(bench_one(name, d, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
