@@ -167,6 +167,36 @@ def make_jit_eval_step(graphdef: Any, mesh: jax.sharding.Mesh, params: Any) -> A
                    in_shardings=(params_sh, batch_shardings(mesh)), out_shardings=sharding_lib.replicated(mesh))
 
 
+@dataclasses.dataclass(frozen=True)
+class _TrainFns:
+    graphdef: Any
+    opt: Any
+    target: Any  # abstract TrainState with shardings (restore target)
+    init: Any  # () -> TrainState, placed in its shardings
+    step: Any  # compiled train step (state donated)
+    eval: Any  # jit(eval_step)
+
+
+@functools.lru_cache(maxsize=4)
+def _train_fns(model_cfg: model_lib.LMConfig, opt_cfg: train_lib.OptimizerConfig, seed: int,
+               mesh: jax.sharding.Mesh, batch_size: int) -> _TrainFns:
+    """The jitted pieces of `train`, built and compiled once per process and configuration
+    (a rerun or a second stage in the same process reuses the compiled step)."""
+    opt = train_lib.make_optimizer(opt_cfg)
+    graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    init = jax.jit(lambda: train_lib.init_state(model_cfg, opt, seed)[1], out_shardings=shardings)
+    abstract_batch = {k: jax.ShapeDtypeStruct((batch_size,) + ((model_cfg.max_len,) if k != "example_id" else ()),
+                                              np.int32, sharding=sh) for k, sh in batch_shardings(mesh).items()}
+    compiled = make_jit_train_step(graphdef, opt, mesh, target).lower(target, abstract_batch).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        logging.info("train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
+                     mem.argument_size_in_bytes / 2**20, mem.output_size_in_bytes / 2**20,
+                     mem.temp_size_in_bytes / 2**20)
+    return _TrainFns(graphdef, opt, target, init, compiled, make_jit_eval_step(graphdef, mesh, target.params))
+
+
 def fact_prompts(corpus: data_lib.Corpus, max_facts: int = 0) -> list[tuple[str, data_lib.Fact]]:
     """(prompt, fact) pairs for completions, round-robin over relations.
 
@@ -270,17 +300,21 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
     if t.global_batch_size % dp:
         raise ValueError(f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
                          f"{dp} data-parallel shards of mesh {dict(mesh.shape)}")
-    opt = train_lib.make_optimizer(opt_cfg)
     mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
+    must_match = dict(sections=checkpoint_lib.RUN_SECTIONS + ("train",),
+                      ignore=tuple(f"train.{k}" for k in checkpoint_lib.RESUMABLE_TRAIN_KEYS))
+    if mngr.latest_step() is not None:  # refuse a foreign checkpoint before compiling anything
+        bad = checkpoint_lib.config_mismatches(mngr.saved_config(), config, **must_match)
+        if bad:
+            raise ValueError(f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: "
+                             + "; ".join(bad))
+    fns = _train_fns(model_cfg, opt_cfg, int(config.seed), mesh, int(t.global_batch_size))
+    graphdef = fns.graphdef
     if mngr.latest_step() is not None:
-        graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
-        start, state = mngr.restore_latest(
-            target, expect_config=config, sections=checkpoint_lib.RUN_SECTIONS + ("train",),
-            ignore=tuple(f"train.{k}" for k in checkpoint_lib.RESUMABLE_TRAIN_KEYS))
+        start, state = mngr.restore_latest(fns.target, expect_config=config, **must_match)
         logging.info("resumed from %s at step %d", mngr.directory, start)
     else:
-        graphdef, state = init_train_state(model_cfg, opt, int(config.seed), mesh)
-        start = 0
+        state, start = fns.init(), 0
     logging.info("model: %d parameters; mesh %s; %d examples; batch %d x %d tokens", model_lib.param_count(state.params),
                  dict(mesh.shape), len(corpus.examples), t.global_batch_size, model_cfg.max_len)
 
@@ -288,8 +322,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
     batches = data_lib.train_batches(corpus, tok, t.global_batch_size, seq_len, int(config.seed), start_step=start)
     eval_batches = [device_batch(b, mesh) for b in
                     data_lib.eval_batches(corpus, tok, t.global_batch_size, seq_len, t.num_eval_batches)]
-    jit_train_step = make_jit_train_step(graphdef, opt, mesh, state)
-    jit_eval_step = make_jit_eval_step(graphdef, mesh, state.params)
+    jit_eval_step = fns.eval
     metrics_file = open(workdir / "metrics.jsonl", "a")
 
     def log(record: dict) -> None:
@@ -302,12 +335,7 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
         logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, num_steps)
     else:
         batch = device_batch(next(batches), mesh)
-        compiled = jit_train_step.lower(state, batch).compile()
-        mem = compiled.memory_analysis()
-        if mem is not None:
-            logging.info("train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
-                         mem.argument_size_in_bytes / 2**20, mem.output_size_in_bytes / 2**20,
-                         mem.temp_size_in_bytes / 2**20)
+        compiled = fns.step
         pending: list[dict] = []
         bar = tqdm.tqdm(total=num_steps, initial=start, desc="train", disable=jax.process_index() > 0,
                         mininterval=2.0, dynamic_ncols=True)
@@ -527,6 +555,200 @@ def verify_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, 
 # ---------------------------------------------------------------------------------------
 # Stage 3: retrieve (issue #5)
 # ---------------------------------------------------------------------------------------
+
+
+RETRIEVAL_KEYS = ("top_k", "query_batch_size", "read_chunk_rows", "queries", "output", "overwrite")
+RETRIEVAL_DIR = "retrieval"
+RETRIEVAL_FORMAT = "trackstar_jax.retrieval/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSettings:
+    """`config.retrieval`, checked (see experiments/base.py for the meaning of each key)."""
+
+    top_k: int
+    query_batch_size: int
+    read_chunk_rows: int
+    queries: str
+    output: str
+    overwrite: bool
+
+
+def retrieval_settings(config: ml_collections.ConfigDict) -> RetrievalSettings:
+    """`config.retrieval` -> `RetrievalSettings` (unknown keys and bad values raise, naming the key)."""
+    section = config.retrieval
+    unknown = sorted(set(section.keys()) - set(RETRIEVAL_KEYS))
+    if unknown:
+        raise ValueError(f"unknown config key(s) in config.retrieval: {', '.join(unknown)} (known: {', '.join(RETRIEVAL_KEYS)})")
+    s = RetrievalSettings(top_k=int(section.top_k), query_batch_size=int(section.query_batch_size),
+                          read_chunk_rows=int(section.read_chunk_rows), queries=str(section.get("queries", "") or ""),
+                          output=str(section.get("output", "") or ""), overwrite=bool(section.get("overwrite", False)))
+    for key in ("top_k", "query_batch_size", "read_chunk_rows"):
+        if getattr(s, key) < 1:
+            raise ValueError(f"config.retrieval.{key} must be >= 1, got {getattr(s, key)}")
+    if s.output and (pathlib.Path(s.output).name != s.output or s.output.startswith(".")):
+        raise ValueError(f"config.retrieval.output must be a plain file name stem, got {s.output!r}")
+    return s
+
+
+@dataclasses.dataclass(frozen=True)
+class TextQuery:
+    """A query given as text: `prompt` + `target` (the target starts with a space, " Paris")."""
+
+    example_id: Any
+    prompt: str
+    target: str
+
+
+def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
+    """Reads a jsonl of `{"prompt", "target"[, "example_id"]}` (example_id defaults to the line number).
+
+    Raises:
+      ValueError: a malformed line (names the file and line).
+    """
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "target")):
+                raise ValueError(f"{path}:{n}: expected an object with string fields 'prompt' and 'target'")
+            out.append(TextQuery(rec.get("example_id", len(out)), rec["prompt"], rec["target"]))
+    return out
+
+
+def expected_index_identity(run: checkpoint_lib.Run, config: ml_collections.ConfigDict, dim: int) -> dict:
+    """Manifest sections an index must match for queries featurized by `run` under `config`
+    (model weights + optimizer state fingerprint, vector settings, corpus)."""
+    m = index_manifest(run, vectors_lib.vector_config(config.vectors), storage_config(config), dim)
+    return {section: m[section] for section in ("model", "vectors", "corpus")}
+
+
+def retrieve_queries(run: checkpoint_lib.Run, config: ml_collections.ConfigDict, workdir: str | os.PathLike,
+                     queries: list[TextQuery], *, mesh: jax.sharding.Mesh | None = None,
+                     k: int | None = None) -> tuple[list[dict], dict]:
+    """Featurizes text queries like the index and retrieves their proponents / opponents.
+
+    The queries' vectors come from the same model, optimizer state (correction), projection and
+    R as the index (`config.vectors`, `config.hessian`); the index manifest is checked against
+    them first. Notebook use: `records, info = pipeline.retrieve_queries(run, config, workdir,
+    [pipeline.TextQuery(0, "Paris is the capital of", " France")])`.
+
+    Returns:
+      `(records, info)`: one PAIR-code-schema dict per query (example_id, inputs_plaintext,
+      targets_plaintext, proponents, proponent_ids, proponent_scores, opponents, opponent_ids,
+      opponent_scores), and what was used (index, whitening, timings).
+
+    Raises:
+      index.IndexMismatchError: the index was built from another model / projection / corpus
+        (names the manifest field).
+      ValueError: a query that cannot be encoded (names it), bad k.
+    """
+    st = retrieval_settings(config)
+    k = st.top_k if k is None else int(k)
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(tuple(config.mesh.shape))
+    path = index_dir(config, workdir)
+    vec_cfg = vectors_lib.vector_config(config.vectors)
+    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
+                                        role="query")
+    if not (path / "manifest.json").exists():
+        raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
+    reader = index_lib.open_index(path, expect=expected_index_identity(run, config, vec_fn.dim))
+    if k < 1 or k > reader.num_rows:
+        raise ValueError(f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)")
+    t0 = time.perf_counter()
+    encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
+               for q in queries]
+    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded], mesh) if queries else \
+        np.zeros((0, reader.dim), np.float32)
+    t1 = time.perf_counter()
+    info = {"index": str(path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k,
+            "featurize_seconds": t1 - t0}
+    if not queries:
+        return [], info
+    scoring = index_lib.prepare_scoring(reader, hessian_config(config), q_raw)
+    q_prime = scoring.finalize_queries(q_raw)
+    t2 = time.perf_counter()
+    res = retrieval_lib.stream_topk(q_prime, reader, k, st.read_chunk_rows, mesh=mesh, row_scale=scoring.row_scale,
+                                    query_batch_size=st.query_batch_size)
+    t3 = time.perf_counter()
+    info.update(whitening=scoring.whitening.describe(), scoring_prep_seconds=t2 - t1, retrieval_seconds=t3 - t2,
+                dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9))
+    texts = run.corpus.texts
+    records = []
+    for qi, q in enumerate(queries):
+        top, bot = res.top_ids[qi].tolist(), res.bottom_ids[qi].tolist()
+        records.append({
+            "example_id": q.example_id, "inputs_plaintext": q.prompt, "targets_plaintext": q.target,
+            "proponents": [texts[i] for i in top], "proponent_ids": top,
+            "proponent_scores": [float(s) for s in res.top_scores[qi]],
+            "opponents": [texts[i] for i in bot], "opponent_ids": bot,
+            "opponent_scores": [float(s) for s in res.bottom_scores[qi]]})
+    return records, info
+
+
+def _atomic_write_text(path: pathlib.Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def retrieve(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict:
+    """Stage 3: proponents and opponents of every query over the whole index (exact, §4).
+
+    Queries come from `config.retrieval.queries` (a jsonl of `{"prompt", "target"}`), or, when
+    that is empty, from the evaluation's query set (`config.eval`, facts of the run's corpus).
+    Each query (prompt + target, loss on the target tokens only) is featurized with the same
+    model / projection / correction as the index (checked against its manifest), finalised
+    with the same R (`config.hessian`), and scored against every row (`retrieval.stream_topk`).
+
+    Writes `workdir/retrieval/<name>.jsonl` (PAIR-code/pretraining-tda schema, one query per
+    line) and `<name>.manifest.json` (what produced it). Refuses to replace existing output
+    unless `config.retrieval.overwrite` is set.
+
+    Returns:
+      The manifest (also written), with counts and timings.
+    """
+    quiet_library_logs()
+    st = retrieval_settings(config)
+    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    bad = checkpoint_lib.config_mismatches(run.config, config, sections=checkpoint_lib.RUN_SECTIONS, ignore=())
+    if bad:
+        raise ValueError(f"config disagrees with the run in {workdir} (its config.json): " + "; ".join(bad))
+    if st.queries:
+        queries = load_text_queries(st.queries)
+        name = st.output or pathlib.Path(st.queries).stem
+        source = {"kind": "jsonl", "path": str(st.queries)}
+    else:
+        ev = eval_settings(config)
+        eq = make_eval_queries(run, ev, str(run.config.data.get("path", "")))
+        queries = [TextQuery(q.query_id, q.prompt, q.target) for q in eq.queries]
+        name = st.output or f"eval_{ev.query_mode}_t{ev.template_variant}"
+        source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
+    out_dir = pathlib.Path(workdir) / RETRIEVAL_DIR
+    out, man_path = out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
+    if not st.overwrite and (out.exists() or man_path.exists()):
+        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+                              "or --config.retrieval.output=<another name>")
+    records, info = retrieve_queries(run, config, workdir, queries, mesh=mesh)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _atomic_write_text(out, "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in records))
+    reader = index_lib.open_index(info["index"])
+    manifest = {
+        "format": RETRIEVAL_FORMAT, "name": name, "queries": source, "num_queries": len(records), "output": str(out),
+        "index_fingerprint": index_lib.manifest_fingerprint(reader.manifest), "checkpoint_step": int(run.step),
+        "vectors": checkpoint_lib.config_to_dict(config.vectors), "hessian": checkpoint_lib.config_to_dict(config.hessian),
+        "retrieval": dataclasses.asdict(st), "mesh": dict(mesh.shape), "devices": [str(d) for d in jax.devices()],
+        "jax_version": jax.__version__, **info}
+    _atomic_write_text(man_path, json.dumps(manifest, indent=1, default=str))
+    logging.info("retrieve: %d queries x %d rows in %.2fs -> %s", len(records), info["index_rows"],
+                 info.get("retrieval_seconds", 0.0), out)
+    return manifest
 
 
 # ---------------------------------------------------------------------------------------
