@@ -136,10 +136,18 @@ def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, jax.sharding.NamedShar
 
 
 def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
-    """Places a host batch on `mesh` (each process passes its own rows when multi-process)."""
+    """Places a global host batch on `mesh`.
+
+    With several processes every process reads the same global batch (the loaders are
+    deterministic) and contributes its contiguous block of rows, the layout of the batch axis
+    over a mesh whose devices are ordered by process (`jax.make_mesh`).
+    """
     sh = batch_shardings(mesh)
     if jax.process_count() > 1:
-        return {k: jax.make_array_from_process_local_data(sh[k], v) for k, v in batch.items()}
+        n, pc, pi = len(batch["tokens"]), jax.process_count(), jax.process_index()
+        rows = slice(pi * n // pc, (pi + 1) * n // pc)
+        return {k: jax.make_array_from_process_local_data(sh[k], v[rows], (n,) + v.shape[1:])
+                for k, v in batch.items()}
     return {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
 
 
