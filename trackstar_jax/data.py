@@ -37,7 +37,6 @@ from typing import Any, Iterable, Iterator, Mapping, Sequence
 import grain
 import numpy as np
 import sentencepiece as spm
-from absl import logging
 
 from trackstar_jax import model as model_lib
 
