@@ -91,3 +91,13 @@ def get_config(arg: str | None = None):
         c.eval.max_per_bucket = 1000
         c.tailpatch.batch_size = 32
     return c
+
+
+def row_config(name: str, arg: str | None = None):
+    """The config of one table row: `eval.methods = (name,)` plus the row's vectors / hessian
+    settings and index folder (`pipeline.method_config`), so every stage runs exactly that row."""
+    from trackstar_jax import baselines, pipeline  # noqa: PLC0415  (heavy imports only when used)
+
+    c = pipeline.method_config(get_config(arg), baselines.method(name))
+    c.eval.methods = (name,)
+    return c

@@ -935,7 +935,7 @@ def method_config(config: ml_collections.ConfigDict, m: baselines_lib.Method) ->
     for key, value in m.overrides().items():
         section, field = key.split(".")
         c[section][field] = value
-    if (m.output_fn, m.correction) != ("loss", True):
+    if m.kind == "gradient" and (m.output_fn, m.correction) != ("loss", True):
         c.index.dir = f"{config.index.dir}_{m.output_fn}_{'corr' if m.correction else 'nocorr'}"
     return c
 
@@ -955,23 +955,15 @@ def query_vectors(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded
 
 def gradient_retrieval(config: ml_collections.ConfigDict, workdir: pathlib.Path, run: checkpoint_lib.Run,
                        m: baselines_lib.Method, eq: EvalQueries, k: int, mesh: jax.sharding.Mesh) -> Retrieved:
-    """Builds (or reuses) the row's index, scores every query against it, keeps top / bottom k."""
+    """Builds (or reuses) the row's index, then Stage 3's `retrieve_queries` (top / bottom k)."""
     mc = method_config(config, m)
     summary = build_index(mc, workdir)
-    reader = index_lib.open_index(index_dir(mc, workdir))
-    vec_cfg = vectors_lib.vector_config(mc.vectors)
-    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
-                                        role="query")
-    q_raw = query_vectors(run, vec_fn, eq.encoded, mesh)
-    scoring = index_lib.prepare_scoring(reader, hessian_config(mc), q_raw)
-    q_prime = scoring.finalize_queries(q_raw)
-    res = retrieval_lib.stream_topk(q_prime, reader, k, int(mc.retrieval.read_chunk_rows), mesh=mesh,
-                                    row_scale=scoring.row_scale)
-    res = jax.device_get(res)
-    return Retrieved(np.asarray(res.top_ids).tolist(), np.asarray(res.top_scores).tolist(),
-                     np.asarray(res.bottom_ids).tolist(), np.asarray(res.bottom_scores).tolist(),
-                     info={"index": str(reader.path), "index_seconds": summary.get("seconds"),
-                           "whitening": scoring.whitening.describe()})
+    records, info = retrieve_queries(run, mc, workdir, [TextQuery(q.query_id, q.prompt, q.target) for q in eq.queries],
+                                     mesh=mesh, k=k)
+    return Retrieved([r["proponent_ids"] for r in records], [r["proponent_scores"] for r in records],
+                     [r["opponent_ids"] for r in records], [r["opponent_scores"] for r in records],
+                     info={"index": info["index"], "index_seconds": summary.get("seconds"),
+                           "whitening": info["whitening"], "retrieval_seconds": info.get("retrieval_seconds")})
 
 
 def retrieve_for_method(config: ml_collections.ConfigDict, workdir: pathlib.Path, run: checkpoint_lib.Run,
