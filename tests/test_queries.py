@@ -242,3 +242,18 @@ def test_take_balanced_round_robins_buckets():
     assert got == ["a0", "a1", "b0", "b1"]  # 2 + 2, not the first 4 of the big bucket
     assert rep.dropped_max_queries == 4 and rep.num_selected == 4 and rep.per_bucket == {"[1,10)": 2, "[10,inf)": 2}
     assert len(queries.take_balanced(facts, freq, 0, (1, 10))) == 8
+
+
+def test_predict_pads_batches_and_skips_prompts_without_room():
+    from trackstar_jax import model as model_lib
+
+    tok = data.train_tokenizer(["Ann was born in Paris.", "Cy was born in Rome."] * 20, vocab_size=40)
+    cfg = model_lib.LMConfig(vocab_size=40, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=12)
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 0))
+    facts = [_fact("a", "Ann", "P19", "Paris"), _fact("b", "Ann " * 20, "P19", "Rome"), _fact("c", "Cy", "P19", "Rome")]
+    qs = queries.build_queries(facts, {"P19": ["[X] was born in"]}, variant=0, entailing=queries.entailing_ids(facts),
+                               mentions={"a": (), "b": (), "c": ()})
+    comps, ok = queries.predict(graphdef, params, tok, qs, max_new_tokens=3, max_len=cfg.max_len, batch_size=2)
+    assert len(comps) == len(ok) == 3
+    assert comps[1] == "" and ok[1] is False  # 20-word subject: no room below max_len
+    assert ok == [queries.is_correct(c, q.aliases) for c, q in zip(comps, qs)]

@@ -624,12 +624,16 @@ def predict(graphdef: Any, params: Any, tokenizer: Any, queries: Sequence[Query]
     Returns:
       (completions, correct flags), aligned with `queries`.
     """
+    # A prompt that leaves no room to generate gets no completion (its query cannot be
+    # encoded either and is skipped, counted, by `encode_queries`).
+    fits = [len(tokenizer.encode(q.prompt)) + 1 < max_len for q in queries]
     completions: list[str] = []
     for start in range(0, len(queries), batch_size):
-        chunk = queries[start:start + batch_size]
-        completions += generate_lib.complete(graphdef, params, tokenizer, [q.prompt for q in chunk],
-                                             max_new_tokens, max_len)
-    completions = [cut_completion(c) for c in completions]
+        chunk = [q.prompt if ok else "" for q, ok in zip(queries[start:start + batch_size], fits[start:start + batch_size])]
+        prompts = chunk + [""] * (batch_size - len(chunk))  # one batch size: fewer compiles
+        completions += generate_lib.complete(graphdef, params, tokenizer, prompts, max_new_tokens,
+                                             max_len)[: len(chunk)]
+    completions = [cut_completion(c) if ok else "" for c, ok in zip(completions, fits)]
     return completions, [is_correct(c, q.aliases) for c, q in zip(completions, queries)]
 
 
