@@ -345,10 +345,10 @@ def reference_build(tmp_path_factory):
 
 def test_sigkill_mid_build_then_resume_is_byte_identical(tmp_path, reference_build):
     path = tmp_path / "ix"
-    proc = _spawn(tmp_path, path, slow=0.05)
+    proc = _spawn(tmp_path, path, slow=0.1)  # 0.1 s per chunk: >= 1.5 s left when 10 are done
     deadline = time.time() + 120
     while time.time() < deadline and proc.poll() is None:
-        if len(list((path / "progress").glob("chunk_*.done"))) >= 10 if (path / "progress").exists() else False:
+        if len(list(path.glob("progress/chunk_*.done"))) >= 10:
             break
         time.sleep(0.02)
     assert proc.poll() is None, "the build finished before it could be killed"

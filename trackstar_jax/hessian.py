@@ -36,7 +36,6 @@ property of the index (vectors section of the config, recorded in its manifest).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -349,13 +348,3 @@ def scores_on_the_fly(q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], s
     """`(q' · row) * row_scale`: the streamed-retrieval form of Eq. 1 (reference for retrieval.py)."""
     s = jnp.einsum("qd,nd->qn", q_prime, jnp.asarray(rows, jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return s * scale[None, :]
-
-
-def check_finite_dim(dim: int, num_blocks_total: int) -> int:
-    """Returns k² for a vector dim, checking the block layout (k² must be a perfect square)."""
-    if dim % num_blocks_total:
-        raise ValueError(f"d={dim} is not a multiple of {num_blocks_total} blocks")
-    k2 = dim // num_blocks_total
-    if math.isqrt(k2) ** 2 != k2:
-        raise ValueError(f"block size {k2} is not k*k for an integer k")
-    return k2

@@ -35,6 +35,7 @@ pre-quantisation rows makes R exactly the autocorrelation of what retrieval scor
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import errno
 import functools
@@ -278,32 +279,28 @@ def read_manifest(path: str | os.PathLike) -> dict:
     return m
 
 
-def _vectors_spec(path: pathlib.Path, manifest: Mapping[str, Any]) -> dict:
-    s = manifest["storage"]
+def _array_spec(path: pathlib.Path, shape: list[int], chunk_shape: list[int], dtype: str) -> dict:
+    """zarr3 on the local filesystem, uncompressed, with a crc32c digest per chunk."""
     return {
         "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path / "vectors")},
+        "kvstore": {"driver": "file", "path": str(path)},
         "metadata": {
-            "shape": [s["num_rows"], manifest["vectors"]["dim"]],
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [s["chunk_rows"], manifest["vectors"]["dim"]]}},
-            "data_type": s["dtype"],
+            "shape": shape,
+            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk_shape}},
+            "data_type": dtype,
             "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
         },
     }
+
+
+def _vectors_spec(path: pathlib.Path, manifest: Mapping[str, Any]) -> dict:
+    s, d = manifest["storage"], manifest["vectors"]["dim"]
+    return _array_spec(path / "vectors", [s["num_rows"], d], [s["chunk_rows"], d], s["dtype"])
 
 
 def _scale_spec(path: pathlib.Path, manifest: Mapping[str, Any]) -> dict:
     s = manifest["storage"]
-    return {
-        "driver": "zarr3",
-        "kvstore": {"driver": "file", "path": str(path / "row_scale")},
-        "metadata": {
-            "shape": [s["num_rows"]],
-            "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [s["chunk_rows"]]}},
-            "data_type": "float32",
-            "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
-        },
-    }
+    return _array_spec(path / "row_scale", [s["num_rows"]], [s["chunk_rows"]], "float32")
 
 
 def _open_arrays(path: pathlib.Path, manifest: Mapping[str, Any], *, create: bool) -> tuple[ts.TensorStore, ts.TensorStore | None]:
@@ -684,24 +681,31 @@ class IndexBuilder:
         if running is None:
             running = np.zeros((self.num_blocks_total, k2, k2), np.float64)
         seg_acc = None
-        in_flight: list[tuple[int, list]] = []  # (chunk, commit futures) in chunk order
+        # A background thread waits for each chunk's commit and then writes its marker, so the
+        # build loop only blocks when more than `max_writes_in_flight` chunks are unfinished.
+        committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-commit")
+        in_flight: list[tuple[int, concurrent.futures.Future]] = []  # in chunk order
         pending = None  # (chunk, lo, hi, stored, scale, bad) computed but not yet on the host
 
+        def commit(c: int, futs: list) -> None:
+            for f in futs:
+                f.result()
+            lo, hi = self.chunk_rows_range(c)
+            _atomic_write(self._marker(c), json.dumps({"rows": [lo, hi]}).encode())
+
         def finish_writes(block_all: bool) -> None:
-            """Marks committed chunks complete (oldest first); re-raises the first failed write."""
+            """Collects finished chunks (oldest first); re-raises the first failed write."""
             t0 = time.perf_counter()
             failure = None
             while in_flight and (block_all or failure is not None or len(in_flight) > self.max_writes_in_flight
-                                 or all(f.done() for f in in_flight[0][1])):
-                c, futs = in_flight.pop(0)
+                                 or in_flight[0][1].done()):
+                c, fut = in_flight.pop(0)
                 lo, hi = self.chunk_rows_range(c)
                 try:
-                    for f in futs:
-                        f.result()
+                    fut.result()
                 except Exception as e:  # noqa: BLE001 - re-raised below with the row range
                     failure = failure or (c, lo, hi, e)
                     continue
-                _atomic_write(self._marker(c), json.dumps({"rows": [lo, hi]}).encode())
                 stats.chunks_written += 1
                 stats.rows_written += hi - lo
             stats.write_seconds += time.perf_counter() - t0
@@ -724,8 +728,8 @@ class IndexBuilder:
                 stats.write_seconds += time.perf_counter() - t0
                 finish_writes(block_all=True)
                 raise IndexWriteError(self._write_failure(c, lo, hi, e)) from e
+            in_flight.append((c, committer.submit(commit, c, futs)))
             stats.write_seconds += time.perf_counter() - t0
-            in_flight.append((c, futs))
             finish_writes(block_all=False)
 
         try:
@@ -775,6 +779,8 @@ class IndexBuilder:
             except IndexWriteError:
                 pass
             raise
+        finally:
+            committer.shutdown(wait=True)
         stats.finalized = finalize(self.path)
         stats.seconds = time.perf_counter() - t_start
         return stats
