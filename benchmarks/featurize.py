@@ -129,6 +129,10 @@ def trak_style_vectors(params, batch, *, graphdef, plan, d: int, chunk: int, num
 
 def bench_one(name: str, d: int, args) -> dict:
     config = _config(name)
+    # Every kernel factored (as at paper scale, where all dims are >= 128): V is then exactly
+    # rank-one, so fast == reference is checked at scale too. The rank-one gap where optax
+    # keeps a full v is measured on a trained run by `--rank1_workdir`.
+    config.train.min_dim_size_to_factor = min(int(config.train.min_dim_size_to_factor), 32)
     model_cfg = pipeline.model_config(config)
     opt = train.make_optimizer(pipeline.optimizer_config(config))
     mesh = sharding.make_mesh()
@@ -171,7 +175,7 @@ def bench_one(name: str, d: int, args) -> dict:
         secs = _time(compiled, (params, precond, vb), args.steps if path == "fast" else max(1, args.steps // 2))
         row[f"{path}_tokens_per_s"] = b * t / secs
         features[path] = np.asarray(compiled(params, precond, vb)[0])
-    # The two paths agree up to the rank-one V of unfactored matrices (exact where optax factors).
+    # Every kernel is factored here, so the two paths must agree (to float32 round-off).
     f, r = features["fast"], features["reference"]
     row["fast_vs_reference_rel_err"] = float(np.linalg.norm(f - r) / np.linalg.norm(r))
 

@@ -71,12 +71,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- gradient features (§3 Eq. 2, §A.1.1-A.1.2) ---
     c.vectors = ml_collections.ConfigDict()
-    c.vectors.output_fn = "loss"  # "loss" | "margin" | "logit" | "trak" (margin + example-level Q)
+    c.vectors.output_fn = "loss"  # "loss" | "margin" | "logit" | "trak" (margin + example-level Q on index rows)
     c.vectors.num_blocks = 8  # consecutive-layer blocks; attention and MLP kept apart
     c.vectors.proj_dim = 64  # k per side: d = 2 * num_blocks * k^2 (paper: 8 * 2 * 64^2 = 2^16)
     c.vectors.proj_seed = 0  # one seed; each matrix's key is derived from its parameter path
     c.vectors.correction = True  # divide by sqrt(V) from the optimizer state
-    c.vectors.path = "fast"  # "fast" (factored) | "reference" (vmap(grad), materialised)
+    c.vectors.path = "fast"  # "fast" (factored; rank-one V where optax kept a full v) | "reference" (vmap(grad), exact V)
     c.vectors.batch_size = 32  # examples per featurize step (global)
 
     # --- Hessian approximation R and normalisation (§3, §A.1.3) ---

@@ -19,7 +19,9 @@ whose custom VJP, given the output cotangent `g`, returns the projected per-exam
 every layer of block-side s. Differentiating the objective with respect to the dummies (and
 nothing else) therefore yields the per-example block vectors directly: the backward pass
 computes activation gradients only (no weight gradients), each layer's `g` is consumed as
-soon as it exists, and the forward keeps `P0' x` (`[B, T, k]`) rather than `x` for kernels.
+soon as it exists, and the forward keeps `P0' x` (`[B, T, k]`) rather than `x` for kernels
+whose input is wider than k (narrower inputs are kept as they are, and projected in the
+backward pass).
 Cost per token: forward + input-gradient backward (~4 |theta| FLOPs, vs ~6 for a training
 step) plus the projections.
 
@@ -64,6 +66,30 @@ def _capture_dense_bwd(res, g):
 
 
 _capture_dense.defvjp(_capture_dense_fwd, _capture_dense_bwd)
+
+
+@jax.custom_vjp
+def _capture_dense_lazy(y: Float[Array, "b t n"], x: Float[Array, "b t m"], p0: Float[Array, "k m"],
+                        p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """As `_capture_dense`, but keeps `x` and projects it in the backward pass (for m <= k,
+    where `x` is no larger than `P0' x`, and shared by the layers reading the same input)."""
+    del x, p0, p1, z
+    return y
+
+
+def _capture_dense_lazy_fwd(y, x, p0, p1, z):
+    del z
+    return y, (x, p0, p1)
+
+
+def _capture_dense_lazy_bwd(res, g):
+    x, p0, p1 = res
+    xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
+    gp = jnp.einsum("btn,kn->btk", g, p1.astype(g.dtype), preferred_element_type=jnp.float32)
+    return g, None, None, None, jnp.einsum("btk,btl->bkl", xp, gp)
+
+
+_capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
 
 
 @jax.custom_vjp
@@ -142,6 +168,8 @@ def factored_vectors(params: Any, correction: precond_lib.Correction | None, bat
             p0, p1 = projs[path]
             if e.ndim == 1:
                 return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
+            if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
+                return _capture_dense_lazy(y, x, p0, p1, zs[e.side])
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
             return _capture_dense(y, xp, p1, zs[e.side])
 
