@@ -201,6 +201,12 @@ def bench_one(name: str, d: int, args) -> dict:
     row.update({"trak_batch": tb, "trak_chunks_timed": timed_chunks, "trak_chunks_total": total_chunks,
                 "trak_tokens_per_s": tb * t / trak_s})
 
+    # Memory per extra example (slope between batch b and 2b) next to the size of one
+    # example's full gradient: the fast path's slope is activations (T x widths, T x vocab)
+    # and does not grow with |theta|; materialising per-example gradients would add |theta|.
+    for path in ("train", "fast", "reference"):
+        row[f"{path}_bytes_per_example"] = (row[f"{path}_peak_bytes_2x_batch"] - row[f"{path}_peak_bytes"]) / b
+    row["grad_bytes_per_example"] = 4 * n_attr
     row["fast_over_train"] = row["fast_tokens_per_s"] / row["train_tokens_per_s"]
     row["fast_over_reference"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
     row["fast_over_trak"] = row["fast_tokens_per_s"] / row["trak_tokens_per_s"]
