@@ -42,7 +42,6 @@ import functools
 import hashlib
 import io
 import json
-import logging
 import math
 import os
 import pathlib
@@ -60,7 +59,6 @@ from jaxtyping import Array, Float
 import trackstar_jax
 from trackstar_jax import hessian
 
-log = logging.getLogger(__name__)
 
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -236,23 +234,24 @@ def tree_fingerprint(tree: Any) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new)."""
+def _write_tmp(path: pathlib.Path, data: bytes) -> pathlib.Path:
+    """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    return tmp
+
+
+def _atomic_write(path: pathlib.Path, data: bytes) -> None:
+    """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new)."""
+    os.replace(_write_tmp(path, data), path)
 
 
 def _create_once(path: pathlib.Path, data: bytes) -> bool:
     """Atomically creates `path` with `data` unless it exists; returns True if this call created it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    tmp = _write_tmp(path, data)
     try:
         os.link(tmp, path)  # fails if another writer got there first
         return True
@@ -872,6 +871,7 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
     pcount = 1
     if (p / "progress" / "partition.json").exists():
         pcount = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+    ranges = [process_chunk_range(reader.num_chunks, r_every, i, pcount) for i in range(pcount)]
     for c in sorted(reader.complete_chunks):
         lo, hi = reader.chunk_range(c)
         try:
@@ -891,9 +891,8 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
             part = _chunk_autocorrelation(jax.device_put(stored_p, device), None if scale_p is None else jax.device_put(scale_p, device),
                                           num_blocks_total=reader.num_blocks_total)
             seg_acc = part if seg_acc is None else seg_acc + part
-            # Same grouping as the builder (segments within each process range).
-            in_range = [rng for i in range(pcount) for rng in [process_chunk_range(reader.num_chunks, r_every, i, pcount)] if c in rng]
-            rng = in_range[0] if in_range else range(0, reader.num_chunks)
+            # Same grouping as the builder: float32 within a segment, float64 across segments.
+            rng = next(r for r in ranges if c in r)
             if (c + 1 - rng.start) % r_every == 0 or c + 1 == rng.stop:
                 recomputed += np.asarray(seg_acc, np.float64)
                 seg_acc = None
