@@ -96,9 +96,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
     # --- retrieval (exact top-k) ---
     c.retrieval = ml_collections.ConfigDict()
-    c.retrieval.top_k = 10
-    c.retrieval.query_batch_size = 64
-    c.retrieval.read_chunk_rows = 65_536  # rows streamed per step
+    c.retrieval.top_k = 10  # proponents and opponents kept per query (1 <= top_k <= index rows)
+    c.retrieval.query_batch_size = 64  # queries scored together against each streamed chunk
+    c.retrieval.read_chunk_rows = 65_536  # index rows streamed per step (next chunk prefetched meanwhile)
+    c.retrieval.queries = ""  # jsonl of {"prompt", "target"[, "example_id"]}; "" = the evaluation's fact queries
+    c.retrieval.output = ""  # output name: workdir/retrieval/<output>.jsonl ("" = from the query source)
+    c.retrieval.overwrite = False  # replace an existing output of the same name (refused otherwise)
 
     # --- evaluation (§4, §A.4) ---
     c.eval = ml_collections.ConfigDict()

@@ -601,11 +601,15 @@ def retrieval_settings(config: ml_collections.ConfigDict) -> RetrievalSettings:
 
 @dataclasses.dataclass(frozen=True)
 class TextQuery:
-    """A query given as text: `prompt` + `target` (the target starts with a space, " Paris")."""
+    """A query given as text: `prompt` + `target` (the target starts with a space, " Paris").
+
+    `extra` fields are copied into the query's output record (e.g. fact_id, model_correct).
+    """
 
     example_id: Any
     prompt: str
     target: str
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
@@ -661,23 +665,23 @@ def retrieve_queries(run: checkpoint_lib.Run, config: ml_collections.ConfigDict,
     mesh = mesh if mesh is not None else sharding_lib.make_mesh(tuple(config.mesh.shape))
     path = index_dir(config, workdir)
     vec_cfg = vectors_lib.vector_config(config.vectors)
-    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
-                                        role="query")
     if not (path / "manifest.json").exists():
         raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
-    reader = index_lib.open_index(path, expect=expected_index_identity(run, config, vec_fn.dim))
+    num_blocks_total, block_dim = vectors_lib.block_layout(vec_cfg)
+    reader = index_lib.open_index(path, expect=expected_index_identity(run, config, num_blocks_total * block_dim))
     if k < 1 or k > reader.num_rows:
         raise ValueError(f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)")
+    info = {"index": str(path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k}
+    if not queries:
+        return [], info
     t0 = time.perf_counter()
     encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
                for q in queries]
-    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded], mesh) if queries else \
-        np.zeros((0, reader.dim), np.float32)
+    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
+                                        role="query")
+    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded], mesh)
     t1 = time.perf_counter()
-    info = {"index": str(path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k,
-            "featurize_seconds": t1 - t0}
-    if not queries:
-        return [], info
+    info["featurize_seconds"] = t1 - t0
     scoring = index_lib.prepare_scoring(reader, hessian_config(config), q_raw)
     q_prime = scoring.finalize_queries(q_raw)
     t2 = time.perf_counter()
@@ -691,11 +695,15 @@ def retrieve_queries(run: checkpoint_lib.Run, config: ml_collections.ConfigDict,
     for qi, q in enumerate(queries):
         top, bot = res.top_ids[qi].tolist(), res.bottom_ids[qi].tolist()
         records.append({
+            **dict(q.extra),
             "example_id": q.example_id, "inputs_plaintext": q.prompt, "targets_plaintext": q.target,
             "proponents": [texts[i] for i in top], "proponent_ids": top,
             "proponent_scores": [float(s) for s in res.top_scores[qi]],
             "opponents": [texts[i] for i in bot], "opponent_ids": bot,
             "opponent_scores": [float(s) for s in res.bottom_scores[qi]]})
+        if "entailing_ids" in records[-1]:  # fact queries: which proponents state the fact (Table 1 files)
+            gold = set(records[-1]["entailing_ids"])
+            records[-1]["proponent_correct"] = [i in gold for i in top]
     return records, info
 
 
@@ -723,26 +731,28 @@ def retrieve(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     """
     quiet_library_logs()
     st = retrieval_settings(config)
+    # Cheap refusals first (bad query file, existing output), before loading the run.
+    ev = None if st.queries else eval_settings(config)
+    queries = load_text_queries(st.queries) if st.queries else None
+    name = st.output or (pathlib.Path(st.queries).stem if st.queries else f"eval_{ev.query_mode}_t{ev.template_variant}")
+    out_dir = pathlib.Path(workdir) / RETRIEVAL_DIR
+    out, man_path = out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
+    if not st.overwrite and (out.exists() or man_path.exists()):
+        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+                              "or --config.retrieval.output=<another name>")
     mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
     bad = checkpoint_lib.config_mismatches(run.config, config, sections=checkpoint_lib.RUN_SECTIONS, ignore=())
     if bad:
         raise ValueError(f"config disagrees with the run in {workdir} (its config.json): " + "; ".join(bad))
     if st.queries:
-        queries = load_text_queries(st.queries)
-        name = st.output or pathlib.Path(st.queries).stem
         source = {"kind": "jsonl", "path": str(st.queries)}
     else:
-        ev = eval_settings(config)
         eq = make_eval_queries(run, ev, str(run.config.data.get("path", "")))
-        queries = [TextQuery(q.query_id, q.prompt, q.target) for q in eq.queries]
-        name = st.output or f"eval_{ev.query_mode}_t{ev.template_variant}"
+        queries = [TextQuery(q.query_id, q.prompt, q.target, (
+            ("fact_id", q.fact_id), ("relation", q.relation), ("model_completion", c), ("model_correct", ok),
+            ("entailing_ids", list(q.entailing_ids)))) for q, c, ok in zip(eq.queries, eq.completions, eq.correct)]
         source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
-    out_dir = pathlib.Path(workdir) / RETRIEVAL_DIR
-    out, man_path = out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
-    if not st.overwrite and (out.exists() or man_path.exists()):
-        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
-                              "or --config.retrieval.output=<another name>")
     records, info = retrieve_queries(run, config, workdir, queries, mesh=mesh)
     out_dir.mkdir(parents=True, exist_ok=True)
     _atomic_write_text(out, "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in records))

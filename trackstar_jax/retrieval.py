@@ -54,6 +54,7 @@ from jaxtyping import Array, Float, Int
 SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 UPCASTS = ("none", "convert", "bf16_pairs")
+CONTRACTS = ("dot", "reduce")
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
 # 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
 # enough that per-block overhead is negligible (BUILD_NOTES "Issue 5").
@@ -131,16 +132,22 @@ class Plan:
     block_rows: int
     query_major: bool
     upcast: str
+    contract: str = "dot"
 
     def __post_init__(self):
+        if self.contract not in CONTRACTS:
+            raise ValueError(f"contract must be one of {CONTRACTS}, got {self.contract!r}")
         if self.upcast not in UPCASTS:
             raise ValueError(f"upcast must be one of {UPCASTS}, got {self.upcast!r}")
+        if self.contract == "reduce" and self.upcast == "bf16_pairs":
+            raise ValueError("contract='reduce' widens inside the fused reduce; use upcast='convert'")
         if self.block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
 
 
 def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = None,
-              block_rows: int | None = None, query_major: bool | None = None, upcast: str | None = None) -> Plan:
+              block_rows: int | None = None, query_major: bool | None = None, upcast: str | None = None,
+              contract: str | None = None) -> Plan:
     """Chooses the fastest known formulation for a regime (see the module docstring).
 
     Args:
@@ -169,7 +176,7 @@ def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = N
         if upcast != "none":
             rows = min(rows, _UPCAST_TILE // max(dim, 1))
         block_rows = 1 << max(6, int(math.log2(max(rows, 1))))
-    return Plan(block_rows=int(block_rows), query_major=bool(query_major), upcast=upcast)
+    return Plan(block_rows=int(block_rows), query_major=bool(query_major), upcast=upcast, contract=contract or "dot")
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,6 +209,10 @@ def _widen(blk: Array, upcast: str) -> tuple[Array, ...]:
 
 def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[Array, "q b"]:
     """Scores `[Q, b]` of a row block against the queries, accumulated in float32."""
+    if plan.contract == "reduce":
+        # One fused multiply-reduce (XLA:CPU hands it, widening included, to its YNNPACK path).
+        (qp,) = q_parts
+        return jnp.sum(blk[None, :, :].astype(jnp.float32) * qp[:, None, :], axis=-1)
     out = None
     for qp, rp in zip(q_parts, _widen(blk, plan.upcast)):
         if plan.query_major:
@@ -236,9 +247,11 @@ def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] |
     m = rows.shape[0]
     nq = q.shape[0]
     if plan.upcast == "bf16_pairs":
-        # Reinterpret [m, d] bf16 as [m, d/2] uint32 (a bitcast, no data movement); split the
-        # query into the matching even / odd columns.
-        rows = lax.bitcast_convert_type(rows.reshape(m, rows.shape[1] // 2, 2), jnp.uint32)
+        # Rows as [m, d/2] uint32 words, each holding bf16 columns (2j, 2j+1). Host arrays arrive
+        # already viewed that way (`_put_rows`, free); a device bf16 array is repacked here
+        # (XLA emits a full pass for this bitcast). The query splits into even / odd columns.
+        if rows.dtype != jnp.uint32:
+            rows = lax.bitcast_convert_type(rows.reshape(m, rows.shape[1] // 2, 2), jnp.uint32)
         q_parts = (q[:, 0::2], q[:, 1::2])
     else:
         q_parts = (q,)
@@ -360,11 +373,16 @@ def _host_rows(x: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _put_rows(mesh: Mesh, rows: Any, scale: Any) -> tuple[Any, Any]:
-    """Rows `[n, d]` and scale `[n]` split over all mesh axes (rows must divide evenly)."""
+def _put_rows(mesh: Mesh, rows: Any, scale: Any, plan: Plan) -> tuple[Any, Any]:
+    """Rows `[n, d]` and scale `[n]` split over all mesh axes (rows must divide evenly).
+
+    Host bfloat16 rows for a "bf16_pairs" plan are viewed as `[n, d/2]` uint32 (no copy).
+    """
     axes = tuple(mesh.axis_names)
     if isinstance(rows, np.ndarray):
         rows = _host_rows(rows, rows.shape[0])
+        if plan.upcast == "bf16_pairs" and rows.dtype == np.dtype(ml_dtypes.bfloat16):
+            rows = rows.view(np.uint32)
     rows = jax.device_put(rows, NamedSharding(mesh, P(axes, None)))
     if scale is not None:
         scale = jax.device_put(np.asarray(scale, np.float32), NamedSharding(mesh, P(axes)))
@@ -424,13 +442,13 @@ def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array
         if row_scale is not None:
             row_scale = _host_rows(np.asarray(row_scale, np.float32), n_pad)
     plan = plan or make_plan(q.shape[0], d, rows.dtype)
-    rows, scale = _put_rows(mesh, rows, row_scale)
+    rows, scale = _put_rows(mesh, rows, row_scale, plan)
     fn = _sharded_fn(mesh, k, plan, scale is not None)
     args = (_put_replicated(mesh, q), rows) + ((scale,) if scale is not None else ()) + _scalars(mesh, 0, n)
     return _finish(fn(*args), q.shape[0])
 
 
-def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh
+def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh, plan: Plan
             ) -> Iterator[tuple[int, jax.Array, jax.Array | None]]:
     """Yields `(start, rows, scale)` on the mesh, every chunk padded to `chunk_rows` rows.
 
@@ -448,7 +466,7 @@ def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, 
         scale = _combine_scale(scale, None if row_scale is None else row_scale[start:stop])
         rows = _host_rows(rows, chunk_rows)
         scale = None if scale is None else _host_rows(scale, chunk_rows)
-        return (start,) + _put_rows(mesh, rows, scale)
+        return (start,) + _put_rows(mesh, rows, scale, plan)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="retrieval-prefetch") as pool:
         pending = pool.submit(load, starts[0]) if starts else None
@@ -508,7 +526,7 @@ def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk
     merge = _merge_fn(k)
     results: list[tuple[Any, ...] | None] = [None] * len(batches)
     q_dev = [_put_replicated(mesh, b) for b in batches]
-    for start, rows_d, scale_d in _chunks(reader, chunk_rows, row_scale, mesh):
+    for start, rows_d, scale_d in _chunks(reader, chunk_rows, row_scale, mesh, plan):
         fn = _sharded_fn(mesh, k, plan, scale_d is not None)
         tail = ((scale_d,) if scale_d is not None else ()) + _scalars(mesh, start, n)
         for b, qd in enumerate(q_dev):

@@ -1,0 +1,222 @@
+"""Exact retrieval benchmark (issue 5): ours vs faiss-cpu IndexFlatIP vs numpy, side by side.
+
+    python -m benchmarks.retrieve                       # n = 1e5, 1e6; d = 4096; 1/64/1024 queries; f32, bf16
+    python -m benchmarks.retrieve --n=100000 --queries=1 --dtypes=bfloat16 --repeats=5
+
+One JSON object per line, one per (n, d, queries, dtype), with
+  ours_dots_per_s, faiss_dots_per_s, numpy_dots_per_s (query-row dot products per second),
+  ours_over_faiss, bandwidth_fraction (index bytes read per second by ours / the read
+  bandwidth of a jitted sum over the same rows, measured in the same run), device, ...
+
+What is timed (minimum over `--repeats`, after a warm-up):
+  * ours: `retrieval.stream_topk` over an in-memory reader (chunks handed to the devices
+    without a copy on CPU), top-k AND bottom-k per query (what retrieval returns).
+  * faiss: `IndexFlatIP.search` (exact, BLAS), top-k only (its search has no bottom-k; doing
+    a second search with -q would double its time: the comparison favours faiss).
+  * numpy: `q @ rows.T` + `argpartition` for top-k and bottom-k (float32 rows; bfloat16 rows
+    are given to numpy and faiss upcast to float32 -- the same values).
+  * bandwidth bound: `jax.jit(jnp.sum)` over the same rows (bytes / s).
+
+Memory: n = 1e6 x d = 4096 is 16 GB in float32, more than this machine can spare. Rows are
+generated as a pool of distinct blocks (`--block_rows`) that fits `--max_resident_gb`; an index
+of n rows is the pool cycled n / block_rows times (`distinct_rows` in the output), with each
+block's ids offset. Every block is far larger than the last-level cache, so every pass reads
+DRAM; all three methods read the same blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+
+from trackstar_jax import retrieval
+
+_N = flags.DEFINE_list("n", ["100000", "1000000"], "Index sizes (rows).")
+_D = flags.DEFINE_integer("d", 4096, "Vector dimension.")
+_QUERIES = flags.DEFINE_list("queries", ["1", "64", "1024"], "Query counts.")
+_DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "Row storage dtypes.")
+_K = flags.DEFINE_integer("k", 10, "Results per query (and per side for ours / numpy).")
+_REPEATS = flags.DEFINE_integer("repeats", 3, "Timed repetitions (minimum reported).")
+_BLOCK_ROWS = flags.DEFINE_integer("block_rows", 100_000, "Rows per distinct pool block (= ours' chunk_rows).")
+_MAX_GB = flags.DEFINE_float("max_resident_gb", 5.0, "Memory budget for the distinct row pool (all copies).")
+_METHODS = flags.DEFINE_list("methods", ["ours", "faiss", "numpy"], "Methods to time.")
+_QUERY_MAJOR = flags.DEFINE_enum("query_major", "auto", ["auto", "true", "false"], "Plan override.")
+_UPCAST = flags.DEFINE_enum("upcast", "auto", ["auto"] + list(retrieval.UPCASTS), "Plan override.")
+_PLAN_BLOCK = flags.DEFINE_integer("plan_block_rows", 0, "Plan override: kernel block rows (0 = auto).")
+_MAX_SECONDS = flags.DEFINE_float("max_seconds", 120.0, "Skip a method's repeats once one run exceeds this.")
+_SEED = flags.DEFINE_integer("seed", 0, "Data seed.")
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
+
+
+def _device() -> str:
+    d = jax.devices()[0]
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{len(jax.devices())}x {d.platform}:{d.device_kind} ({cpu}, {os.cpu_count()} cores)"
+
+
+class PoolReader:
+    """IndexReader over `n` rows made of a cycled pool of distinct blocks (read = a view)."""
+
+    def __init__(self, pool: list[np.ndarray], n: int):
+        self.pool, self.num_rows = pool, n
+        self.block = pool[0].shape[0]
+        self.dim, self.dtype, self.manifest = pool[0].shape[1], pool[0].dtype, {}
+
+    def read_block(self, start, stop):
+        b, off = divmod(start, self.block)
+        if off + (stop - start) > self.block:
+            raise ValueError("reads must stay inside one pool block (use chunk_rows = block_rows)")
+        return self.pool[b % len(self.pool)][off: off + stop - start], None
+
+
+def _timed(fn, repeats: int, budget: float) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+        if best > budget:
+            break
+    return best
+
+
+def _aligned_empty(shape, dtype) -> np.ndarray:
+    return retrieval._host_rows(np.empty((0,) + tuple(shape[1:]), dtype), shape[0])
+
+
+def _make_pool(n: int, d: int, dtype, rng) -> tuple[list[np.ndarray], list[np.ndarray], list]:
+    """Distinct row blocks in `dtype`, their float32 values (for numpy) and faiss indexes.
+
+    faiss keeps its own float32 copy; numpy reads that copy (a view), so a block costs
+    `itemsize + 4` bytes per element (float32 rows: 8) plus nothing else.
+    """
+    methods = set(_METHODS.value)
+    block = min(_BLOCK_ROWS.value, n)
+    extra = 4 if (methods & {"faiss", "numpy"}) and (dtype != np.float32 or "faiss" in methods) else 0
+    count = max(1, min(-(-n // block), int(_MAX_GB.value * 1e9 // (block * d * (np.dtype(dtype).itemsize + extra)))))
+    pool, pool_f32, indexes = [], [], []
+    for _ in range(count):
+        x = _aligned_empty((block, d), dtype)
+        for i in range(0, block, 8192):  # generate in slices (bounded float32 temporaries)
+            x[i: i + 8192] = rng.standard_normal((min(8192, block - i), d), dtype=np.float32).astype(dtype)
+        pool.append(x)
+        x32 = x if dtype == np.float32 else None
+        if "faiss" in methods:
+            import faiss  # noqa: PLC0415  (bench extra)
+
+            ix = faiss.IndexFlatIP(d)
+            for i in range(0, block, 8192):
+                ix.add(np.ascontiguousarray(x[i: i + 8192], np.float32))
+            indexes.append(ix)
+            x32 = faiss.rev_swig_ptr(ix.get_xb(), block * d).reshape(block, d)  # numpy view of faiss' copy
+        elif "numpy" in methods and x32 is None:
+            x32 = x.astype(np.float32)
+        pool_f32.append(x32)
+    return pool, pool_f32, indexes
+
+
+def _numpy_topk(q: np.ndarray, pool_f32: list[np.ndarray], n: int, k: int):
+    block = pool_f32[0].shape[0]
+    best_s = np.full((len(q), 0), -np.inf, np.float32)
+    best_i = np.zeros((len(q), 0), np.int64)
+    low_s, low_i = best_s.copy(), best_i.copy()
+    for start in range(0, n, block):
+        s = q @ pool_f32[(start // block) % len(pool_f32)].T
+        top = np.argpartition(-s, k - 1, axis=1)[:, :k]
+        bot = np.argpartition(s, k - 1, axis=1)[:, :k]
+        best_s = np.concatenate([best_s, np.take_along_axis(s, top, 1)], 1)
+        best_i = np.concatenate([best_i, top + start], 1)
+        low_s = np.concatenate([low_s, np.take_along_axis(s, bot, 1)], 1)
+        low_i = np.concatenate([low_i, bot + start], 1)
+        t = np.argpartition(-best_s, k - 1, axis=1)[:, :k]
+        best_s, best_i = np.take_along_axis(best_s, t, 1), np.take_along_axis(best_i, t, 1)
+        b = np.argpartition(low_s, k - 1, axis=1)[:, :k]
+        low_s, low_i = np.take_along_axis(low_s, b, 1), np.take_along_axis(low_i, b, 1)
+    return best_s, best_i, low_s, low_i
+
+
+def _faiss_topk(q: np.ndarray, indexes: list, n: int, block: int, k: int):
+    import faiss  # noqa: PLC0415  (bench extra)
+
+    if len(indexes) == 1 and n == block:
+        return indexes[0].search(q, k)
+    heap = faiss.ResultHeap(len(q), k, keep_max=True)
+    for start in range(0, n, block):
+        dist, ids = indexes[(start // block) % len(indexes)].search(q, k)
+        heap.add_result(dist, ids + start)
+    heap.finalize()
+    return heap.D, heap.I
+
+
+def main(argv):
+    del argv
+    d, k, dev = _D.value, _K.value, _device()
+    rng = np.random.default_rng(_SEED.value)
+    methods = set(_METHODS.value)
+    for n in [int(float(x)) for x in _N.value]:
+        for dtype_name in _DTYPES.value:
+            dtype = DTYPES[dtype_name]
+            pool, pool_f32, faiss_ix = _make_pool(n, d, dtype, rng)
+            block = pool[0].shape[0]
+            reader = PoolReader(pool, n)
+            # Read bandwidth of this machine over the same rows (jitted sum; best of the pool).
+            total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
+            dev_rows = [jax.device_put(x) for x in pool]
+            total(dev_rows[0]).block_until_ready()
+            bw_time = _timed(lambda: [total(x).block_until_ready() for x in dev_rows], max(3, _REPEATS.value), 1e9)
+            bandwidth = sum(x.nbytes for x in pool) / bw_time
+            del dev_rows
+            for nq in [int(x) for x in _QUERIES.value]:
+                q = rng.standard_normal((nq, d), dtype=np.float32)
+                rec = {"n": n, "d": d, "queries": nq, "dtype": dtype_name, "k": k, "distinct_rows": block * len(pool),
+                       "device": dev, "read_bandwidth_gb_s": bandwidth / 1e9, "loadavg_1m_before": os.getloadavg()[0]}
+                plan = retrieval.make_plan(
+                    nq, d, dtype, block_rows=_PLAN_BLOCK.value or None,
+                    query_major=None if _QUERY_MAJOR.value == "auto" else _QUERY_MAJOR.value == "true",
+                    upcast=None if _UPCAST.value == "auto" else _UPCAST.value)
+                rec["plan"] = {"block_rows": plan.block_rows, "query_major": plan.query_major, "upcast": plan.upcast}
+                budget = _MAX_SECONDS.value
+                ours = faiss_res = None
+                if "ours" in methods:
+                    def run_ours():
+                        return retrieval.stream_topk(q, reader, k, block, query_batch_size=nq, plan=plan)
+
+                    retrieval.stream_topk(q, PoolReader(pool, block), k, block, query_batch_size=nq, plan=plan)  # compile
+                    t = _timed(run_ours, _REPEATS.value, budget)
+                    ours = run_ours()
+                    rec.update(ours_seconds=t, ours_dots_per_s=nq * n / t,
+                               bandwidth_fraction=(n * d * np.dtype(dtype).itemsize / t) / bandwidth)
+                if "faiss" in methods:
+                    t = _timed(lambda: _faiss_topk(q, faiss_ix, n, block, k), _REPEATS.value, budget)
+                    faiss_res = _faiss_topk(q, faiss_ix, n, block, k)
+                    rec.update(faiss_seconds=t, faiss_dots_per_s=nq * n / t)
+                if "numpy" in methods:
+                    t = _timed(lambda: _numpy_topk(q, pool_f32, n, k), _REPEATS.value, budget)
+                    rec.update(numpy_seconds=t, numpy_dots_per_s=nq * n / t)
+                if "ours_dots_per_s" in rec and "faiss_dots_per_s" in rec:
+                    rec["ours_over_faiss"] = rec["ours_dots_per_s"] / rec["faiss_dots_per_s"]
+                if ours is not None and faiss_res is not None:
+                    # same top-k scores as faiss (ids can differ only at float near-ties)
+                    rec["max_abs_score_diff_vs_faiss"] = float(np.abs(np.sort(ours.top_scores, 1) - np.sort(faiss_res[0], 1)).max())
+                    rec["top_id_agreement_vs_faiss"] = float(np.mean(ours.top_ids == faiss_res[1]))
+                rec["loadavg_1m_after"] = os.getloadavg()[0]
+                print(json.dumps(rec), flush=True)
+            del pool, pool_f32, faiss_ix, reader
+
+
+if __name__ == "__main__":
+    app.run(main)
