@@ -259,6 +259,24 @@ def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] |
     num_blocks = -(-m // bs)
     kk = min(k, m)
 
+    if num_blocks > 1 and nq * m <= _SCORE_TILE:
+        # Few queries: all scores of the shard fit a small buffer. Fill it block by block and
+        # select once (a selection per block costs more than the scoring for a single query).
+        def fill(i, buf):
+            start = jnp.minimum(i * bs, m - bs)  # the clamped last block rewrites identical values
+            return lax.dynamic_update_slice_in_dim(buf, _block_scores(q_parts, lax.dynamic_slice_in_dim(rows, start, bs), plan),
+                                                   start, axis=1)
+
+        s = lax.fori_loop(1, num_blocks, fill, fill(0, jnp.zeros((nq, m), jnp.float32)))  # block 0 first: device-varying carry
+        if scale is not None:
+            s = s * scale[None, :]
+        ids = base + jnp.arange(m, dtype=jnp.int32)
+        valid = ids < n_valid
+        s = jnp.where(s == 0, jnp.float32(0), s)
+        ids = jnp.broadcast_to(jnp.where(valid, ids, SENTINEL)[None, :], (nq, m))
+        empty = (jnp.zeros((nq, 0), jnp.float32), jnp.zeros((nq, 0), jnp.int32)) * 2
+        return _merge(empty, (jnp.where(valid[None, :], s, -jnp.inf), ids, jnp.where(valid[None, :], -s, -jnp.inf), ids), kk)
+
     def block(i, carry):
         # The last block is clamped to end at m; rows it shares with the previous block are masked.
         start = jnp.minimum(i * bs, m - bs)
