@@ -124,6 +124,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.bm25_b = 0.75
     c.eval.bootstrap_seed = 0  # seed of the 95% bootstrap intervals
     c.eval.num_examples_shown = 3  # queries whose proponents are printed / put in table.md
+    c.eval.output_dir = ""  # folder in the workdir ("" = eval, or eval_<mode>[_t<variant>] for other modes / templates)
 
     # --- tail-patch (§4.3) ---
     c.tailpatch = ml_collections.ConfigDict()

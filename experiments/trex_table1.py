@@ -10,9 +10,9 @@ BM25, TRAK, Experiments 1-5 and TrackStar with tail-patch (§4.3). As in the pap
 set, the corpus is every evidence sentence of the chosen relations: for any one query, the
 passages of all other facts are the distractors.
 
-Variants (`:arg`): "cpu" (default; 8 relations, 8k passages, ~1M-parameter model, 200
-queries; sized for a 2-core CPU in about half an hour) and "gpu" (20 relations, every
-sentence, ~10M-parameter model, 1000 queries).
+Variants (`:arg`): "cpu" (default; 8 relations, 7.9k passages, 1.0M-parameter model, 200
+queries; 23.5 CPU-minutes, 51 min wall on the shared 2-core CPU under load, see
+BUILD_NOTES) and "gpu" (20 relations, every sentence, 14.7M-parameter model, 1000 queries).
 """
 
 from experiments import base

@@ -778,7 +778,7 @@ def retrieve(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
 EVAL_KEYS = ("query_mode", "template_variant", "max_queries", "methods", "relations", "lama_dir", "pararel_dir",
              "num_proponents", "max_per_bucket", "max_per_relation_target_per_bucket", "max_per_relation_target",
              "max_incorrect_per_bucket", "bucket_edges", "include_unmentioned", "max_new_tokens", "bm25_k1", "bm25_b",
-             "bootstrap_seed", "num_examples_shown")
+             "bootstrap_seed", "num_examples_shown", "output_dir")
 TAILPATCH_KEYS = ("top_ks", "learning_rate", "batch_size")
 QUERY_MODES = ("gold", "prediction")
 EVAL_DIR = "eval"
@@ -1064,11 +1064,17 @@ def write_retrievals(path: pathlib.Path, run: checkpoint_lib.Run, eq: EvalQuerie
 
 
 def eval_dir(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> pathlib.Path:
-    """`workdir/eval` for gold targets with template 0; `eval_<mode>[_t<variant>]` otherwise.
+    """`workdir/<eval.output_dir>` if set; else `workdir/eval` for gold targets with template 0
+    and `eval_<mode>[_t<variant>]` otherwise.
 
     Query modes and template variants get their own folders, so one run can hold the main
     table, the prediction-mode table and the Table A.1 template variations side by side.
     """
+    name = str(config.eval.get("output_dir", "") or "")
+    if name:
+        if pathlib.Path(name).name != name or name.startswith("."):
+            raise ValueError(f"config.eval.output_dir must be a plain folder name inside the workdir, got {name!r}")
+        return pathlib.Path(workdir) / name
     mode, variant = str(config.eval.query_mode), int(config.eval.template_variant)
     suffix = "" if (mode, variant) == ("gold", 0) else f"_{mode}" + (f"_t{variant}" if variant else "")
     return pathlib.Path(workdir) / (EVAL_DIR + suffix)
