@@ -61,6 +61,20 @@ def test_topk_equals_argsort_with_ties(num_devices, dtype, n, k, block_rows):
     assert_exact(res, retrieval.reference_topk(q, x, k, scale))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
+    # Many queries x rows take the block-by-block running merge instead of one dot per shard.
+    monkeypatch.setattr(retrieval, "_SCORE_ALL", 0)
+    retrieval._sharded_fn.cache_clear()
+    x, q = tied_data(1001)
+    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
+    assert plan.upcast in ("none", "bf16_split3")
+    ref = retrieval.reference_topk(q, x, 7)
+    assert_exact(retrieval.topk(q, x.astype(DTYPES[dtype]), 7, mesh=mesh_of(8), plan=plan), ref)
+    assert_exact(retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan), ref)
+    retrieval._sharded_fn.cache_clear()
+
+
 def test_signed_zero_scores_tie_by_id():
     # XLA's top_k orders floats totally (+0 above -0); -0 * anything must still tie with +0.
     x, q = tied_data(64)
@@ -72,10 +86,11 @@ def test_signed_zero_scores_tie_by_id():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("query_major, upcast, contract", [(True, None, "dot"), (False, None, "dot"), (True, "convert", "dot"),
-                                                           (False, "convert", "dot"), (False, "convert", "reduce")])
+                                                           (False, "convert", "dot"), (False, "convert", "reduce"),
+                                                           (True, "bf16_pairs", "dot"), (False, "bf16_split3", "dot")])
 def test_every_formulation_is_exact(dtype, query_major, upcast, contract):
     x, q = tied_data(203, q=20)
-    if dtype == "float32" and upcast == "convert":
+    if dtype == "float32" and upcast is not None:
         upcast = "none"
     plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
                                contract=contract)
@@ -87,19 +102,22 @@ def test_plan_picks_layout_by_regime():
     one = retrieval.make_plan(1, 4096, np.float32, backend="cpu")
     many = retrieval.make_plan(1024, 4096, np.float32, backend="cpu")
     assert not one.query_major and many.query_major and one.upcast == "none"
-    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
-    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "convert"
+    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_split3"
+    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
+    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
     assert many.block_rows * 1024 <= 1 << 21  # the score tile stays small
 
 
 @pytest.mark.parametrize("num_devices", [1, 8])
-def test_random_floats_match_float64_reference(num_devices):
+@pytest.mark.parametrize("dtype, nq", [("float32", 4), ("bfloat16", 4), ("bfloat16", 24)])  # bf16: split3, pairs
+def test_random_floats_match_float64_reference(num_devices, dtype, nq):
     rng = np.random.default_rng(3)
-    x = rng.standard_normal((517, 64)).astype(np.float32)
-    q = rng.standard_normal((4, 64)).astype(np.float32)
+    x = rng.standard_normal((517, 64)).astype(DTYPES[dtype])
+    q = rng.standard_normal((nq, 64)).astype(np.float32)
     scale = rng.uniform(0.5, 2.0, 517).astype(np.float32)
     res = retrieval.topk(q, x, 12, row_scale=scale, mesh=mesh_of(num_devices))
+    x = x.astype(np.float32)
     ts, ti, bs, bi = retrieval.reference_topk(q, x, 12, scale)
     full = (q.astype(np.float64) @ x.T.astype(np.float64)) * scale
     np.testing.assert_allclose(res.top_scores, ts, rtol=1e-5, atol=1e-5)

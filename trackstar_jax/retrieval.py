@@ -53,13 +53,15 @@ from jaxtyping import Array, Float, Int
 # Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
 SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-UPCASTS = ("none", "convert", "bf16_pairs")
+UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3")
 CONTRACTS = ("dot", "reduce")
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
 # 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
 # enough that per-block overhead is negligible (BUILD_NOTES "Issue 5").
 _SCORE_TILE = 1 << 21
 _UPCAST_TILE = 1 << 20
+# Up to this many scores per device (64 MB) a shard is scored whole and selected once.
+_SCORE_ALL = 1 << 24
 # Up to this many queries the rows are the matmul's row operand (`rows @ q.T`, matvec-like).
 _ROWS_MAJOR_MAX_QUERIES = 16
 
@@ -139,7 +141,7 @@ class Plan:
             raise ValueError(f"contract must be one of {CONTRACTS}, got {self.contract!r}")
         if self.upcast not in UPCASTS:
             raise ValueError(f"upcast must be one of {UPCASTS}, got {self.upcast!r}")
-        if self.contract == "reduce" and self.upcast == "bf16_pairs":
+        if self.contract == "reduce" and self.upcast in ("bf16_pairs", "bf16_split3"):
             raise ValueError("contract='reduce' widens inside the fused reduce; use upcast='convert'")
         if self.block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
@@ -165,15 +167,17 @@ def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = N
     if upcast is None:
         if name == "float32":
             upcast = "none"
-        elif name == "bfloat16" and backend == "cpu" and dim % 2 == 0:
-            upcast = "bf16_pairs"
+        elif name == "bfloat16" and backend == "cpu" and num_queries > _ROWS_MAJOR_MAX_QUERIES and dim % 2 == 0:
+            upcast = "bf16_pairs"  # many queries on CPU: widen once per block, then a float32 matmul
+        elif name == "bfloat16":
+            upcast = "bf16_split3"  # native bf16 x bf16 -> f32 dot against the 3-term query split
         else:
             upcast = "convert"
     if query_major is None:
         query_major = num_queries > _ROWS_MAJOR_MAX_QUERIES
     if block_rows is None:
         rows = _SCORE_TILE // max(num_queries, 1)
-        if upcast != "none":
+        if upcast in ("convert", "bf16_pairs"):  # these materialise widened float32 rows per block
             rows = min(rows, _UPCAST_TILE // max(dim, 1))
         block_rows = 1 << max(6, int(math.log2(max(rows, 1))))
     return Plan(block_rows=int(block_rows), query_major=bool(query_major), upcast=upcast, contract=contract or "dot")
@@ -207,8 +211,30 @@ def _widen(blk: Array, upcast: str) -> tuple[Array, ...]:
     return even, odd
 
 
+def _split3(q: Float[Array, "q d"]) -> Array:
+    """`[Q, d]` float32 -> `[d, 3Q]` bfloat16 with columns (query j, term t): q = q1 + q2 + q3.
+
+    Each term is the bfloat16 rounding of what the previous ones left (8 significand bits
+    each, 24 in all = float32); the remainder is below float32 rounding of q.
+    """
+    qt = q.T
+    q1 = qt.astype(jnp.bfloat16)
+    r = qt - q1.astype(jnp.float32)
+    q2 = r.astype(jnp.bfloat16)
+    q3 = (r - q2.astype(jnp.float32)).astype(jnp.bfloat16)
+    return jnp.stack([q1, q2, q3], axis=-1).reshape(qt.shape[0], -1)
+
+
 def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[Array, "q b"]:
     """Scores `[Q, b]` of a row block against the queries, accumulated in float32."""
+    if plan.upcast == "bf16_split3":
+        # q_parts = (w,) with w [d, 3Q] bfloat16: the query split into three bfloat16 terms per
+        # column (q = q1 + q2 + q3 to float32 precision). bf16 x bf16 products are exact in
+        # float32 and accumulate in float32, so this equals a float32 dot, and XLA:CPU runs it
+        # natively on the bf16 rows (no widened copy; bf16 dot instructions where available).
+        (w,) = q_parts
+        s = jnp.dot(blk, w, preferred_element_type=jnp.float32)  # [b, 3Q]
+        return s.reshape(blk.shape[0], -1, 3).sum(axis=-1).T
     if plan.contract == "reduce":
         # One fused multiply-reduce (XLA:CPU hands it, widening included, to its YNNPACK path).
         (qp,) = q_parts
@@ -253,21 +279,20 @@ def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] |
         if rows.dtype != jnp.uint32:
             rows = lax.bitcast_convert_type(rows.reshape(m, rows.shape[1] // 2, 2), jnp.uint32)
         q_parts = (q[:, 0::2], q[:, 1::2])
+    elif plan.upcast == "bf16_split3":
+        q_parts = (_split3(q),)
     else:
         q_parts = (q,)
     bs = min(plan.block_rows, m)
     num_blocks = -(-m // bs)
     kk = min(k, m)
 
-    if num_blocks > 1 and nq * m <= _SCORE_TILE:
-        # Few queries: all scores of the shard fit a small buffer. Fill it block by block and
-        # select once (a selection per block costs more than the scoring for a single query).
-        def fill(i, buf):
-            start = jnp.minimum(i * bs, m - bs)  # the clamped last block rewrites identical values
-            return lax.dynamic_update_slice_in_dim(buf, _block_scores(q_parts, lax.dynamic_slice_in_dim(rows, start, bs), plan),
-                                                   start, axis=1)
-
-        s = lax.fori_loop(1, num_blocks, fill, fill(0, jnp.zeros((nq, m), jnp.float32)))  # block 0 first: device-varying carry
+    if num_blocks == 1 or (nq * m <= _SCORE_ALL and plan.upcast in ("none", "bf16_split3")):
+        # Few queries and no widened copy of the rows: the whole shard is one dot whose scores
+        # fit one buffer; select once. (Looping over blocks would add a dynamic-slice copy of
+        # every row block, and a per-block selection, for no gain. Widening upcasts keep
+        # blocks: filling a score buffer block by block measured slower than merging.)
+        s = _block_scores(q_parts, rows, plan)
         if scale is not None:
             s = s * scale[None, :]
         ids = base + jnp.arange(m, dtype=jnp.int32)
