@@ -7,10 +7,11 @@ Per query we keep the top-k rows (proponents, highest score first) and the botto
 scores always come out lowest id first, on any number of devices and for any chunking.
 
 How (issue 5, style.md §4.3):
-  * Rows are split over all devices of the mesh. Inside `jax.shard_map`, each device walks its
-    rows in blocks, scores a block against the queries (float32 accumulation whatever the
-    storage dtype), and merges it into a running local top-k / bottom-k with *global* row ids.
-    The candidates are all-gathered and merged into the global result.
+  * Rows are split over all devices of the mesh. Inside `jax.shard_map`, each device scores
+    its rows against the queries (float32 accumulation whatever the storage dtype) -- in one
+    dot when the shard's scores fit a buffer, else block by block merged into a running local
+    top-k / bottom-k -- with *global* row ids. The candidates are all-gathered and merged
+    into the global result.
   * Exact ties without a composite sort key: `lax.top_k` is stable (equal values keep their
     input order, documented). Every merge concatenates candidate lists in ascending-id order
     (running list before the new block, device 0 before device 1, earlier chunk before later
@@ -26,12 +27,14 @@ How (issue 5, style.md §4.3):
     one is scored, queries go in fixed-size batches, and the running top-k is merged across
     chunks with the same stable merge -- the result equals the in-memory `topk`.
 
-CPU layout notes (measured on the 2-core dev machine, BUILD_NOTES "Issue 5"): a single query
-must be scored as `rows @ q` (row-major matvec, memory-bound, ~the read bandwidth), never as
-`q @ rows.T`; many queries as `q @ rows.T` in blocks whose score tile stays small (fresh
-large buffers cost page faults on every call). XLA:CPU converts bfloat16 element by element
-through a slow path, so bfloat16 rows are read as uint32 pairs and widened with integer
-shifts (`upcast="bf16_pairs"`), which is exact.
+CPU formulations (measured on the 2-core dev machine, BUILD_NOTES "Issue 5"): one query is
+scored as `rows @ q` (row-major matvec, memory-bound), never as `q @ rows.T` (~15x slower);
+many queries as `q @ rows.T`, in blocks whose score tile stays small (fresh buffers over
+~32 MB cost page faults on every call). XLA:CPU widens bfloat16 element by element through a
+slow path unless the dot itself takes bfloat16, so bfloat16 rows are scored either by a
+native bf16 x bf16 -> f32 dot against a 3-term bf16 split of the query (few queries,
+`upcast="bf16_split3"`), or read as uint32 pairs widened by integer shifts before a float32
+matmul (many queries, `upcast="bf16_pairs"`). Both are exact to float32 rounding.
 """
 
 from __future__ import annotations
@@ -125,10 +128,14 @@ class Plan:
     """Static choices of the scoring kernel (hashable; part of the jit cache key).
 
     Attributes:
-      block_rows: rows per device per inner step (bounds the score / widened-row tiles).
+      block_rows: rows per device per inner step when a shard is scored block by block
+        (bounds the score tile and the widened-row copy).
       query_major: score as `q @ rows.T` (True) or `(rows @ q.T).T` (False).
-      upcast: how non-float32 rows become float32: "none" (float32 rows), "convert"
-        (`astype`), "bf16_pairs" (bfloat16 read as uint32 pairs, widened by shifts; exact).
+      upcast: how rows meet the float32 query: "none" (float32 rows), "convert" (`astype`),
+        "bf16_pairs" (bfloat16 read as uint32 pairs, widened by shifts), "bf16_split3"
+        (native bf16 dot against the query split into three bf16 terms). All exact to
+        float32 rounding.
+      contract: "dot" (a matmul) or "reduce" (a fused multiply + sum; benchmarks only).
     """
 
     block_rows: int
