@@ -14,10 +14,10 @@ batched contraction. A norm `y_t = xhat_t * s` (1-D scale seen as a `1 x n` matr
 
 Mechanics (one forward, one batched backward). `model.apply(..., tap=...)` hands every
 layer's `(x, y)` to a tap. The tap routes `y` through `_capture`, an identity in the forward
-whose custom VJP, given the output cotangent `g`, adds the projected per-example gradient
-`sum_t (P0' x_t)(P1' g_t)^T` to the cotangent of a zero accumulator `acc [B, 2*num_blocks, k, k]`
-that is threaded through every layer. Differentiating the objective with respect to `acc`
-(and nothing else) therefore yields the per-example block vectors directly: the backward pass
+whose custom VJP, given the output cotangent `g`, returns the projected per-example gradient
+`sum_t (P0' x_t)(P1' g_t)^T` as the cotangent of a dummy zero input `z_s [B, k, k]` shared by
+every layer of block-side s. Differentiating the objective with respect to the dummies (and
+nothing else) therefore yields the per-example block vectors directly: the backward pass
 computes activation gradients only (no weight gradients), each layer's `g` is consumed as
 soon as it exists, and the forward keeps `P0' x` (`[B, T, k]`) rather than `x` for kernels
 whose input is wider than k (narrower inputs are kept as they are, and projected in the
@@ -32,7 +32,6 @@ the exact V. The measured difference is recorded in BUILD_NOTES.md ("Issue 3").
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Mapping
 
 import jax
@@ -46,44 +45,75 @@ from trackstar_jax import preconditioner as precond_lib
 from trackstar_jax import projection as proj_lib
 
 
-DENSE, DENSE_LAZY, SCALE = "dense", "dense_lazy", "scale"
+@jax.custom_vjp
+def _capture_dense(y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"],
+                   z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `sum_t xp_t (P1' g_t)^T` to `z` (xp = P0' x, projected)."""
+    del xp, p1, z
+    return y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _capture(kind: str, side: int, y: Float[Array, "b t n"], x: Array, p0: Array | None, p1: Float[Array, "k n"],
-             acc: Float[Array, "b s k k"]) -> tuple[Float[Array, "b t n"], Float[Array, "b s k k"]]:
-    """Identity on `(y, acc)`. Its VJP adds this layer's projected per-example gradient to the
-    cotangent of `acc` at block-side `side` and passes `y`'s cotangent through unchanged.
-
-    kind: DENSE (`x` is already `P0' x [B, T, k]`), DENSE_LAZY (`x [B, T, m]`, projected with
-    `p0` in the backward pass) or SCALE (`x` = the norm's x_hat, `p0 [k]`).
-    """
-    del kind, side, x, p0, p1
-    return y, acc
+def _capture_dense_fwd(y, xp, p1, z):
+    del z
+    return y, (xp, p1)
 
 
-def _capture_fwd(kind, side, y, x, p0, p1, acc):
-    del kind, side
-    return (y, acc), (x, p0, p1)
+def _capture_dense_bwd(res, g):
+    xp, p1 = res
+    gp = jnp.einsum("btn,kn->btk", g, p1.astype(g.dtype), preferred_element_type=jnp.float32)
+    dz = jnp.einsum("btk,btl->bkl", xp, gp)
+    return g, None, None, dz
 
 
-def _capture_bwd(kind, side, res, cts):
+_capture_dense.defvjp(_capture_dense_fwd, _capture_dense_bwd)
+
+
+@jax.custom_vjp
+def _capture_dense_lazy(y: Float[Array, "b t n"], x: Float[Array, "b t m"], p0: Float[Array, "k m"],
+                        p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """As `_capture_dense`, but keeps `x` and projects it in the backward pass (for m <= k,
+    where `x` is no larger than `P0' x`, and shared by the layers reading the same input)."""
+    del x, p0, p1, z
+    return y
+
+
+def _capture_dense_lazy_fwd(y, x, p0, p1, z):
+    del z
+    return y, (x, p0, p1)
+
+
+def _capture_dense_lazy_bwd(res, g):
     x, p0, p1 = res
-    g, ct_acc = cts
-    if kind == SCALE:  # grad of a 1 x n scale is sum_t x_hat_t * g_t: project it as a row
-        s = jnp.einsum("btn,btn->bn", x.astype(jnp.float32), g.astype(jnp.float32))
-        dz = p0[None, :, None] * jnp.einsum("bn,kn->bk", s, p1)[:, None, :]
-    else:
-        xp = x if kind == DENSE else jnp.einsum("btm,km->btk", x, p0.astype(x.dtype),
-                                                preferred_element_type=jnp.float32)
-        gp = jnp.einsum("btn,kn->btk", g, p1.astype(g.dtype), preferred_element_type=jnp.float32)
-        dz = jnp.einsum("btk,btl->bkl", xp, gp)
-    # The accumulator is threaded through every layer, so contributions are summed in place
-    # as the backward pass reaches each layer (one [B, S, k, k] buffer, not one per matrix).
-    return g, None, None, None, ct_acc.at[:, side].add(dz)
+    xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
+    gp = jnp.einsum("btn,kn->btk", g, p1.astype(g.dtype), preferred_element_type=jnp.float32)
+    return g, None, None, None, jnp.einsum("btk,btl->bkl", xp, gp)
 
 
-_capture.defvjp(_capture_fwd, _capture_bwd)
+_capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
+
+
+@jax.custom_vjp
+def _capture_scale(y: Float[Array, "b t n"], xhat: Float[Array, "b t n"], p0: Float[Array, "k"],
+                   p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `p0 (P1' sum_t xhat_t * g_t)^T` to `z` (a norm scale)."""
+    del xhat, p0, p1, z
+    return y
+
+
+def _capture_scale_fwd(y, xhat, p0, p1, z):
+    del z
+    return y, (xhat, p0, p1)
+
+
+def _capture_scale_bwd(res, g):
+    xhat, p0, p1 = res
+    s = jnp.einsum("btn,btn->bn", xhat.astype(jnp.float32), g.astype(jnp.float32))
+    u = jnp.einsum("bn,kn->bk", s, p1)
+    dz = p0[None, :, None] * u[:, None, :]
+    return g, None, None, None, dz
+
+
+_capture_scale.defvjp(_capture_scale_fwd, _capture_scale_bwd)
 
 
 def folded_projections(plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None,
@@ -127,8 +157,8 @@ def factored_vectors(params: Any, correction: precond_lib.Correction | None, bat
     projs = folded_projections(plan, correction, seed)
     entries = {e.path: e for e in plan.entries}
 
-    def objective(acc):
-        seen, box = set(), [acc]
+    def objective(zs):
+        seen = set()
 
         def tap(path, x, y):
             if path not in entries:
@@ -137,21 +167,18 @@ def factored_vectors(params: Any, correction: precond_lib.Correction | None, bat
             e = entries[path]
             p0, p1 = projs[path]
             if e.ndim == 1:
-                y, box[0] = _capture(SCALE, e.side, y, x, p0[:, 0], p1, box[0])
-            elif e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
-                y, box[0] = _capture(DENSE_LAZY, e.side, y, x, p0, p1, box[0])
-            else:
-                xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
-                y, box[0] = _capture(DENSE, e.side, y, xp, None, p1, box[0])
-            return y
+                return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
+            if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
+                return _capture_dense_lazy(y, x, p0, p1, zs[e.side])
+            xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
+            return _capture_dense(y, xp, p1, zs[e.side])
 
         logits = model_lib.apply(graphdef, params, inputs, tap)
         unused = sorted(set(entries) - seen)
         if unused:
             raise ValueError(f"block-plan parameter(s) never reached the model's tap: {', '.join(unused)}")
-        return jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role)), box[0]
+        return jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
 
-    acc0 = jnp.zeros((b, plan.num_sides, k, k), jnp.float32)
-    (_, acc_out), vjp = jax.vjp(objective, acc0)
-    (sides,) = vjp((jnp.ones((), jnp.float32), jnp.zeros_like(acc_out)))
-    return sides.reshape(b, -1)
+    zs = [jnp.zeros((b, k, k), jnp.float32) for _ in range(plan.num_sides)]
+    sides = jax.grad(objective)(zs)
+    return jnp.stack(sides, axis=1).reshape(b, -1)
