@@ -136,3 +136,25 @@ def test_uneven_blocks_and_layer_norm():
     assert plan.entry("layer_1/mlp/up/kernel").side == 1 and plan.entry("layer_2/mlp/up/kernel").side == 3
     fast, ref, _ = _both(cfg, graphdef, state, vc, _batch(104, B, T, prompt=2), exact=True)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
+
+
+def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
+    # experiments/tiny.py as configured (its optimizer factors every kernel), through the
+    # same config -> typed objects path the pipeline uses.
+    from trackstar_jax import pipeline
+
+    cfg = pipeline.model_config(tiny_config)
+    opt = train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    graphdef, state = train.init_state(cfg, opt, seed=0)
+    rng = np.random.default_rng(7)
+    tokens = rng.integers(4, cfg.vocab_size, size=(B, 16)).astype(np.int32)
+    tokens[:, 0] = 2
+    mask = np.ones_like(tokens, np.float32)
+    mask[:, :4] = 0
+    batch = {"tokens": tokens, "loss_mask": mask}
+    for _ in range(2):
+        state, _ = train.train_step(state, batch, graphdef=graphdef, opt=opt)
+    vc = vectors.vector_config(tiny_config.vectors)
+    fast, ref, corr = _both(cfg, graphdef, state, vc, batch, exact=True)
+    assert not corr.full and fast.shape == (B, vc.dim)
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
