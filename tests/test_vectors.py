@@ -69,6 +69,19 @@ def test_deterministic_and_equal_on_1_and_8_devices():
     assert first.shape == (B, VC.dim) and first.dtype == np.float32
 
 
+def test_params_sharded_over_fsdp_give_the_same_vectors():
+    skip_if_not_enough_devices(8)
+    cfg, graphdef, state = _state()
+    batch = _batch(1)
+    mesh = sharding.make_mesh((2, 4, 1), devices=jax.devices()[:8])
+    fn = vectors.make_vector_fn(graphdef, cfg, VC, state.params, state.opt_state, mesh=mesh)
+    sh = vectors.param_shardings(state.params, mesh)
+    assert sh["layer_0"]["mlp"]["up"]["kernel"].spec == jax.sharding.PartitionSpec(None, "fsdp")
+    got = fn(state.params, fn.precond, batch)
+    want = _fn(1)(state.params, _fn(1).precond, batch)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
 def test_bad_input_errors():
     cfg, graphdef, state = _state()
     with pytest.raises(ValueError, match="correction=False"):

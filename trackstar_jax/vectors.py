@@ -128,18 +128,41 @@ def vector_step(params: Any, precond: precond_lib.Correction | None, batch: Mapp
     return vecs, aux
 
 
+def param_shardings(params: Any, mesh: Mesh) -> Any:
+    """Parameter shardings for the featurize step: replicated, or, when the mesh has an `fsdp`
+    axis of size > 1, each parameter split along its largest dimension divisible by it (XLA
+    gathers what each layer needs; the batch is split over (data, fsdp) as well)."""
+    n = int(mesh.shape[sharding_lib.FSDP])
+
+    def one(x):
+        dims = [i for i in np.argsort(x.shape)[::-1] if x.shape[i] % n == 0] if n > 1 else []
+        if not dims:
+            return sharding_lib.replicated(mesh)
+        spec = [None] * len(x.shape)
+        spec[int(dims[0])] = sharding_lib.FSDP
+        return NamedSharding(mesh, P(*spec))
+
+    return jax.tree.map(one, params)
+
+
 def jit_vector_step(graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
-                    mesh: Mesh, role: str = "index"):
-    """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), params and
-    correction replicated, vectors `[B, d]` split like the batch.
+                    mesh: Mesh, role: str = "index", params: Any = None):
+    """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), correction
+    replicated, vectors `[B, d]` split like the batch; parameters replicated, or split over the
+    `fsdp` axis when it has size > 1 (pass `params`, possibly abstract, to derive those).
 
     Returns:
       `jitted(params, precond, batch) -> (vectors, aux)`.
     """
     rep = sharding_lib.replicated(mesh)
     rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
+    params_sh = rep
+    if int(mesh.shape[sharding_lib.FSDP]) > 1:
+        if params is None:
+            raise ValueError("jit_vector_step needs `params` (shapes) to shard them over the fsdp axis")
+        params_sh = param_shardings(grads_lib.pure_params(params), mesh)
     step = functools.partial(vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role)
-    return jax.jit(step, in_shardings=(rep, rep, rows), out_shardings=(rows, rows))
+    return jax.jit(step, in_shardings=(params_sh, rep, rows), out_shardings=(rows, rows))
 
 
 def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> None:
@@ -178,7 +201,8 @@ class VectorFn:
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_plan(params, model_cfg, vec_cfg)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
-        self.jitted = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role)
+        self.jitted = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
+        self._placed = None  # (params as passed, the same placed in fsdp shards)
 
     @property
     def dim(self) -> int:
@@ -191,6 +215,11 @@ class VectorFn:
             raise ValueError(f"batch size {tokens.shape[0]} is not divisible by the {n_shards} data shards of the mesh")
         ids = batch.get("example_id")
         ids = np.arange(tokens.shape[0]) if ids is None else np.asarray(ids)
+        if int(self.mesh.shape[sharding_lib.FSDP]) > 1:  # place params into their fsdp shards (once per tree)
+            if self._placed is None or self._placed[0] is not params:
+                pure = grads_lib.pure_params(params)
+                self._placed = (params, jax.device_put(pure, param_shardings(pure, self.mesh)))
+            params = self._placed[1]
         vecs, aux = self.jitted(params, precond, {"tokens": tokens, "loss_mask": batch["loss_mask"]})
         check_outputs(vecs, aux, ids)
         return np.asarray(vecs)
