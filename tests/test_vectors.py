@@ -80,6 +80,9 @@ def test_params_sharded_over_fsdp_give_the_same_vectors():
     got = fn(state.params, fn.precond, batch)
     want = _fn(1)(state.params, _fn(1).precond, batch)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    # The unchecked `jitted` (used by the index builder) places replicated params as well.
+    raw, _ = fn.jitted(state.params, fn.precond, {k: batch[k] for k in ("tokens", "loss_mask")})
+    np.testing.assert_array_equal(np.asarray(raw), got)
 
 
 def test_bad_input_errors():

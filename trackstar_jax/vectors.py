@@ -192,7 +192,9 @@ class VectorFn:
       precond: the correction built from the optimizer state (None if correction is off).
       plan: the block plan.
       vec_cfg: the settings.
-      jitted: the underlying `jit_vector_step` (returns `(vectors, aux)` as device arrays).
+      jitted: `jitted(params, precond, batch) -> (vectors, aux)` device arrays, unchecked: the
+        compiled step (`step`) after placing the parameters in their shardings.
+      step: the underlying `jit_vector_step`.
       mesh: the mesh the step is sharded over.
     """
 
@@ -201,12 +203,26 @@ class VectorFn:
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_plan(params, model_cfg, vec_cfg)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
-        self.jitted = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
+        self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
         self._placed = None  # (params as passed, the same placed in fsdp shards)
 
     @property
     def dim(self) -> int:
         return self.plan.dim
+
+    def place_params(self, params: Any) -> Any:
+        """`params` in the step's shardings (a no-op unless the mesh has an fsdp axis > 1;
+        placed once per parameter tree)."""
+        if int(self.mesh.shape[sharding_lib.FSDP]) <= 1:
+            return params
+        if self._placed is None or self._placed[0] is not params:
+            pure = grads_lib.pure_params(params)
+            self._placed = (params, jax.device_put(pure, param_shardings(pure, self.mesh)))
+        return self._placed[1]
+
+    def jitted(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]):
+        """The compiled step without the host-side checks: `(vectors, aux)` as device arrays."""
+        return self.step(self.place_params(params), precond, batch)
 
     def __call__(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]) -> np.ndarray:
         tokens = batch["tokens"]
@@ -215,11 +231,6 @@ class VectorFn:
             raise ValueError(f"batch size {tokens.shape[0]} is not divisible by the {n_shards} data shards of the mesh")
         ids = batch.get("example_id")
         ids = np.arange(tokens.shape[0]) if ids is None else np.asarray(ids)
-        if int(self.mesh.shape[sharding_lib.FSDP]) > 1:  # place params into their fsdp shards (once per tree)
-            if self._placed is None or self._placed[0] is not params:
-                pure = grads_lib.pure_params(params)
-                self._placed = (params, jax.device_put(pure, param_shardings(pure, self.mesh)))
-            params = self._placed[1]
         vecs, aux = self.jitted(params, precond, {"tokens": tokens, "loss_mask": batch["loss_mask"]})
         check_outputs(vecs, aux, ids)
         return np.asarray(vecs)
