@@ -34,3 +34,15 @@ def tiny_config():
     from experiments import tiny
 
     return tiny.get_config()
+
+
+@pytest.fixture(scope="module")
+def fast_compile():
+    """Cheaper XLA compiles for one test module (`pytestmark = pytest.mark.usefixtures("fast_compile")`).
+
+    The flag is process-global, so it is set per module and restored on exit (style.md §5.6.7).
+    """
+    old = jax.config.read("jax_disable_most_optimizations")
+    jax.config.update("jax_disable_most_optimizations", True)
+    yield
+    jax.config.update("jax_disable_most_optimizations", old)

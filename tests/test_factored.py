@@ -14,13 +14,7 @@ from trackstar_jax import factored, grads, model as model_lib, preconditioner as
 VOCAB, B, T = 97, 4, 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compile():
-    """Cheaper XLA compiles for this module (process-global flag: restored on exit)."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
 
 
 def _setup(tied: bool, min_dim: int, head_dim: int = 16, steps: int = 3, optimizer: str = "adafactor"):

@@ -14,13 +14,7 @@ from trackstar_jax import factored, grads, model as model_lib, projection as pro
 VOCAB, B, T = 97, 4, 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compile():
-    """Cheaper XLA compiles for this module (process-global flag: restored on exit)."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
 
 
 @functools.lru_cache(maxsize=None)
