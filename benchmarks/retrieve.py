@@ -21,6 +21,15 @@ warm-up compile of ours):
     also over the same bytes viewed as float32 (a pure read, no bf16 widening) ->
     `bandwidth_fraction_vs_f32view`.
 
+On a GPU/TPU (`--resident`, the default there) the index is one `[n, d]` array in device
+memory, as on an accelerator pod where the index is sharded over the devices' HBM: ours is
+`retrieval.topk` over it, the bandwidth probe the jitted sum over the same device array (HBM
+read rate), and one more method is timed on the same device and the same bytes:
+  * torch: `torch.from_dlpack` view of the same device rows (no copy), blocks of rows widened
+    to float32, `q @ block.T` with TF32 off (exact float32, like ours), `torch.topk` for top-k
+    and bottom-k with a running merge. faiss and numpy stay on the host CPU (their rows
+    in host memory): they are the CPU baselines of the same run, not same-device ones.
+
 `*_cpu_seconds` is the process CPU time (all threads) of the fastest run: on a machine shared
 with other jobs, wall time measures the contention as much as the method, CPU time the work.
 
@@ -60,6 +69,10 @@ _UPCAST = flags.DEFINE_enum("upcast", "auto", ["auto"] + list(retrieval.UPCASTS)
 _PLAN_BLOCK = flags.DEFINE_integer("plan_block_rows", 0, "Plan override: kernel block rows (0 = auto).")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 120.0, "Skip a method's repeats once one run exceeds this.")
 _SEED = flags.DEFINE_integer("seed", 0, "Data seed.")
+_RESIDENT = flags.DEFINE_enum(
+    "resident", "auto", ["auto", "true", "false"],
+    "Rows live in device memory (one [n, d] device array; auto: on GPU/TPU) instead of being "
+    "streamed from host memory chunk by chunk (auto: on CPU, where host memory is device memory).")
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -158,6 +171,40 @@ def _faiss_topk(q: np.ndarray, indexes: list, n: int, block: int, k: int):
     return heap.D, heap.I
 
 
+def _torch_topk(q: np.ndarray, rows, k: int, block: int = 65536):
+    """Exact float32 top-k / bottom-k in torch on the rows' device (`rows`: a torch tensor)."""
+    import torch  # noqa: PLC0415  (only on accelerators, where the image has it)
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # exact float32 products, as ours
+    qt = torch.as_tensor(q, device=rows.device)
+    best_s = best_i = low_s = low_i = None
+    for start in range(0, rows.shape[0], block):
+        s = qt @ rows[start: start + block].float().T
+        ts, ti = torch.topk(s, k, dim=1)
+        bs, bi = torch.topk(-s, k, dim=1)
+        ti, bi = ti + start, bi + start
+        if best_s is not None:
+            ts, ti = torch.cat([best_s, ts], 1), torch.cat([best_i, ti], 1)
+            bs, bi = torch.cat([low_s, bs], 1), torch.cat([low_i, bi], 1)
+            ts, j = torch.topk(ts, k, dim=1)
+            ti = torch.gather(ti, 1, j)
+            bs, j = torch.topk(bs, k, dim=1)
+            bi = torch.gather(bi, 1, j)
+        best_s, best_i, low_s, low_i = ts, ti, bs, bi
+    torch.cuda.synchronize(rows.device) if rows.is_cuda else None
+    return best_s.cpu().numpy(), best_i.cpu().numpy(), -low_s.cpu().numpy(), low_i.cpu().numpy()
+
+
+def _resident_rows(pool: list[np.ndarray], n: int) -> jax.Array:
+    """The cycled pool as one `[n, d]` device array (each distinct block sent once)."""
+    blocks = [jax.device_put(x) for x in pool]
+    b = pool[0].shape[0]
+    parts = [blocks[(s // b) % len(blocks)][: min(b, n - s)] for s in range(0, n, b)]
+    full = jnp.concatenate(parts, axis=0) if len(parts) > 1 else parts[0]
+    full.block_until_ready()
+    return full
+
+
 def main(argv):
     del argv
     d, k, dev = _D.value, _K.value, _device()
@@ -169,40 +216,69 @@ def main(argv):
             pool, pool_f32, faiss_ix = _make_pool(n, d, dtype, rng)
             block = pool[0].shape[0]
             reader = PoolReader(pool, n)
+            resident = (jax.default_backend() != "cpu") if _RESIDENT.value == "auto" else _RESIDENT.value == "true"
             # Read bandwidth over the same rows: a jitted sum over the same blocks, as many bytes
             # as one pass of ours, timed inside the same interleaved repeats as the methods.
             total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
-            dev_rows = [jax.device_put(x) for x in pool]  # aligned host arrays: aliased, no copy on CPU
-            total(dev_rows[0]).block_until_ready()
+            if resident:
+                full = _resident_rows(pool, n)
+                raw_full = full if dtype == np.float32 else jax.jit(
+                    lambda x: jax.lax.bitcast_convert_type(x.reshape(n, d // 2, 2), jnp.float32))(full)
+                total(full).block_until_ready()
+                total(raw_full).block_until_ready()
 
-            def read_all():
-                for start in range(0, n, block):
-                    total(dev_rows[(start // block) % len(dev_rows)]).block_until_ready()
+                def read_all():
+                    total(full).block_until_ready()
 
-            # The same bytes viewed as float32: a pure read, whatever it costs to widen bf16
-            # (XLA:CPU's bf16 sum is itself compute-bound when cores are busy).
-            raw_rows = dev_rows if dtype == np.float32 else [jax.device_put(x.view(np.float32)) for x in pool]
-            total(raw_rows[0]).block_until_ready()
+                def read_raw():
+                    total(raw_full).block_until_ready()
 
-            def read_raw():
-                for start in range(0, n, block):
-                    total(raw_rows[(start // block) % len(raw_rows)]).block_until_ready()
+                dev_rows = raw_rows = None
+            else:
+                full = raw_full = None
+                dev_rows = [jax.device_put(x) for x in pool]  # aligned host arrays: aliased, no copy on CPU
+                total(dev_rows[0]).block_until_ready()
+
+                def read_all():
+                    for start in range(0, n, block):
+                        total(dev_rows[(start // block) % len(dev_rows)]).block_until_ready()
+
+                # The same bytes viewed as float32: a pure read, whatever it costs to widen bf16
+                # (XLA:CPU's bf16 sum is itself compute-bound when cores are busy).
+                raw_rows = dev_rows if dtype == np.float32 else [jax.device_put(x.view(np.float32)) for x in pool]
+                total(raw_rows[0]).block_until_ready()
+
+                def read_raw():
+                    for start in range(0, n, block):
+                        total(raw_rows[(start // block) % len(raw_rows)]).block_until_ready()
+
+            torch_rows = None
+            if resident and "torch" in methods:
+                import torch  # noqa: PLC0415
+
+                torch_rows = torch.from_dlpack(full)  # the same device buffer
 
             for nq in [int(x) for x in _QUERIES.value]:
                 q = rng.standard_normal((nq, d), dtype=np.float32)
                 rec = {"n": n, "d": d, "queries": nq, "dtype": dtype_name, "k": k, "distinct_rows": block * len(pool),
-                       "device": dev, "loadavg_1m_before": os.getloadavg()[0]}
+                       "device": dev, "resident": resident, "loadavg_1m_before": os.getloadavg()[0]}
                 plan = retrieval.make_plan(
                     nq, d, dtype, block_rows=_PLAN_BLOCK.value or None,
                     query_major=None if _QUERY_MAJOR.value == "auto" else _QUERY_MAJOR.value == "true",
                     upcast=None if _UPCAST.value == "auto" else _UPCAST.value)
                 rec["plan"] = {"block_rows": plan.block_rows, "query_major": plan.query_major, "upcast": plan.upcast}
-                ours = faiss_res = None
+                ours = faiss_res = torch_res = None
                 budget = _MAX_SECONDS.value
                 runs = {"bandwidth": read_all, "bandwidth_raw": read_raw}
-                if "ours" in methods:
+                if "ours" in methods and resident:
+                    runs["ours"] = lambda: retrieval.topk(q, full, k, plan=plan)
+                    retrieval.topk(q, full, k, plan=plan)  # compile
+                elif "ours" in methods:
                     runs["ours"] = lambda: retrieval.stream_topk(q, reader, k, block, query_batch_size=nq, plan=plan)
                     retrieval.stream_topk(q, PoolReader(pool, block), k, block, query_batch_size=nq, plan=plan)  # compile
+                if torch_rows is not None:
+                    runs["torch"] = lambda: _torch_topk(q, torch_rows, k)
+                    _torch_topk(q, torch_rows, k)  # warm-up (cuBLAS handles, kernels)
                 if "faiss" in methods:
                     runs["faiss"] = lambda: _faiss_topk(q, faiss_ix, n, block, k)
                 if "numpy" in methods:
@@ -223,6 +299,8 @@ def main(argv):
                             ours = out
                         elif m == "faiss":
                             faiss_res = out
+                        elif m == "torch":
+                            torch_res = out
                 index_bytes = n * d * np.dtype(dtype).itemsize
                 rec["read_bandwidth_gb_s"] = index_bytes / best.pop("bandwidth") / 1e9
                 rec["read_bandwidth_f32view_gb_s"] = index_bytes / best.pop("bandwidth_raw") / 1e9
@@ -241,13 +319,19 @@ def main(argv):
                     rec["bandwidth_fraction_cpu"] = rec["read_bandwidth_cpu_seconds"] / rec["ours_cpu_seconds"]
                 if "ours_dots_per_s" in rec and "faiss_dots_per_s" in rec:
                     rec["ours_over_faiss"] = rec["ours_dots_per_s"] / rec["faiss_dots_per_s"]
+                if "ours_dots_per_s" in rec and "torch_dots_per_s" in rec:
+                    rec["ours_over_torch"] = rec["ours_dots_per_s"] / rec["torch_dots_per_s"]
+                if ours is not None and torch_res is not None:
+                    rec["max_abs_score_diff_vs_torch"] = float(max(np.abs(ours.top_scores - torch_res[0]).max(),
+                                                               np.abs(ours.bottom_scores - torch_res[2]).max()))
+                    rec["top_id_agreement_vs_torch"] = float(np.mean(ours.top_ids == torch_res[1]))
                 if ours is not None and faiss_res is not None:
                     # same top-k scores as faiss (ids can differ only at float near-ties)
                     rec["max_abs_score_diff_vs_faiss"] = float(np.abs(np.sort(ours.top_scores, 1) - np.sort(faiss_res[0], 1)).max())
                     rec["top_id_agreement_vs_faiss"] = float(np.mean(ours.top_ids == faiss_res[1]))
                 rec["loadavg_1m_after"] = os.getloadavg()[0]
                 print(json.dumps(rec), flush=True)
-            del pool, pool_f32, faiss_ix, reader, dev_rows, raw_rows
+            del pool, pool_f32, faiss_ix, reader, dev_rows, raw_rows, full, raw_full, torch_rows
 
 
 if __name__ == "__main__":
