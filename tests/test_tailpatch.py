@@ -49,13 +49,7 @@ _grad = jax.jit(lambda params, batch, graphdef: jax.grad(lambda p: train.loss_fn
 _logits = jax.jit(model_lib.apply, static_argnames=("graphdef",))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compile():
-    """Cuts XLA compile time (style.md §5.6.7); process-global, so restored on exit."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
 
 
 @pytest.fixture(scope="module")
