@@ -12,6 +12,10 @@ Lucene English stopword list. The query text is the prompt followed by the targe
 `inputs_plaintext + targets_plaintext`. Ranking is exact over every passage, with the same
 tie rule as gradient retrieval (higher score first, then lower example id).
 
+The dense-embedding row stands in for the paper's Gecko (a Cloud embedding API): cosine
+similarity of all-MiniLM-L6-v2 sentence embeddings (`embedding.py`), the same query text,
+and exact top-k over every passage through `retrieval.topk` (same tie rule).
+
 The other rows of Table 1 (TRAK, gradient dot product / cosine, Experiments 1-5, TrackStar)
 are gradient methods: settings of the vector / Hessian / normalisation stages. `METHODS`
 names every row and its settings; `experiments/method_*.py` hold one config per row.
@@ -25,6 +29,9 @@ from typing import Any, Sequence
 import bm25s
 import numpy as np
 from jaxtyping import Float, Int
+
+from trackstar_jax import embedding as embedding_lib
+from trackstar_jax import retrieval as retrieval_lib
 
 LUCENE_K1 = 1.2
 LUCENE_B = 0.75
@@ -76,6 +83,45 @@ class BM25:
         return top_s, top_i
 
 
+class DenseEmbedding:
+    """Cosine retrieval over unit-norm passage embeddings (Table 1's Gecko row, stand-in model).
+
+    Args:
+      texts: passages in example-id order.
+      encoder: an `embedding.Encoder` (default: `embedding.make_encoder()`, all-MiniLM-L6-v2).
+      embeddings: precomputed `[n, h]` passage embeddings (e.g. a cache); `texts` are then
+        only counted.
+
+    Raises:
+      ValueError: empty corpus, or `embeddings` whose row count differs from `texts`.
+      embedding.MissingModelError: no encoder given and the model package is not installed.
+    """
+
+    def __init__(self, texts: Sequence[str], encoder: embedding_lib.Encoder | None = None, *,
+                 embeddings: Float[np.ndarray, "n h"] | None = None):
+        if not texts:
+            raise ValueError("the dense baseline needs at least one passage, got an empty corpus")
+        self.encoder = encoder or embedding_lib.make_encoder()
+        self.embeddings = self.encoder.encode(texts) if embeddings is None else np.asarray(embeddings, np.float32)
+        if self.embeddings.shape != (len(texts), self.encoder.dim):
+            raise ValueError(f"passage embeddings have shape {self.embeddings.shape}, expected {(len(texts), self.encoder.dim)}")
+        self.num_rows = len(texts)
+
+    def scores(self, query: str) -> Float[np.ndarray, "n"]:
+        """Cosine similarity of `query` with every passage."""
+        return self.embeddings @ self.encoder.encode([query])[0]
+
+    def topk(self, queries: Sequence[str], k: int, mesh: Any = None
+             ) -> tuple[Float[np.ndarray, "q k"], Int[np.ndarray, "q k"]]:
+        """Exact top-k passages per query by cosine: (scores, ids), ties broken by lower id.
+
+        `retrieval.topk` (the project's one exact top-k), rows split over `mesh` if given.
+        """
+        k = min(int(k), self.num_rows)
+        res = retrieval_lib.topk(self.encoder.encode(queries), self.embeddings, k, mesh=mesh)
+        return res.top_scores, res.top_ids.astype(np.int32)
+
+
 def stable_topk(scores: Float[np.ndarray, "n"], k: int) -> Int[np.ndarray, "k"]:
     """Indices of the k largest scores, ordered by (score desc, index asc)."""
     n = scores.shape[0]
@@ -93,7 +139,7 @@ def stable_topk(scores: Float[np.ndarray, "n"], k: int) -> Int[np.ndarray, "k"]:
 # The rows of Table 1 (§5.1-5.2): what each named method is
 # ---------------------------------------------------------------------------------------
 
-METHOD_KINDS = ("gold", "bm25", "gradient")
+METHOD_KINDS = ("gold", "bm25", "dense", "gradient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +148,8 @@ class Method:
 
     Attributes:
       name: key used in `config.eval.methods` and in table.json.
-      kind: "gold" (the fact's own evidence passages, tail-patch only), "bm25", or
-        "gradient" (retrieval from a gradient index).
+      kind: "gold" (the fact's own evidence passages, tail-patch only), "bm25", "dense"
+        (text-embedding cosine, `DenseEmbedding`), or "gradient" (retrieval from a gradient index).
       label: the row label, as in Table 1.
       output_fn, correction: the index's `vectors` settings (optimizer second-moment
         correction = the "Optim." column).
@@ -130,10 +176,12 @@ class Method:
 # Table 1 of the paper. Exp. 1 is the gradient dot product (TracIn-style, Pruthi et al. 2020)
 # and Exp. 2 the gradient cosine (Han et al. 2022/2023); TRAK as the paper ran it: margin
 # output function with TRAK's example-level Q on candidates, R_train, no optimizer
-# correction, no unit norm (§4.4, §A.1.1).
+# correction, no unit norm (§4.4, §A.1.1). "dense" is the Gecko row with an offline model
+# (all-MiniLM-L6-v2, `embedding.py`); it needs the model package (`embedding.is_available()`).
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("trex_gold", "gold", "T-REx gold"),
     Method("bm25", "bm25", "BM25"),
+    Method("dense", "dense", "MiniLM-L6 embeddings (Gecko stand-in)", unit_norm=True),
     Method("trak", "gradient", "TRAK", output_fn="trak", correction=False, hessian="train", unit_norm=False),
     Method("exp1", "gradient", "Exp. 1 (grad dot)", correction=False, hessian="none", unit_norm=False),
     Method("exp2", "gradient", "Exp. 2 (grad cosine)", correction=False, hessian="none", unit_norm=True),

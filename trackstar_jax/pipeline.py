@@ -35,6 +35,7 @@ from absl import logging
 from trackstar_jax import baselines as baselines_lib
 from trackstar_jax import checkpoint as checkpoint_lib
 from trackstar_jax import data as data_lib
+from trackstar_jax import embedding as embedding_lib
 from trackstar_jax import generate as generate_lib
 from trackstar_jax import hessian as hessian_lib
 from trackstar_jax import index as index_lib
@@ -976,9 +977,42 @@ def gradient_retrieval(config: ml_collections.ConfigDict, workdir: pathlib.Path,
                            "whitening": info["whitening"], "retrieval_seconds": info.get("retrieval_seconds")})
 
 
+DENSE_DIR = "dense_embeddings"  # workdir folder caching the dense row's passage embeddings
+
+
+def dense_retriever(run: checkpoint_lib.Run, workdir: pathlib.Path, mesh: jax.sharding.Mesh) -> baselines_lib.DenseEmbedding:
+    """The dense row's retriever, with passage embeddings cached in `workdir/dense_embeddings/`.
+
+    The cache is reused when its manifest matches the corpus fingerprint and the model's
+    weights / tokenizer (sha256); otherwise it is recomputed and replaced (logged).
+
+    Raises:
+      embedding.MissingModelError: the model package is not installed (names the pip command).
+    """
+    enc = embedding_lib.make_encoder(mesh=mesh)
+    want = {"model": embedding_lib.MODEL_NAME, "model_sha256": embedding_lib.model_fingerprint(enc.directory),
+            "max_seq_length": enc.cfg.max_seq_length, "corpus_fingerprint": run.corpus.fingerprint,
+            "num_rows": len(run.corpus.examples), "dim": enc.dim}
+    d = workdir / DENSE_DIR
+    if (d / "manifest.json").is_file() and (d / "embeddings.npy").is_file():
+        if json.loads((d / "manifest.json").read_text()) == want:
+            logging.info("eval: dense row reuses the passage embeddings in %s", d)
+            return baselines_lib.DenseEmbedding(run.corpus.texts, enc, embeddings=np.load(d / "embeddings.npy"))
+        logging.info("eval: %s was made for another corpus or model; recomputing it", d)
+    t0 = time.perf_counter()
+    dense = baselines_lib.DenseEmbedding(run.corpus.texts, enc)
+    logging.info("eval: embedded %d passages with %s in %.1fs", len(run.corpus.examples), embedding_lib.MODEL_NAME,
+                 time.perf_counter() - t0)
+    if jax.process_index() == 0:
+        d.mkdir(parents=True, exist_ok=True)
+        np.save(d / "embeddings.npy", dense.embeddings)
+        (d / "manifest.json").write_text(json.dumps(want, indent=1))  # written last: marks the cache complete
+    return dense
+
+
 def retrieve_for_method(config: ml_collections.ConfigDict, workdir: pathlib.Path, run: checkpoint_lib.Run,
                         m: baselines_lib.Method, eq: EvalQueries, ev: EvalSettings, mesh: jax.sharding.Mesh,
-                        bm25: baselines_lib.BM25 | None) -> Retrieved:
+                        bm25: baselines_lib.BM25 | None, dense: baselines_lib.DenseEmbedding | None = None) -> Retrieved:
     """Proponents of every query for one table row."""
     k = ev.num_proponents
     if m.kind == "gold":  # the fact's own entailing passages, in id order (T-REx gold row)
@@ -986,6 +1020,9 @@ def retrieve_for_method(config: ml_collections.ConfigDict, workdir: pathlib.Path
         return Retrieved(ids, [[1.0] * len(i) for i in ids])
     if m.kind == "bm25":
         scores, ids = bm25.topk([q.prompt + q.target for q in eq.queries], k)
+        return Retrieved(ids.tolist(), scores.tolist())
+    if m.kind == "dense":  # query text as for BM25 (the released retrievals' inputs + targets)
+        scores, ids = dense.topk([q.prompt + q.target for q in eq.queries], k, mesh=mesh)
         return Retrieved(ids.tolist(), scores.tolist())
     return gradient_retrieval(config, workdir, run, m, eq, k, mesh)
 
@@ -1084,7 +1121,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     """Stage 4: the fact-tracing table (§4-5, Table 1 / A.1 / A.2) for every row in `config.eval.methods`.
 
     Builds the query set from the run's facts (`make_eval_queries`), retrieves proponents per
-    row (T-REx gold, BM25, and gradient rows whose indices are built or reused under
+    row (T-REx gold, BM25, the dense-embedding row with passage embeddings cached in
+    `workdir/dense_embeddings/`, and gradient rows whose indices are built or reused under
     `workdir/<index.dir>[_<output_fn>_<corr|nocorr>]`), tail-patches every distinct (query,
     top-k proponent) pair from the final checkpoint, and writes to `eval_dir(config, workdir)`
     (`workdir/eval/` for gold targets and template 0):
@@ -1100,6 +1138,8 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     quiet_library_logs()
     ev = eval_settings(config)
     methods = [baselines_lib.method(n) for n in ev.methods]
+    if any(m.kind == "dense" for m in methods) and not embedding_lib.is_available():
+        embedding_lib.make_encoder()  # refuses before any work, naming the missing package and the pip command
     mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
     out_dir = eval_dir(config, workdir)
@@ -1125,10 +1165,11 @@ def evaluate(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> d
     bm25 = None
     if any(m.kind == "bm25" for m in methods):
         bm25 = baselines_lib.BM25(run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
+    dense = dense_retriever(run, workdir, mesh) if any(m.kind == "dense" for m in methods) else None
     retrieved, seconds = {}, {}
     for m in methods:
         t1 = time.perf_counter()
-        retrieved[m.name] = retrieve_for_method(config, workdir, run, m, eq, ev, mesh, bm25)
+        retrieved[m.name] = retrieve_for_method(config, workdir, run, m, eq, ev, mesh, bm25, dense)
         seconds[m.name] = time.perf_counter() - t1
         logging.info("eval: retrieved for %s in %.1fs", m.label, seconds[m.name])
     t1 = time.perf_counter()
