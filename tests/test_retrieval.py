@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 
 import jax
 from conftest import skip_if_not_enough_devices
-from trackstar_jax import index, retrieval, sharding
+from trackstar_jax import index, native, retrieval, sharding
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
 
@@ -68,7 +68,7 @@ def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
     retrieval._sharded_fn.cache_clear()
     x, q = tied_data(1001)
     plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
-    assert plan.upcast in ("none", "bf16_split3")
+    assert plan.upcast in ("none", "bf16_split3", "bf16_native")
     ref = retrieval.reference_topk(q, x, 7)
     assert_exact(retrieval.topk(q, x.astype(DTYPES[dtype]), 7, mesh=mesh_of(8), plan=plan), ref)
     assert_exact(retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan), ref)
@@ -87,11 +87,14 @@ def test_signed_zero_scores_tie_by_id():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("query_major, upcast, contract", [(True, None, "dot"), (False, None, "dot"), (True, "convert", "dot"),
                                                            (False, "convert", "dot"), (False, "convert", "reduce"),
-                                                           (True, "bf16_pairs", "dot"), (False, "bf16_split3", "dot")])
+                                                           (True, "bf16_pairs", "dot"), (False, "bf16_split3", "dot"),
+                                                           (False, "bf16_native", "dot")])
 def test_every_formulation_is_exact(dtype, query_major, upcast, contract):
     x, q = tied_data(203, q=20)
     if dtype == "float32" and upcast is not None:
         upcast = "none"
+    if upcast == "bf16_native" and not native.available():
+        pytest.skip("native kernels unavailable (no compiler or TRACKSTAR_JAX_NATIVE=0)")
     plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
                                contract=contract)
     res = retrieval.topk(q, x.astype(DTYPES[dtype]), 9, mesh=mesh_of(8), plan=plan)
@@ -102,8 +105,11 @@ def test_plan_picks_layout_by_regime():
     one = retrieval.make_plan(1, 4096, np.float32, backend="cpu")
     many = retrieval.make_plan(1024, 4096, np.float32, backend="cpu")
     assert not one.query_major and many.query_major and one.upcast == "none"
-    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_split3"
+    few_bf16 = "bf16_native" if native.available() and native.isa() == "avx512" else "bf16_split3"
+    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
+    assert retrieval.make_plan(16, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
     assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
+    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
     assert many.block_rows * 1024 <= 1 << 21  # the score tile stays small
