@@ -28,6 +28,6 @@ stage() {
 
 stage launch.train "$@"
 # evaluate (keep last): the fact-tracing table of the embedded corpus + top proponents of a few queries
-stage launch.evaluate --notrain --config.eval.methods='("trex_gold","bm25","exp2","trackstar")' "$@"
+stage launch.evaluate --notrain --config.eval.methods='("trex_gold","bm25","dense","exp2","trackstar")' "$@"
 
 echo "[quickstart] all stages done in $((SECONDS - START)) s; results in $WORKDIR" >&2
