@@ -1,7 +1,8 @@
-"""native.py + kernels/bf16_scores.cc: the FFI kernel's scores vs a float64 numpy reference
-(both code paths, odd dims, one row), NaN/inf propagation, exact top-k with ties through
-retrieval's "bf16_native" plan on 1 and 8 devices, the env-var / failed-build fallbacks, and
-the build cache (reused; a corrupted or unverified library is rebuilt, never loaded)."""
+"""native.py + kernels/scores.cc: the FFI kernel's scores vs a float64 numpy reference
+(bfloat16 and float32 rows, both code paths, odd dims, one row), NaN/inf propagation, exact
+top-k with ties through retrieval's "native" plan on 1 and 8 devices, the env-var /
+failed-build fallbacks, and the build cache (reused; a corrupted or unverified library is
+rebuilt, never loaded)."""
 
 import ctypes
 import logging
@@ -15,6 +16,7 @@ from test_retrieval import assert_exact, mesh_of, tied_data
 from trackstar_jax import native, retrieval
 
 BF16 = ml_dtypes.bfloat16
+ROW_DTYPES = {"bfloat16": BF16, "float32": np.float32}
 EPS32 = float(np.finfo(np.float32).eps)
 
 
@@ -40,55 +42,61 @@ def _reference_scores(x, q):
     return q64 @ x64.T, np.abs(q64) @ np.abs(x64).T
 
 
-_scores = jax.jit(native.bf16_scores)
+_scores = jax.jit(native.scores)
 
 
+@pytest.mark.parametrize("dtype", list(ROW_DTYPES))
 @pytest.mark.parametrize("b, d, nq", [(1, 1, 1), (1, 4096, 1), (7, 33, 3), (64, 16, 5), (37, 63, 16), (200, 1000, 2),
                                       (130, 257, 9), (19, 96, 4), (5, 31, 13)])
-def test_scores_match_float64_reference(code_path, b, d, nq):
+def test_scores_match_float64_reference(code_path, dtype, b, d, nq):
     rng = np.random.default_rng(1000 * b + 10 * d + nq)  # a fresh seed per shape
-    x = rng.standard_normal((b, d)).astype(BF16)
+    x = rng.standard_normal((b, d)).astype(ROW_DTYPES[dtype])
     q = rng.standard_normal((nq, d)).astype(np.float32)
     got = np.asarray(_scores(x, q))
     ref, scale = _reference_scores(x, q)
     assert got.shape == (nq, b) and got.dtype == np.float32
-    # float32 products are exact (bf16 x f32 fits 8 + 24 bits ... rounded once) and the sum runs
-    # over <= d/64 + 8 terms per accumulator chain: a float32 summation bound, not a loose one.
+    # Each product is rounded once to float32, and each accumulator chain sums <= d/64 + 8
+    # terms (16 lanes x 2-4 chains, then the lane reduction): a float32 summation bound.
     bound = (d / 64 + 8) * EPS32 * scale
     assert (np.abs(got - ref) <= bound).all(), float(np.max(np.abs(got - ref) / np.maximum(scale, 1e-30)))
 
 
-def test_small_integer_scores_are_exact(code_path):
+@pytest.mark.parametrize("dtype", list(ROW_DTYPES))
+def test_small_integer_scores_are_exact(code_path, dtype):
     x, q = tied_data(45, d=77, q=6)
-    np.testing.assert_array_equal(np.asarray(_scores(x.astype(BF16), q)), q @ x.T)
+    np.testing.assert_array_equal(np.asarray(_scores(x.astype(ROW_DTYPES[dtype]), q)), q @ x.T)
 
 
-def test_non_finite_rows_propagate(code_path):
+@pytest.mark.parametrize("dtype", list(ROW_DTYPES))
+def test_non_finite_rows_propagate(code_path, dtype):
     x = np.ones((6, 40), np.float32)
     x[1, 3], x[2, 39], x[4, 0] = np.nan, np.inf, -np.inf
     q = np.ones((2, 40), np.float32)
     q[1, 39] = 0.0  # inf * 0 = NaN (IEEE), as a float32 dot gives
-    got = np.asarray(_scores(x.astype(BF16), q))
+    got = np.asarray(_scores(x.astype(ROW_DTYPES[dtype]), q))
     with np.errstate(invalid="ignore"):
         want = q.astype(np.float64) @ x.T.astype(np.float64)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got[np.isfinite(want)], want[np.isfinite(want)].astype(np.float32))
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
-    plan = retrieval.make_plan(2, 40, BF16, upcast="bf16_native")
+    plan = retrieval.make_plan(2, 40, ROW_DTYPES[dtype], upcast="native")
     with pytest.raises(ValueError, match=r"non-finite retrieval scores .* \[1, 2, 4\]"):
-        retrieval.topk(q, x.astype(BF16), 6, mesh=mesh_of(8), plan=plan)
+        retrieval.topk(q, x.astype(ROW_DTYPES[dtype]), 6, mesh=mesh_of(8), plan=plan)
 
 
+@pytest.mark.parametrize("dtype", list(ROW_DTYPES))
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("n, k, block_rows", [(1, 1, None), (9, 9, None), (37, 10, None), (1001, 7, 64)])
-def test_topk_with_ties_native_plan(num_devices, n, k, block_rows):
+def test_topk_with_ties_native_plan(dtype, num_devices, n, k, block_rows):
+    # n=1 / 9 on 8 devices: shards of 1-2 rows, mostly padding; n=1001 with blocks of 64:
+    # several (copied) blocks per shard with the running merge.
     x, q = tied_data(max(n, 8))
     x = x[:n]
-    plan = retrieval.make_plan(len(q), x.shape[1], BF16, upcast="bf16_native", block_rows=block_rows)
+    plan = retrieval.make_plan(len(q), x.shape[1], ROW_DTYPES[dtype], upcast="native", block_rows=block_rows)
     ref = retrieval.reference_topk(q, x, k)
     mesh = mesh_of(num_devices)
-    assert_exact(retrieval.topk(q, x.astype(BF16), k, mesh=mesh, plan=plan), ref)
-    reader = retrieval.ArrayReader(x.astype(BF16))
+    assert_exact(retrieval.topk(q, x.astype(ROW_DTYPES[dtype]), k, mesh=mesh, plan=plan), ref)
+    reader = retrieval.ArrayReader(x.astype(ROW_DTYPES[dtype]))
     assert_exact(retrieval.stream_topk(q, reader, k, max(1, n // 3), mesh=mesh, plan=plan, query_batch_size=2), ref)
 
 
@@ -96,8 +104,8 @@ def test_plan_uses_native_kernel_and_env_var_forces_fallback(monkeypatch):
     x, q = tied_data(301, d=48, q=3)
     x = x.astype(BF16)
     auto = retrieval.make_plan(len(q), 48, BF16, backend="cpu")
-    assert auto.upcast == ("bf16_native" if native.isa() == "avx512" else "bf16_split3")
-    fast = retrieval.topk(q, x, 25, mesh=mesh_of(8), plan=retrieval.make_plan(len(q), 48, BF16, upcast="bf16_native"))
+    assert auto.upcast == ("native" if native.isa() == "avx512" else "bf16_split3")
+    fast = retrieval.topk(q, x, 25, mesh=mesh_of(8), plan=retrieval.make_plan(len(q), 48, BF16, upcast="native"))
     monkeypatch.setenv(native.ENV_ENABLE, "0")
     assert not native.available() and native.isa() == "unavailable"
     fallback_plan = retrieval.make_plan(len(q), 48, BF16, backend="cpu")
@@ -106,7 +114,12 @@ def test_plan_uses_native_kernel_and_env_var_forces_fallback(monkeypatch):
     for a, b in zip(fast, fallback):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(RuntimeError, match="native kernels unavailable"):
-        native.bf16_scores(x, q)
+        native.scores(x, q)
+
+
+def test_native_plan_rejects_other_dtypes():
+    with pytest.raises(ValueError, match="upcast='native' scores"):
+        retrieval.make_plan(1, 64, np.int8, upcast="native")
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path, caplog):

@@ -68,7 +68,7 @@ def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
     retrieval._sharded_fn.cache_clear()
     x, q = tied_data(1001)
     plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
-    assert plan.upcast in ("none", "bf16_split3", "bf16_native")
+    assert plan.upcast in ("none", "bf16_split3", "native")
     ref = retrieval.reference_topk(q, x, 7)
     assert_exact(retrieval.topk(q, x.astype(DTYPES[dtype]), 7, mesh=mesh_of(8), plan=plan), ref)
     assert_exact(retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan), ref)
@@ -88,12 +88,12 @@ def test_signed_zero_scores_tie_by_id():
 @pytest.mark.parametrize("query_major, upcast, contract", [(True, None, "dot"), (False, None, "dot"), (True, "convert", "dot"),
                                                            (False, "convert", "dot"), (False, "convert", "reduce"),
                                                            (True, "bf16_pairs", "dot"), (False, "bf16_split3", "dot"),
-                                                           (False, "bf16_native", "dot")])
+                                                           (False, "native", "dot")])
 def test_every_formulation_is_exact(dtype, query_major, upcast, contract):
     x, q = tied_data(203, q=20)
-    if dtype == "float32" and upcast is not None:
+    if dtype == "float32" and upcast not in (None, "native"):
         upcast = "none"
-    if upcast == "bf16_native" and not native.available():
+    if upcast == "native" and not native.available():
         pytest.skip("native kernels unavailable (no compiler or TRACKSTAR_JAX_NATIVE=0)")
     plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
                                contract=contract)
@@ -105,10 +105,13 @@ def test_plan_picks_layout_by_regime():
     one = retrieval.make_plan(1, 4096, np.float32, backend="cpu")
     many = retrieval.make_plan(1024, 4096, np.float32, backend="cpu")
     assert not one.query_major and many.query_major and one.upcast == "none"
-    few_bf16 = "bf16_native" if native.available() and native.isa() == "avx512" else "bf16_split3"
+    few_bf16 = "native" if native.available() and native.isa() == "avx512" else "bf16_split3"
+    assert retrieval.make_plan(8, 4096, np.float32, backend="cpu").upcast == few_bf16.replace("bf16_split3", "none")
+    assert retrieval.make_plan(64, 4096, np.float32, backend="gpu").upcast == "none"
     assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
     assert retrieval.make_plan(16, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
-    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
+    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16.replace("split3", "pairs")
+    assert retrieval.make_plan(128, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
     assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
@@ -116,7 +119,7 @@ def test_plan_picks_layout_by_regime():
 
 
 @pytest.mark.parametrize("num_devices", [1, 8])
-@pytest.mark.parametrize("dtype, nq", [("float32", 4), ("bfloat16", 4), ("bfloat16", 24)])  # bf16: split3, pairs
+@pytest.mark.parametrize("dtype, nq", [("float32", 4), ("bfloat16", 4), ("bfloat16", 80)])  # bf16: native (or split3), pairs
 def test_random_floats_match_float64_reference(num_devices, dtype, nq):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((517, 64)).astype(DTYPES[dtype])

@@ -1,10 +1,10 @@
 """Hand-written CPU kernels, registered with XLA through the FFI (`jax.ffi`).
 
-One kernel so far, `kernels/bf16_scores.cc`: exact float32 scores of bfloat16 index rows
-against float32 queries (`scores[q, r] = sum_j f32(rows[r, j]) * queries[q, j]`), used by
-`retrieval.py`'s "bf16_native" plan. XLA:CPU's own bf16 dot is compute-bound at a few
-queries (BUILD_NOTES "Issue 5"); this kernel widens rows with integer shifts and runs at
-the memory read rate for one query.
+One kernel so far, `kernels/scores.cc`: exact float32 scores of bfloat16 or float32 index
+rows against float32 queries (`scores[q, r] = sum_j f32(rows[r, j]) * queries[q, j]`), used
+by `retrieval.py`'s "native" plan. XLA:CPU's own bf16 dot is compute-bound at a few queries
+(BUILD_NOTES "Issue 5"); this kernel widens bf16 rows with integer shifts in registers and
+reads them at close to the machine's read rate for one query.
 
 The C++ source ships with the package and is compiled at first use with the system C++
 compiler (`$CXX`, else g++ / c++ / clang++) against `jax.ffi.include_dir()`, into
@@ -44,8 +44,10 @@ from jaxtyping import Array, Float
 
 ENV_ENABLE = "TRACKSTAR_JAX_NATIVE"  # "0" forces the XLA fallback
 ENV_CACHE = "TRACKSTAR_JAX_CACHE"
-BF16_SCORES = "trackstar_bf16_scores"  # FFI target name
-SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "bf16_scores.cc"
+# FFI target names -> handler symbols in the library, by row dtype.
+TARGETS = {"bfloat16": ("trackstar_bf16_scores", "TrackstarBf16Scores"),
+           "float32": ("trackstar_f32_scores", "TrackstarF32Scores")}
+SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "scores.cc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17")
 _LIB_NAME = "libtrackstar_kernels.so"
 
@@ -146,12 +148,13 @@ def _load() -> ctypes.CDLL:
     so = build()
     try:
         lib = ctypes.CDLL(str(so))
-        handler = lib.TrackstarBf16Scores
+        handlers = {target: getattr(lib, symbol) for target, symbol in TARGETS.values()}
     except (OSError, AttributeError):  # valid digest but unloadable (e.g. another libc): rebuild once
         so = build(force=True)
         lib = ctypes.CDLL(str(so))
-        handler = lib.TrackstarBf16Scores
-    jax.ffi.register_ffi_target(BF16_SCORES, jax.ffi.pycapsule(handler), platform="cpu")
+        handlers = {target: getattr(lib, symbol) for target, symbol in TARGETS.values()}
+    for target, handler in handlers.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
     lib.TrackstarKernelIsa.restype = ctypes.c_int
     lib.TrackstarForcePortable.argtypes = [ctypes.c_int]
     return lib
@@ -164,8 +167,8 @@ def _library() -> ctypes.CDLL | None:
                 _state["lib"] = _load()
             except Exception as e:  # noqa: BLE001  (any failure means: use the XLA path)
                 _state["error"] = f"{type(e).__name__}: {e}"
-                logging.warning("trackstar_jax native CPU kernels unavailable, using the slower XLA formulations "
-                                "(bf16 retrieval): %s", _state["error"])
+                logging.warning("trackstar_jax native CPU kernels unavailable, retrieval uses its slower XLA "
+                                "formulations: %s", _state["error"])
         return _state.get("lib")
 
 
@@ -190,11 +193,11 @@ def force_portable(on: bool) -> None:
     lib.TrackstarForcePortable(int(on))
 
 
-def bf16_scores(rows: Array, queries: Float[Array, "q d"]) -> Float[Array, "q b"]:
-    """Exact float32 scores `queries @ rows.T` of bfloat16 rows (traceable; CPU only).
+def scores(rows: Array, queries: Float[Array, "q d"]) -> Float[Array, "q b"]:
+    """Exact float32 scores `queries @ rows.T` of bfloat16 or float32 rows (traceable; CPU only).
 
     Args:
-      rows: `[b, d]` bfloat16.
+      rows: `[b, d]` bfloat16 or float32.
       queries: `[Q, d]` float32.
 
     Returns:
@@ -202,12 +205,14 @@ def bf16_scores(rows: Array, queries: Float[Array, "q d"]) -> Float[Array, "q b"
 
     Raises:
       RuntimeError: the kernels are disabled or could not be built.
+      ValueError: other dtypes or mismatched shapes.
     """
     if not available():
         raise RuntimeError(f"native kernels unavailable ({ENV_ENABLE}={os.environ.get(ENV_ENABLE)!r}, "
                            f"{_state.get('error')}); use an XLA plan")
-    if rows.dtype != jnp.bfloat16 or rows.ndim != 2 or queries.ndim != 2 or queries.shape[1] != rows.shape[1]:
-        raise ValueError(f"expected rows [b, d] bfloat16 and queries [Q, d], got {rows.shape} {rows.dtype} "
-                         f"and {queries.shape}")
+    name = jnp.dtype(rows.dtype).name
+    if name not in TARGETS or rows.ndim != 2 or queries.ndim != 2 or queries.shape[1] != rows.shape[1]:
+        raise ValueError(f"expected rows [b, d] in {tuple(TARGETS)} and queries [Q, d], got {rows.shape} "
+                         f"{rows.dtype} and {queries.shape}")
     out = jax.ShapeDtypeStruct((queries.shape[0], rows.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(BF16_SCORES, out, vmap_method="sequential")(rows, queries.astype(jnp.float32))
+    return jax.ffi.ffi_call(TARGETS[name][0], out, vmap_method="sequential")(rows, queries.astype(jnp.float32))

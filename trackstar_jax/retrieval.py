@@ -31,12 +31,12 @@ CPU formulations (measured on the 2-core dev machine, BUILD_NOTES "Issue 5"): on
 scored as `rows @ q` (row-major matvec, memory-bound), never as `q @ rows.T` (~15x slower);
 many queries as `q @ rows.T`, in blocks whose score tile stays small (fresh buffers over
 ~32 MB cost page faults on every call). XLA:CPU widens bfloat16 element by element through a
-slow path unless the dot itself takes bfloat16, so bfloat16 rows are scored either by a
-hand-written FFI kernel (`native.bf16_scores`: rows widened by integer shifts in registers,
-float32 FMAs; few queries, `upcast="bf16_native"`), or, when that kernel is unavailable, a
-native bf16 x bf16 -> f32 dot against a 3-term bf16 split of the query (`"bf16_split3"`), or
-read as uint32 pairs widened by integer shifts before a float32 matmul (many queries,
-`upcast="bf16_pairs"`). All are exact to float32 rounding.
+slow path unless the dot itself takes bfloat16, so bfloat16 rows are scored by a hand-written
+FFI kernel (`native.scores`: rows widened by integer shifts in registers, float32 FMAs; up to
+64 queries, `upcast="native"`), or -- with more queries, or when that kernel is unavailable
+-- by a native bf16 x bf16 -> f32 dot against a 3-term bf16 split of the query (few queries,
+`"bf16_split3"`), or read as uint32 pairs widened by integer shifts before a float32 matmul
+(many queries, `"bf16_pairs"`). All are exact to float32 rounding.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ from trackstar_jax import native
 # Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
 SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "bf16_native")
+UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "native")
 CONTRACTS = ("dot", "reduce")
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
 # 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
@@ -71,9 +71,11 @@ _UPCAST_TILE = 1 << 20
 _SCORE_ALL = 1 << 24
 # Up to this many queries the rows are the matmul's row operand (`rows @ q.T`, matvec-like).
 _ROWS_MAJOR_MAX_QUERIES = 16
-# Up to this many queries bfloat16 rows on CPU go to the native kernel (measured faster than
-# bf16_split3 / bf16_pairs up to here; BUILD_NOTES "Issue 5").
-_NATIVE_MAX_QUERIES = 32
+# Query counts for which rows on CPU go to the native kernel, by storage dtype (BUILD_NOTES
+# "Issue 5"). bfloat16: faster than bf16_split3 at every count and than bf16_pairs up to 64
+# queries (equal at 128, slower at 256). float32: equal to XLA's matvec at 1 query (kept),
+# 1.3-1.9x faster at 2-16, equal at 32, slower at 64 (XLA's YNNPACK matmul).
+_NATIVE_QUERIES = {"bfloat16": (1, 64), "float32": (2, 16)}
 
 
 class TopK(NamedTuple):
@@ -140,8 +142,9 @@ class Plan:
       query_major: score as `q @ rows.T` (True) or `(rows @ q.T).T` (False).
       upcast: how rows meet the float32 query: "none" (float32 rows), "convert" (`astype`),
         "bf16_pairs" (bfloat16 read as uint32 pairs, widened by shifts), "bf16_split3"
-        (native bf16 dot against the query split into three bf16 terms), "bf16_native" (the
-        `native.bf16_scores` FFI kernel on CPU). All exact to float32 rounding.
+        (native bf16 dot against the query split into three bf16 terms), "native" (the
+        `native.scores` FFI kernel on CPU; bfloat16 or float32 rows). All exact to float32
+        rounding.
       contract: "dot" (a matmul) or "reduce" (a fused multiply + sum; benchmarks only).
     """
 
@@ -155,7 +158,7 @@ class Plan:
             raise ValueError(f"contract must be one of {CONTRACTS}, got {self.contract!r}")
         if self.upcast not in UPCASTS:
             raise ValueError(f"upcast must be one of {UPCASTS}, got {self.upcast!r}")
-        if self.contract == "reduce" and self.upcast in ("bf16_pairs", "bf16_split3", "bf16_native"):
+        if self.contract == "reduce" and self.upcast in ("bf16_pairs", "bf16_split3", "native"):
             raise ValueError("contract='reduce' widens inside the fused reduce; use upcast='convert'")
         if self.block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
@@ -178,18 +181,20 @@ def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = N
     """
     name = _dtype_name(dtype)
     backend = backend or jax.default_backend()
+    lo, hi = _NATIVE_QUERIES.get(name, (0, -1))
     if upcast is None:
-        if name == "float32":
+        if backend == "cpu" and lo <= num_queries <= hi and native.available() and native.isa() == "avx512":
+            upcast = "native"  # the FFI kernel (only its AVX-512 path was measured faster)
+        elif name == "float32":
             upcast = "none"
-        elif (name == "bfloat16" and backend == "cpu" and num_queries <= _NATIVE_MAX_QUERIES and native.available()
-              and native.isa() == "avx512"):
-            upcast = "bf16_native"  # few queries on CPU: the FFI kernel (its portable path is not measured)
         elif name == "bfloat16" and backend == "cpu" and num_queries > _ROWS_MAJOR_MAX_QUERIES and dim % 2 == 0:
             upcast = "bf16_pairs"  # many queries on CPU: widen once per block, then a float32 matmul
         elif name == "bfloat16":
             upcast = "bf16_split3"  # native bf16 x bf16 -> f32 dot against the 3-term query split
         else:
             upcast = "convert"
+    if upcast == "native" and name not in native.TARGETS:
+        raise ValueError(f"upcast='native' scores {tuple(native.TARGETS)} rows, not {name}")
     if query_major is None:
         query_major = num_queries > _ROWS_MAJOR_MAX_QUERIES
     if block_rows is None:
@@ -244,9 +249,9 @@ def _split3(q: Float[Array, "q d"]) -> Array:
 
 def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[Array, "q b"]:
     """Scores `[Q, b]` of a row block against the queries, accumulated in float32."""
-    if plan.upcast == "bf16_native":
+    if plan.upcast == "native":
         (q,) = q_parts
-        return native.bf16_scores(blk, q)
+        return native.scores(blk, q)
     if plan.upcast == "bf16_split3":
         # q_parts = (w,) with w [d, 3Q] bfloat16: the query split into three bfloat16 terms per
         # column (q = q1 + q2 + q3 to float32 precision). bf16 x bf16 products are exact in
@@ -307,7 +312,7 @@ def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] |
     num_blocks = -(-m // bs)
     kk = min(k, m)
 
-    if num_blocks == 1 or (nq * m <= _SCORE_ALL and plan.upcast in ("none", "bf16_split3", "bf16_native")):
+    if num_blocks == 1 or (nq * m <= _SCORE_ALL and plan.upcast in ("none", "bf16_split3", "native")):
         # Few queries and no widened copy of the rows: the whole shard is one dot whose scores
         # fit one buffer; select once. (Looping over blocks would add a dynamic-slice copy of
         # every row block, and a per-block selection, for no gain. Widening upcasts keep
