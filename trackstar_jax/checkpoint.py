@@ -79,11 +79,12 @@ def config_mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SE
     return out
 
 
-def save_run_config(workdir: str | os.PathLike, config: Any) -> None:
+def save_run_config(workdir: str | os.PathLike, config: Any, write: bool = True) -> None:
     """Writes `workdir/config.json`, or checks an existing one against `config`.
 
     An existing run directory is reused only for the same run: `seed`, `model`, `data` and
     the optimizer/batch keys of `train` must agree (the resumable train keys are updated).
+    With `write=False` (the non-primary processes of a multi-host run) it only checks.
 
     Raises:
       ValueError: the existing config.json describes a different run (names the fields).
@@ -95,6 +96,8 @@ def save_run_config(workdir: str | os.PathLike, config: Any) -> None:
         if bad:
             raise ValueError(f"{path} belongs to a different run; refusing to reuse the workdir. Differences: "
                              + "; ".join(bad))
+    if not write:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(new, indent=1, sort_keys=True))

@@ -46,6 +46,7 @@ import math
 import os
 import pathlib
 import re
+import socket
 import time
 from typing import Any, Callable, Iterator, Mapping
 
@@ -236,7 +237,8 @@ def tree_fingerprint(tree: Any) -> str:
 
 def _write_tmp(path: pathlib.Path, data: bytes) -> pathlib.Path:
     """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    # Host and pid: writers on several hosts may share the filesystem (and a pid).
+    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -653,12 +655,15 @@ class IndexBuilder:
 
     # -- the build -------------------------------------------------------------------------
 
-    def build(self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None) -> BuildStats:
+    def build(self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None,
+              finalize_when_done: bool = True) -> BuildStats:
         """Writes every incomplete chunk of this process's range, then finalises if all are done.
 
         Args:
           rows_fn: `(start, stop) -> [stop-start, d]` float32 vectors of those example ids.
           progress: optional callback `(chunks_done, chunks_total)` after each chunk.
+          finalize_when_done: call `finalize` at the end (False: the caller finalises once,
+            e.g. process 0 of a multi-host job after a barrier).
 
         Returns:
           BuildStats.
@@ -780,7 +785,8 @@ class IndexBuilder:
             raise
         finally:
             committer.shutdown(wait=True)
-        stats.finalized = finalize(self.path)
+        if finalize_when_done:
+            stats.finalized = finalize(self.path, finalized_by=f"writer {self.process_index} of {self.process_count}")
         stats.seconds = time.perf_counter() - t_start
         return stats
 
@@ -800,9 +806,14 @@ class IndexBuilder:
                 f"markers in progress/ are complete and intact; fix the cause and run the build again to resume")
 
 
-def finalize(path: str | os.PathLike) -> bool:
+def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
     """If every chunk is complete, sums the processes' R_train running sums into r_train.npy and
-    writes COMPLETE. Idempotent; safe to call from any process. Returns True when complete."""
+    writes COMPLETE (recording `finalized_by`). Returns True when complete.
+
+    Idempotent and safe to call from any process, also concurrently: each output file is
+    created once (link, create-if-absent) with deterministic content, so two writers that
+    finish together never write the same file, and a finaliser that died half-way is
+    completed by the next call."""
     p = pathlib.Path(path)
     if (p / "COMPLETE").exists():
         return True
@@ -828,11 +839,18 @@ def finalize(path: str | os.PathLike) -> bool:
             return False
         part = np.load(f, allow_pickle=False)
         total = part if total is None else total + part
-    _atomic_write(p / "r_train.npy", _npy_bytes(total))
-    _atomic_write(p / "r_train.json", json.dumps({"count": num_rows, "shape": list(total.shape), "dtype": "float64",
-                                                  "sha256": hashlib.sha256(total.tobytes()).hexdigest()}).encode())
-    _atomic_write(p / "COMPLETE", json.dumps({"num_rows": num_rows, "finished_unix": time.time()}).encode())
+    _create_once(p / "r_train.npy", _npy_bytes(total))
+    _create_once(p / "r_train.json", json.dumps({"count": num_rows, "shape": list(total.shape), "dtype": "float64",
+                                                 "sha256": hashlib.sha256(total.tobytes()).hexdigest()}).encode())
+    _create_once(p / "COMPLETE", json.dumps({"num_rows": num_rows, "finished_unix": time.time(),
+                                             "finalized_by": finalized_by}).encode())
     return True
+
+
+def finalized_by(path: str | os.PathLike) -> Any:
+    """Who finalised the index at `path` (as recorded in COMPLETE), or None."""
+    f = pathlib.Path(path) / "COMPLETE"
+    return json.loads(f.read_text()).get("finalized_by") if f.exists() else None
 
 
 # ------------------------------------------------------------------------------------------

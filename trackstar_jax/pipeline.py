@@ -41,6 +41,7 @@ from trackstar_jax import hessian as hessian_lib
 from trackstar_jax import index as index_lib
 from trackstar_jax import metrics as metrics_lib
 from trackstar_jax import model as model_lib
+from trackstar_jax import multihost
 from trackstar_jax import queries as queries_lib
 from trackstar_jax import retrieval as retrieval_lib
 from trackstar_jax import sharding as sharding_lib
@@ -139,16 +140,14 @@ def batch_shardings(mesh: jax.sharding.Mesh) -> dict[str, jax.sharding.NamedShar
 def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh) -> dict[str, jax.Array]:
     """Places a global host batch on `mesh`.
 
-    With several processes every process reads the same global batch (the loaders are
-    deterministic) and contributes its contiguous block of rows, the layout of the batch axis
-    over a mesh whose devices are ordered by process (`jax.make_mesh`).
+    On a mesh that spans several processes (multi-host training) every process reads the
+    same global batch (the loaders are deterministic) and places the rows its own devices
+    hold, whatever the order of the mesh's devices. A process-local mesh (index building on
+    a pod: one writer per host) takes the batch as it is.
     """
     sh = batch_shardings(mesh)
-    if jax.process_count() > 1:
-        n, pc, pi = len(batch["tokens"]), jax.process_count(), jax.process_index()
-        rows = slice(pi * n // pc, (pi + 1) * n // pc)
-        return {k: jax.make_array_from_process_local_data(sh[k], v[rows], (n,) + v.shape[1:])
-                for k, v in batch.items()}
+    if mesh.is_multi_process:
+        return {k: jax.make_array_from_callback(v.shape, sh[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
     return {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
 
 
@@ -301,8 +300,17 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
     data_lib.data_config(config.data)  # unknown data keys fail before anything is written
     model_cfg, opt_cfg = model_config(config), optimizer_config(config)
     t = config.train
-    checkpoint_lib.save_run_config(workdir, config)
-    corpus, tok = prepare_data(config, workdir)
+    # Multi-host: one SPMD program over the global mesh. Process 0 writes the run directory's
+    # plain files; the others wait for them (failing at once if process 0 fails), then check
+    # and reload them. Checkpoints are saved and restored by every process (orbax).
+    primary = multihost.is_primary()
+    with multihost.step("train:run_dir"):
+        if primary:
+            checkpoint_lib.save_run_config(workdir, config)
+            corpus, tok = prepare_data(config, workdir)
+    if not primary:
+        checkpoint_lib.save_run_config(workdir, config, write=False)
+        corpus, tok = prepare_data(config, workdir)
 
     mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
     dp = sharding_lib.data_parallel_size(mesh)
@@ -332,11 +340,12 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
     eval_batches = [device_batch(b, mesh) for b in
                     data_lib.eval_batches(corpus, tok, t.global_batch_size, seq_len, t.num_eval_batches)]
     jit_eval_step = fns.eval
-    metrics_file = open(workdir / "metrics.jsonl", "a")
+    metrics_file = open(workdir / "metrics.jsonl", "a") if primary else None
 
     def log(record: dict) -> None:
-        metrics_file.write(json.dumps(record) + "\n")
-        metrics_file.flush()
+        if metrics_file is not None:
+            metrics_file.write(json.dumps(record) + "\n")
+            metrics_file.flush()
 
     train_loss, eval_loss, tokens_per_sec = None, None, None
     num_steps = int(t.num_steps)
@@ -379,7 +388,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
         bar.close()
     mngr.wait_until_finished()
     mngr.close()
-    metrics_file.close()
+    if metrics_file is not None:
+        metrics_file.close()
 
     final_step = int(jax.device_get(state.step))
     if eval_loss is None:
@@ -391,7 +401,8 @@ def train(config: ml_collections.ConfigDict, workdir: str | os.PathLike) -> dict
     summary = {"step": final_step, "train_loss": train_loss, "eval_loss": eval_loss, "fact_accuracy": accuracy,
                "num_fact_prompts": len(rows), "tokens_per_sec": tokens_per_sec,
                "num_params": model_lib.param_count(state.params), "completions": rows[: t.num_completions]}
-    (workdir / "train_summary.json").write_text(json.dumps(summary, indent=1))
+    if primary:
+        (workdir / "train_summary.json").write_text(json.dumps(summary, indent=1))
     logging.info("trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)", final_step,
                  None if train_loss is None else f"{train_loss:.4f}", None if eval_loss is None else f"{eval_loss:.4f}",
                  None if accuracy is None else f"{accuracy:.3f}", len(rows))
@@ -456,7 +467,7 @@ def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, s
         corpus={"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)},
         featurizer={"batch_size": int(vec_cfg.batch_size), "max_len": int(run.model_cfg.max_len),
                     "length_buckets": f"pow2>={MIN_BUCKET_LEN}"},
-        info={"workdir": str(run.workdir), "devices": [str(d) for d in jax.devices()],
+        info={"workdir": str(run.workdir), "devices": [str(d) for d in jax.local_devices()],
               "jax_version": jax.__version__},
     )
 
@@ -495,14 +506,20 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: ja
     return rows_fn
 
 
-def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, process_index: int = 0,
-                process_count: int = 1) -> dict:
+def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *, process_index: int | None = None,
+                process_count: int | None = None, sync_timeout_s: float = 4 * 3600) -> dict:
     """Stage 2: one pass over the corpus with the fast featurizer -> zarr3 index + R_train (§3, §A.1.3).
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
     differ); with `process_count > 1`, this call writes only its share of whole R_train
-    segments and the last process to finish finalises R_train. Each process is an
-    independent JAX program over its own devices (e.g. one per host or GPU).
+    segments. Each writer featurizes over its own (process-local) devices.
+
+    - Independent processes (single-process JAX each, e.g. one per GPU): pass
+      `process_index` / `process_count`; the last one to finish finalises R_train.
+    - A `jax.distributed` job (a pod): every process is one writer (`process_index` /
+      `process_count` default to jax's, see `multihost.writer_partition`); after all have
+      written, process 0 finalises R_train once, waiting at most `sync_timeout_s` for the
+      others (a failing process makes the others fail at once).
 
     Returns:
       Summary (also written to `index/build_summary-pXXXX.json`): rows, examples/s, tokens/s,
@@ -512,7 +529,11 @@ def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *
     path = index_dir(config, workdir)
     vec_cfg = vectors_lib.vector_config(config.vectors)
     storage = storage_config(config)
-    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape))
+    process_index, process_count = multihost.writer_partition(process_index, process_count)
+    spmd = multihost.is_multiprocess()
+    # Local devices only: per-example vectors need no communication, so on a pod each host
+    # is an independent writer (in a single process these are all devices).
+    mesh = sharding_lib.make_mesh(tuple(config.mesh.shape), devices=jax.local_devices())
     dp = sharding_lib.data_parallel_size(mesh)
     if vec_cfg.batch_size % dp:
         raise ValueError(f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} data shards of mesh {dict(mesh.shape)}")
@@ -525,15 +546,24 @@ def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *
     if vec_fn.dim != num_blocks_total * block_dim:
         raise ValueError(f"featurizer dim {vec_fn.dim} != {num_blocks_total} blocks x {block_dim}")
     manifest = index_manifest(run, vec_cfg, storage, vec_fn.dim)
-    builder = index_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
-    counters = {"tokens": 0, "truncated": 0}
-    rows_fn = make_rows_fn(run, vec_fn, mesh, counters)
-    logging.info("index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)", path,
-                 builder.num_rows, vec_fn.dim, storage.dtype, builder.chunk_rows, builder.chunks.start, builder.chunks.stop)
-    bar = tqdm.tqdm(total=len(builder.chunks), desc="index", unit="chunk", disable=jax.process_index() > 0,
-                    mininterval=2.0, dynamic_ncols=True)
-    stats = builder.build(rows_fn, progress=lambda done, total: bar.update(done - bar.n))
-    bar.close()
+    # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
+    # the others, which then fail at once instead of waiting for it at the barrier.
+    with multihost.step("build_index:written", sync_timeout_s):
+        builder = index_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
+        counters = {"tokens": 0, "truncated": 0}
+        rows_fn = make_rows_fn(run, vec_fn, mesh, counters)
+        logging.info("index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)", path,
+                     builder.num_rows, vec_fn.dim, storage.dtype, builder.chunk_rows, builder.chunks.start,
+                     builder.chunks.stop)
+        bar = tqdm.tqdm(total=len(builder.chunks), desc="index", unit="chunk", disable=jax.process_index() > 0,
+                        mininterval=2.0, dynamic_ncols=True)
+        stats = builder.build(rows_fn, progress=lambda done, total: bar.update(done - bar.n), finalize_when_done=not spmd)
+        bar.close()
+    if spmd:  # every writer is done: finalise exactly once, on process 0
+        with multihost.step("build_index:finalized", sync_timeout_s):
+            if multihost.is_primary():
+                index_lib.finalize(path, finalized_by=f"process {process_index} of {process_count}")
+        stats.finalized = (path / "COMPLETE").exists()
     if counters["truncated"]:
         logging.warning("%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len)
     itemsize = index_lib._NP_DTYPES[storage.dtype].itemsize
@@ -548,6 +578,7 @@ def build_index(config: ml_collections.ConfigDict, workdir: str | os.PathLike, *
         "write_seconds": stats.write_seconds, "write_fraction": stats.write_fraction,
         "bytes_per_example": vec_fn.dim * itemsize + (4 if storage.dtype == "int8" else 0),
         "complete": stats.finalized,
+        "finalized_by": index_lib.finalized_by(path) if stats.finalized else None,
     }
     (path / f"build_summary-p{process_index:04d}.json").write_text(json.dumps(summary, indent=1))
     logging.info("index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s",

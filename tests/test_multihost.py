@@ -1,0 +1,182 @@
+"""Multi-host SPMD for real: 2 OS processes under jax.distributed on CPU (2 devices each, gloo).
+
+They train the tiny config together (one program over the 4-device global mesh) and build
+its index together (each process one writer over its 2 local devices, process 0 finalises).
+The results must equal single-process runs of the same config; bad launcher input fails
+with an error naming the flag. Every subprocess has a timeout, so a hang fails the test.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from test_build_index import _config  # the small run of the index tests (30 facts, 3 steps)
+
+from trackstar_jax import checkpoint, index, multihost, pipeline
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT_S = 240  # per launch of both processes; a hang fails instead of blocking CI
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _override_flags(config) -> list[str]:
+    """`--config.a.b=v` for every key where `config` differs from experiments/tiny.py."""
+    from experiments import tiny
+
+    base, new = (checkpoint._flatten(checkpoint.config_to_dict(c)) for c in (tiny.get_config(), config))
+    return [f"--config.{k}={v}" for k, v in sorted(new.items()) if base.get(k) != v]
+
+
+_CACHE_DIR = None
+
+
+def _env(num_devices: int = 2) -> dict:
+    global _CACHE_DIR
+    if _CACHE_DIR is None:  # one compilation cache for every launch of this module
+        import tempfile
+
+        _CACHE_DIR = tempfile.mkdtemp(prefix="multihost_jax_cache")
+    env = dict(os.environ)
+    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
+               # the same compiler setting as this process (fast_compile), so the bits compare
+               JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),
+               JAX_COMPILATION_CACHE_DIR=_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
+    return env
+
+
+def _launch(stage: str, workdir, *extra: str, num_processes: int = 2, per_process=None,
+            timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+    """Runs `python -m launch.<stage>` as `num_processes` processes of one jax.distributed job."""
+    port = _free_port()
+    args = [sys.executable, "-m", f"launch.{stage}", "--config=experiments/tiny.py", *_override_flags(_config()),
+            f"--workdir={workdir}", "--distributed", f"--coordinator_address=localhost:{port}",
+            f"--num_processes={num_processes}", "--heartbeat_timeout_s=10", *extra]
+    procs = [subprocess.Popen(args + [f"--process_id={i}"] + list((per_process or {}).get(i, ())), cwd=REPO,
+                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(num_processes)]
+    out = []
+    try:
+        for i, p in enumerate(procs):
+            stdout, stderr = p.communicate(timeout=timeout_s)
+            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"launch.{stage} with {num_processes} processes did not finish within {timeout_s}s (a hang)")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out
+
+
+def _ok(results) -> list[str]:
+    for i, r in enumerate(results):
+        assert r.returncode == 0, f"process {i} failed:\n{r.stderr[-4000:]}"
+    return [r.stdout for r in results]
+
+
+@pytest.fixture(scope="module")
+def two_host_run(tmp_path_factory):
+    """A run trained by 2 processes, then indexed by 2 processes; `(workdir, index summaries)`."""
+    workdir = tmp_path_factory.mktemp("multihost")
+    _ok(_launch("train", workdir))
+    outs = _ok(_launch("build_index", workdir))
+    return workdir, [json.loads(o.strip().splitlines()[-1]) for o in outs]
+
+
+def test_two_processes_train_like_one(two_host_run, tmp_path):
+    workdir, _ = two_host_run
+    ref_dir = tmp_path / "one_process"
+    pipeline.train(_config(), ref_dir)  # one process, 8 devices
+    two, one = checkpoint.load_run(workdir), checkpoint.load_run(ref_dir)
+    assert two.step == one.step == 3 and two.corpus.fingerprint == one.corpus.fingerprint
+    # Same batches and updates; only the all-reduce differs (4 devices over gloo vs 8 in one process).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (two.params, two.opt_state),
+                 (one.params, one.opt_state))
+    # Process 0 alone wrote the run directory's files: one record per logged step.
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [3, 3]
+    assert json.loads((workdir / "train_summary.json").read_text())["step"] == 3
+
+
+def test_two_processes_build_the_index_of_one(two_host_run):
+    workdir, summaries = two_host_run
+    assert [(s["process_index"], s["process_count"], s["complete"]) for s in summaries] == [(0, 2, True), (1, 2, True)]
+    assert sum(s["rows_written"] for s in summaries) == summaries[0]["rows"]
+    # Finalised exactly once, by process 0, after both writers were done.
+    assert {s["finalized_by"] for s in summaries} == {"process 0 of 2"}
+    path = workdir / "index"
+    assert index.finalized_by(path) == "process 0 of 2"
+    assert not [f for f in path.rglob(".*tmp*")]  # no leftover temporary files
+    # The reference: one process over all its (8) devices, same run, another index directory.
+    c = _config()
+    c.index.dir = "index_one_process"
+    one = pipeline.build_index(c, workdir)
+    assert one["process_count"] == 1 and one["complete"]
+    two_r, one_r = index.open_index(path), index.open_index(workdir / "index_one_process")
+    a, _ = two_r.read_block(0, two_r.num_rows)
+    b, _ = one_r.read_block(0, one_r.num_rows)
+    np.testing.assert_array_equal(a.view(np.uint16), b.view(np.uint16))  # bfloat16 bits
+    assert two_r.r_train().count == one_r.r_train().count == two_r.num_rows
+    np.testing.assert_allclose(two_r.r_train().total, one_r.r_train().total, rtol=1e-12)
+    assert index.verify_index(path)["ok"]
+
+
+def test_process_count_that_disagrees_with_jax_is_refused(two_host_run):
+    workdir, _ = two_host_run
+    results = _launch("build_index", workdir, "--process_count=3", "--config.index.dir=index_bad")
+    for r in results:
+        assert r.returncode != 0
+        assert "--process_count=3 disagrees with this jax.distributed job (process_count is 2)" in r.stderr
+    assert not (workdir / "index_bad").exists()
+
+
+def test_a_failing_process_fails_the_others_at_once(two_host_run):
+    """Process 1 asks for another storage dtype, so whichever process creates the index second
+    is refused (manifest mismatch). The other must not wait for it: it fails with that
+    message at the barrier, or, when the refused one is process 0 (the coordinator), JAX's
+    coordination service ends it."""
+    workdir, _ = two_host_run
+    results = _launch("build_index", workdir, "--config.index.dir=index_mixed", timeout_s=120,
+                      per_process={1: ["--config.index.dtype=float32"]})
+    assert all(r.returncode != 0 for r in results)
+    refused = [i for i, r in enumerate(results) if "index.IndexMismatchError: refusing to resume" in r.stderr]
+    assert len(refused) == 1, [r.stderr[-2000:] for r in results]
+    other = results[1 - refused[0]].stderr
+    assert (f"process {refused[0]} failed at 'build_index:written': error: IndexMismatchError" in other
+            or "JAX distributed service detected fatal errors" in other), other[-3000:]
+
+
+def test_missing_coordinator_is_named(tmp_path):
+    port = _free_port()  # nobody listens there
+    args = [sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py", f"--workdir={tmp_path}"]
+    r = subprocess.run(args + ["--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
+                               "--process_id=1", "--distributed_timeout_s=2"],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and f"could not connect to the coordinator at localhost:{port} (--coordinator_address)" in r.stderr
+    # Incomplete settings are refused before jax.distributed is touched (so, in this process).
+    with pytest.raises(ValueError, match="needs --coordinator_address as well"):
+        multihost.initialize(None, 2, 1)
+    with pytest.raises(ValueError, match=r"--process_id=2 is not in \[0, --num_processes=2\)"):
+        multihost.initialize("localhost:1", 2, 2)
+
+
+def test_writer_partition_in_one_process():
+    assert multihost.writer_partition() == (0, 1)
+    assert multihost.writer_partition(1, 2) == (1, 2)
+    with pytest.raises(ValueError, match=r"--process_index=2 is not in \[0, --process_count=2\)"):
+        multihost.writer_partition(2, 2)
+    multihost.sync("single-process-noop")  # no jax.distributed: nothing to wait for
