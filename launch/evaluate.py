@@ -11,7 +11,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trackstar_jax import pipeline
+from trackstar_jax import multihost, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; an existing run is reused).")
@@ -23,6 +23,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.info("devices: %s", jax.devices())
+    multihost.require_single_process("launch.evaluate")  # see BUILD_NOTES "Multi-host (pods)"
     if _TRAIN.value:
         summary = pipeline.train(_CONFIG.value, _WORKDIR.value)
         print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")

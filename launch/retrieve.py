@@ -18,7 +18,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trackstar_jax import pipeline
+from trackstar_jax import multihost, pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index).")
@@ -29,6 +29,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.info("devices: %s", jax.devices())
+    multihost.require_single_process("launch.retrieve")  # see BUILD_NOTES "Multi-host (pods)"
     manifest = pipeline.retrieve(_CONFIG.value, _WORKDIR.value)
     print(json.dumps({k: manifest[k] for k in ("output", "num_queries", "index_rows", "k") if k in manifest}))
 

@@ -180,3 +180,4 @@ def test_writer_partition_in_one_process():
     with pytest.raises(ValueError, match=r"--process_index=2 is not in \[0, --process_count=2\)"):
         multihost.writer_partition(2, 2)
     multihost.sync("single-process-noop")  # no jax.distributed: nothing to wait for
+    multihost.require_single_process("launch.retrieve")  # one process: allowed

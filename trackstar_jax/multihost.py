@@ -108,6 +108,21 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def require_single_process(stage: str) -> None:
+    """Refuses to run `stage` (retrieve, evaluate) as one of several JAX processes.
+
+    These stages read the whole index and write single output files, so they run on one host;
+    several processes would write the same files.
+
+    Raises:
+      RuntimeError: `jax.process_count() > 1`.
+    """
+    if is_multiprocess():
+        raise RuntimeError(f"{stage} runs on one host, but this is process {jax.process_index()} of "
+                           f"{jax.process_count()}: start it on a single host as a single-process JAX program "
+                           "(no --distributed; on a TPU pod, a host whose runtime sees only its own chips)")
+
+
 def writer_partition(process_index: int | None = None, process_count: int | None = None) -> tuple[int, int]:
     """This index writer's `(process_index, process_count)`.
 
