@@ -66,3 +66,24 @@ def test_stable_topk_breaks_ties_by_lower_id():
 def test_empty_corpus_is_an_error():
     with pytest.raises(ValueError, match="empty corpus"):
         baselines.BM25([])
+
+
+def test_stopwords_are_bm25s_en():
+    """queries.STOPWORDS spells out the list bm25s uses for stopwords="en" (Lucene's English set)."""
+    from bm25s.stopwords import STOPWORDS_EN
+
+    assert queries.STOPWORDS == frozenset(STOPWORDS_EN)
+
+
+def test_importing_the_package_does_not_start_jax(tmp_path):
+    """No module of the package starts JAX's backends at import time (jax.distributed must come first)."""
+    import subprocess
+    import sys
+
+    code = ("import importlib, pkgutil, trackstar_jax\n"
+            "from jax._src import xla_bridge\n"
+            "for m in pkgutil.iter_modules(trackstar_jax.__path__):\n"
+            "    importlib.import_module('trackstar_jax.' + m.name)\n"
+            "    assert not xla_bridge.backends_are_initialized(), m.name\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
-import bm25s
 import numpy as np
 from jaxtyping import Float, Int
 
@@ -37,8 +36,15 @@ LUCENE_K1 = 1.2
 LUCENE_B = 0.75
 
 
+def _bm25s():
+    """bm25s, imported on first use: its import runs a JAX computation (starts the backends)."""
+    import bm25s  # noqa: PLC0415
+
+    return bm25s
+
+
 def _tokenize(texts: Sequence[str], return_ids: bool, stopwords: str | None):
-    return bm25s.tokenize(list(texts), lower=True, stopwords=stopwords, return_ids=return_ids, show_progress=False)
+    return _bm25s().tokenize(list(texts), lower=True, stopwords=stopwords, return_ids=return_ids, show_progress=False)
 
 
 class BM25:
@@ -60,7 +66,7 @@ class BM25:
             raise ValueError("BM25 needs at least one passage, got an empty corpus")
         self.num_rows = len(texts)
         self._stopwords = stopwords
-        self._retriever = bm25s.BM25(k1=k1, b=b, method=method)
+        self._retriever = _bm25s().BM25(k1=k1, b=b, method=method)
         self._retriever.index(_tokenize(texts, True, stopwords), show_progress=False)
 
     def scores(self, query: str) -> Float[np.ndarray, "n"]:

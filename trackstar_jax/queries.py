@@ -32,7 +32,6 @@ import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
-from bm25s.stopwords import STOPWORDS_EN
 
 from trackstar_jax import generate as generate_lib
 
@@ -40,7 +39,14 @@ from trackstar_jax import generate as generate_lib
 MIN_ALIAS_CHARS = 3
 # Frequency bucket lower edges (§A.4 uses 1-10, 10-1e2, ..., 1e5-1e6 occurrences in C4).
 DEFAULT_BUCKET_EDGES = (1, 10, 100, 1_000, 10_000, 100_000)
-STOPWORDS = frozenset(STOPWORDS_EN)
+# Lucene's English stop words (EnglishAnalyzer.ENGLISH_STOP_WORDS_SET), the list bm25s calls "en"
+# (`test_stopwords_are_bm25s_en` pins the equality). Spelled out here because importing bm25s
+# runs a JAX computation, which starts JAX's backends at import time (too early for
+# `jax.distributed.initialize` and for config set after import).
+STOPWORDS = frozenset((
+    "a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it", "no", "not",
+    "of", "on", "or", "such", "that", "the", "their", "then", "there", "these", "they", "this", "to", "was",
+    "will", "with"))
 
 _WORD_RE = re.compile(r"\w+", re.UNICODE)
 
