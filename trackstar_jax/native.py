@@ -26,7 +26,6 @@ or load fails.
 from __future__ import annotations
 
 import ctypes
-import fcntl
 import hashlib
 import os
 import pathlib
@@ -125,6 +124,8 @@ def build(*, force: bool = False) -> pathlib.Path:
     if not force and _is_valid(so):
         return so
     out_dir.mkdir(parents=True, exist_ok=True)
+    import fcntl  # noqa: PLC0415  (POSIX only; elsewhere the failure means: XLA fallback)
+
     with open(out_dir / ".lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # one builder at a time; others then find its result
         if not force and _is_valid(so):
