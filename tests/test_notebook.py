@@ -15,10 +15,11 @@ import jax
 import numpy as np
 import pytest
 
-from trackstar_jax import checkpoint, data, metrics, pipeline, results, tailpatch, train
+from trackstar_jax import checkpoint, data, embedding, metrics, pipeline, results, tailpatch, train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-METHODS = ("trex_gold", "bm25", "trackstar")
+# The dense row runs end to end here when its model package is installed (launch/_venv.sh does).
+METHODS = ("trex_gold", "bm25") + (("dense",) if embedding.is_available() else ()) + ("trackstar",)
 REQUIRED = ("method", "mrr", "recall_at_10", "precision_at_10", "tailpatch_at_1", "tailpatch_at_10", "num_queries")
 
 
@@ -87,6 +88,17 @@ def test_bm25_finds_the_template_passage(evaluated):
     _, table = evaluated
     bm25 = next(r for r in table["rows"] if r["method"] == "bm25")
     assert bm25["mrr"] == pytest.approx(1.0) and bm25["recall_at_10"] == pytest.approx(1.0)
+
+
+@pytest.mark.skipif("dense" not in METHODS, reason=f"model not installed: {embedding.INSTALL_COMMAND}")
+def test_dense_row_end_to_end(evaluated):
+    """pipeline.evaluate's dense row: passage embeddings cached in the workdir, stating passages first."""
+    workdir, table = evaluated
+    dense = next(r for r in table["rows"] if r["method"] == "dense")
+    assert dense["mrr"] >= 0.9 and dense["num_queries"] > 0
+    assert any((workdir / "dense_embeddings").iterdir())
+    rows = results.load_results(workdir).retrievals["dense"]
+    assert all(x["proponent_scores"] == sorted(x["proponent_scores"], reverse=True) for x in rows)
 
 
 def test_rows_equal_metrics_recomputed_from_retrievals(evaluated):
