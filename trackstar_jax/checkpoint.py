@@ -25,7 +25,7 @@ import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from trackstar_jax import data as data_lib
 from trackstar_jax import model as model_lib
@@ -113,9 +113,10 @@ def load_run_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
-    """Shardings of a TrainState-like tree: replicated over `mesh` (LOGICAL_AXIS_RULES map
-    every parameter axis to None), scalars included."""
-    return jax.tree.map(lambda _: NamedSharding(mesh, P()), abstract_state)
+    """Shardings of a TrainState-like tree on `mesh`: `sharding.fsdp_shardings`, i.e. every
+    leaf replicated when the mesh's fsdp axis has size 1, else each parameter and optimizer
+    leaf (Adafactor's v_row / v_col / v, counts) by its own shape over `fsdp`."""
+    return sharding_lib.fsdp_shardings(abstract_state, mesh)
 
 
 def abstract_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation,
@@ -251,7 +252,9 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
     Args:
       workdir: the run directory written by `pipeline.train`.
       step: checkpoint step (None: latest).
-      mesh: arrays are replicated over it (default: all devices on the data axis).
+      mesh: arrays are placed on it by `state_shardings` (split over its fsdp axis when that
+        has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
+        any mesh restores into any other.
 
     Raises:
       FileNotFoundError: a missing piece of the run (names the path).

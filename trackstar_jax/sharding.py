@@ -7,7 +7,7 @@ to Explicit axes on jax >= 0.10, which changes how top_k and reshard behave).
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -87,6 +87,40 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     """Fully replicated sharding on `mesh`."""
     return NamedSharding(mesh, P())
+
+
+# Arrays with fewer elements than this stay replicated under `fsdp_spec` (biases, norm scales,
+# Adafactor's factored v_row / v_col of small models): splitting them saves nothing and adds
+# a collective per use.
+FSDP_MIN_ELEMENTS = 256
+
+
+def fsdp_spec(shape: Sequence[int], mesh: Mesh, min_elements: int = FSDP_MIN_ELEMENTS) -> P:
+    """PartitionSpec of one parameter or optimizer-state array under FSDP on `mesh`.
+
+    Replicated (`P()`) when the mesh's `fsdp` axis has size 1, when the array has fewer than
+    `min_elements` elements, or when no dimension is divisible by the fsdp size; otherwise
+    split over `fsdp` along its largest divisible dimension (the later one among equals).
+    The rule depends only on the array's own shape, so Adafactor's `v_row` / `v_col` (other
+    shapes than their parameter) get specs of their own.
+    """
+    n = int(mesh.shape[FSDP])
+    shape = tuple(int(d) for d in shape)
+    if n <= 1 or int(np.prod(shape, dtype=np.int64)) < min_elements:
+        return P()
+    dims = [int(i) for i in np.argsort(shape)[::-1] if shape[i] % n == 0]
+    if not dims:
+        return P()
+    spec = [None] * len(shape)
+    spec[dims[0]] = FSDP
+    return P(*spec)
+
+
+def fsdp_shardings(tree: Any, mesh: Mesh, min_elements: int = FSDP_MIN_ELEMENTS) -> Any:
+    """`NamedSharding` per leaf of `tree` (arrays or ShapeDtypeStructs) by `fsdp_spec`:
+    all replicated on a mesh whose fsdp axis has size 1."""
+    return jax.tree.map(lambda x: NamedSharding(
+        mesh, fsdp_spec(x.shape if hasattr(x, "shape") else np.shape(x), mesh, min_elements)), tree)
 
 
 def data_parallel_size(mesh: Mesh) -> int:

@@ -19,8 +19,9 @@ proponents (`metrics.tailpatch_at_k`).
 
 `tailpatch_step` is one (proponent, query) pair; `tailpatch_pairs` vmaps it over a batch of
 pairs; `make_jit_tailpatch` jits that with the pair batch split over the mesh's data axes and
-the model replicated. Every pair updates its own copy of the parameters, so memory grows as
-pairs x parameters: size `tailpatch.batch_size` accordingly.
+the model and optimizer state in the training shardings (split over `fsdp` when it is > 1).
+Every pair updates its own copy of the parameters, so memory grows as pairs x parameters
+(/ fsdp): size `tailpatch.batch_size` accordingly.
 """
 
 from __future__ import annotations
@@ -94,10 +95,14 @@ def tailpatch_pairs(params: Any, opt_state: Any, proponents: Mapping[str, Int[Ar
 
 
 def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: optax.GradientTransformation):
-    """`jit(tailpatch_pairs)`: pairs split over (data, fsdp), model and optimizer state replicated.
+    """`jit(tailpatch_pairs)`: pairs split over (data, fsdp); parameters and optimizer state in
+    `sharding.fsdp_shardings` (replicated unless the mesh's fsdp axis has size > 1, then each
+    leaf split over it by its own shape, as in training; XLA gathers what each layer needs).
 
-    The returned function takes `(params, opt_state, proponents, queries, lr_scale)`; the pair
-    batch size must be a multiple of the mesh's data-parallel size (pad with repeated pairs).
+    The returned function takes `(params, opt_state, proponents, queries, lr_scale)`, places
+    the state in those shardings (a no-op when it already is, e.g. from `load_run(mesh=...)`)
+    and runs the step; the pair batch size must be a multiple of the mesh's data-parallel size
+    (pad with repeated pairs).
     """
     rep = sharding_lib.replicated(mesh)
     rows = sharding_lib.batch_sharding(mesh, 2)
@@ -107,7 +112,14 @@ def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: 
     def fn(params, opt_state, proponents, queries, lr_scale):
         return tailpatch_pairs(params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
 
-    return jax.jit(fn, in_shardings=(rep, rep, pair, pair, rep), out_shardings=vec)
+    # None: the state's shardings are those it is placed in below (derived from its shapes).
+    jitted = jax.jit(fn, in_shardings=(None, None, pair, pair, rep), out_shardings=vec)
+
+    def call(params, opt_state, proponents, queries, lr_scale):
+        params, opt_state = jax.device_put((params, opt_state), sharding_lib.fsdp_shardings((params, opt_state), mesh))
+        return jitted(params, opt_state, proponents, queries, lr_scale)
+
+    return call
 
 
 def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_rate: float) -> float:

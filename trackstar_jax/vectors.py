@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
 from trackstar_jax import factored as factored_lib
@@ -129,20 +129,11 @@ def vector_step(params: Any, precond: precond_lib.Correction | None, batch: Mapp
 
 
 def param_shardings(params: Any, mesh: Mesh) -> Any:
-    """Parameter shardings for the featurize step: replicated, or, when the mesh has an `fsdp`
-    axis of size > 1, each parameter split along its largest dimension divisible by it (XLA
-    gathers what each layer needs; the batch is split over (data, fsdp) as well)."""
-    n = int(mesh.shape[sharding_lib.FSDP])
-
-    def one(x):
-        dims = [i for i in np.argsort(x.shape)[::-1] if x.shape[i] % n == 0] if n > 1 else []
-        if not dims:
-            return sharding_lib.replicated(mesh)
-        spec = [None] * len(x.shape)
-        spec[int(dims[0])] = sharding_lib.FSDP
-        return NamedSharding(mesh, P(*spec))
-
-    return jax.tree.map(one, params)
+    """Parameter shardings for the featurize step: `sharding.fsdp_shardings` (replicated, or,
+    when the mesh has an `fsdp` axis of size > 1, each parameter split along its largest
+    dimension divisible by it; XLA gathers what each layer needs; the batch is split over
+    (data, fsdp) as well)."""
+    return sharding_lib.fsdp_shardings(params, mesh)
 
 
 def jit_vector_step(graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
@@ -203,6 +194,9 @@ class VectorFn:
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_plan(params, model_cfg, vec_cfg)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
+        if self.precond is not None and int(self.mesh.shape[sharding_lib.FSDP]) > 1:
+            # read from an fsdp-sharded optimizer state (training's shardings): the step takes it replicated
+            self.precond = jax.device_put(self.precond, sharding_lib.replicated(self.mesh))
         self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
         self._placed = None  # (params as passed, the same placed in fsdp shards)
 
