@@ -249,3 +249,26 @@ def test_fsdp_sharded_training_equals_replicated(tiny_config):
     # per-device argument bytes (state + batch) of the compiled step drop ~fsdp x
     ratio = rep_mem.argument_size_in_bytes / got_mem.argument_size_in_bytes
     assert ratio > 3.0, (rep_mem.argument_size_in_bytes, got_mem.argument_size_in_bytes)
+
+
+def test_load_run_into_an_fsdp_mesh(run):
+    """A run trained replicated loads split over fsdp (bit-exact), and featurizing it there (the
+    correction read from the split optimizer state) gives the replicated run's vectors."""
+    skip_if_not_enough_devices(8)
+    from trackstar_jax import vectors
+
+    workdir, _, _ = run
+    rep = checkpoint.load_run(workdir)
+    got = checkpoint.load_run(workdir, mesh=sharding.make_mesh((2, 4, 1)))
+    specs = [x.sharding.spec for x in jax.tree.leaves((got.params, got.opt_state))]
+    assert sum(s != jax.sharding.PartitionSpec() for s in specs) >= len(jax.tree.leaves(got.params)) // 2
+    for a, b in zip(jax.tree.leaves((rep.params, rep.opt_state)), jax.tree.leaves((got.params, got.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    vc = vectors.VectorConfig(num_blocks=1, proj_dim=4, correction=True, proj_seed=0)
+    batch = next(data.train_batches(rep.corpus, rep.tokenizer, 8, rep.model_cfg.max_len, seed=0))
+    out = []
+    for r in (rep, got):
+        fn = vectors.make_vector_fn(r.graphdef, r.model_cfg, vc, r.params, r.opt_state,
+                                    mesh=sharding.make_mesh((2, 4, 1)))
+        out.append(fn(r.params, fn.precond, batch))
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5 * np.abs(out[0]).max())
