@@ -16,8 +16,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 AXES = (DATA, FSDP, TENSOR)
 
-# logical axis -> mesh axes (t5x / lm1b form). Parameters are replicated by default;
-# the batch and the rows of the vector index are split over (data, fsdp).
+# logical axis -> mesh axes (t5x / lm1b form) for batches and index rows, split over
+# (data, fsdp). Parameters and optimizer state are placed by shape with `fsdp_spec` below
+# (replicated unless the fsdp axis is > 1), not by these rules.
 LOGICAL_AXIS_RULES = (
     ("batch", (DATA, FSDP)),
     ("example", (DATA, FSDP)),
