@@ -33,7 +33,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _distributed.initialize()
-    from trackstar_jax import pipeline  # after jax.distributed: importing bm25s (evaluation) starts JAX
+    from trackstar_jax import pipeline  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, local devices: %s", jax.process_index(), jax.process_count(), jax.local_devices())
     summary = _distributed.run(lambda: pipeline.build_index(

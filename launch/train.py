@@ -22,7 +22,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _distributed.initialize()  # --distributed: one SPMD program over every host's devices
-    from trackstar_jax import pipeline  # after jax.distributed: importing bm25s (evaluation) starts JAX
+    from trackstar_jax import pipeline  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     summary = _distributed.run(lambda: pipeline.train(_CONFIG.value, _WORKDIR.value))
