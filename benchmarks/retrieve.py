@@ -191,7 +191,8 @@ def _torch_topk(q: np.ndarray, rows, k: int, block: int = 65536):
             bs, j = torch.topk(bs, k, dim=1)
             bi = torch.gather(bi, 1, j)
         best_s, best_i, low_s, low_i = ts, ti, bs, bi
-    torch.cuda.synchronize(rows.device) if rows.is_cuda else None
+    if rows.is_cuda:
+        torch.cuda.synchronize(rows.device)
     return best_s.cpu().numpy(), best_i.cpu().numpy(), -low_s.cpu().numpy(), low_i.cpu().numpy()
 
 
