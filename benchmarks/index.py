@@ -32,7 +32,21 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from trackstar_jax import checkpoint, data, index, metrics, pipeline, queries, sharding, vectors
+from trackstar_jax.training import checkpoint
+
+from trackstar_jax.data import corpus as data
+
+from trackstar_jax.index import store as index
+
+from trackstar_jax.evaluation import metrics
+
+from trackstar_jax import pipeline
+
+from trackstar_jax.evaluation import queries
+
+from trackstar_jax.distributed import sharding
+
+from trackstar_jax.features import vectors
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/tiny.py", "Experiment config.", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained here if empty).")

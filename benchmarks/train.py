@@ -19,7 +19,13 @@ import time
 import jax
 import numpy as np
 
-from trackstar_jax import model, pipeline, sharding, train
+from trackstar_jax.models import palm as model
+
+from trackstar_jax import pipeline
+
+from trackstar_jax.distributed import sharding
+
+from trackstar_jax.training import step as train
 
 
 def _throughput(name: str, steps: int) -> dict:

@@ -29,7 +29,7 @@ def available_methods() -> tuple[str, ...]:
     """`ALL_METHODS`, less the dense-embedding row when its model package is not installed (logged)."""
     from absl import logging  # noqa: PLC0415
 
-    from trackstar_jax import embedding  # noqa: PLC0415  (heavy imports only when used)
+    from trackstar_jax.evaluation import embedding  # noqa: PLC0415  (heavy imports only when used)
 
     if embedding.is_available():
         return ALL_METHODS
@@ -110,7 +110,8 @@ def get_config(arg: str | None = None):
 def row_config(name: str, arg: str | None = None):
     """The config of one table row: `eval.methods = (name,)` plus the row's vectors / hessian
     settings and index folder (`pipeline.method_config`), so every stage runs exactly that row."""
-    from trackstar_jax import baselines, pipeline  # noqa: PLC0415  (heavy imports only when used)
+    from trackstar_jax.evaluation import baselines  # noqa: PLC0415  (heavy imports only when used)
+    from trackstar_jax import pipeline
 
     c = pipeline.method_config(get_config(arg), baselines.method(name))
     c.eval.methods = (name,)

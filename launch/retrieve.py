@@ -18,7 +18,9 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from trackstar_jax import multihost, pipeline
+from trackstar_jax.distributed import multihost
+
+from trackstar_jax import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index).")

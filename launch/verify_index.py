@@ -12,7 +12,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from trackstar_jax import index, pipeline
+from trackstar_jax.index import store as index
+
+from trackstar_jax import pipeline
 
 _PATH = flags.DEFINE_string("path", None, "Index directory (alternative to --config/--workdir).")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (for index.dir).", lock_config=True)

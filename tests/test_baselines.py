@@ -6,9 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from trackstar_jax import baselines
-from trackstar_jax import queries
-
+from trackstar_jax.evaluation import baselines
+from trackstar_jax.evaluation import queries
 PASSAGES = [
     "The cat sat on the mat.",
     "Allan Peiper was born in Alexandra, Victoria, Australia.",

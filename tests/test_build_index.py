@@ -10,7 +10,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from trackstar_jax import checkpoint, data, index, pipeline, vectors
+from trackstar_jax.training import checkpoint
+
+from trackstar_jax.data import corpus as data
+
+from trackstar_jax.index import store as index
+
+from trackstar_jax import pipeline
+
+from trackstar_jax.features import vectors
 
 
 @pytest.fixture(scope="module", autouse=True)

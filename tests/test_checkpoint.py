@@ -9,7 +9,9 @@ import optax
 import pytest
 
 from conftest import skip_if_not_enough_devices
-from trackstar_jax import checkpoint, sharding, train
+from trackstar_jax.training import checkpoint
+from trackstar_jax.distributed import sharding
+from trackstar_jax.training import step as train
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,10 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from trackstar_jax import data
-from trackstar_jax import model as model_lib
-
-
+from trackstar_jax.data import corpus as data
+from trackstar_jax.models import palm as model_lib
 @pytest.fixture(scope="module")
 def embedded():
     from experiments import tiny

@@ -8,7 +8,13 @@ import types
 import numpy as np
 import pytest
 
-from trackstar_jax import baselines, data, embedding, pipeline
+from trackstar_jax.evaluation import baselines
+
+from trackstar_jax.data import corpus as data
+
+from trackstar_jax.evaluation import embedding
+
+from trackstar_jax import pipeline
 
 needs_model = pytest.mark.skipif(not embedding.is_available(), reason=f"model not installed: {embedding.INSTALL_COMMAND}")
 

@@ -7,7 +7,11 @@ import jax
 import ml_collections
 import pytest
 
-from trackstar_jax import data, model, pipeline
+from trackstar_jax.data import corpus as data
+
+from trackstar_jax.models import palm as model
+
+from trackstar_jax import pipeline
 
 EXPERIMENTS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
                      if p.stem != "__init__")

@@ -8,9 +8,19 @@ import numpy as np
 import optax
 import pytest
 
-from trackstar_jax import factored, grads, model as model_lib, preconditioner as pc, train, vectors
+from trackstar_jax.features import factored
 
 # The same model and batch shapes as test_grads.py, so that eager primitive compiles are shared.
+
+from trackstar_jax.features import grads
+
+from trackstar_jax.models import palm as model_lib
+
+from trackstar_jax.features import preconditioner as pc
+
+from trackstar_jax.training import step as train
+
+from trackstar_jax.features import vectors
 VOCAB, B, T = 97, 4, 12
 
 

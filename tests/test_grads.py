@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trackstar_jax import factored, grads, model as model_lib, projection as proj, vectors
+from trackstar_jax.features import factored
 
 # The same model and batch shapes as test_factored.py, so that eager primitive compiles are shared.
+
+from trackstar_jax.features import grads
+
+from trackstar_jax.models import palm as model_lib
+
+from trackstar_jax.features import projection as proj
+
+from trackstar_jax.features import vectors
 VOCAB, B, T = 97, 4, 12
 
 

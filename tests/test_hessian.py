@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trackstar_jax import hessian
-
-
+from trackstar_jax.index import hessian
 def _reference_autocorrelation(x: np.ndarray, blocks: int) -> np.ndarray:
     """Loop over blocks of float64 XᵀX (the paper's Φ̃ᵀΦ̃ per layer block)."""
     x = np.asarray(x, np.float64)

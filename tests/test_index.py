@@ -17,7 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trackstar_jax import hessian, index
+from trackstar_jax.index import hessian
+
+from trackstar_jax.index import store as index
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DIM, BLOCKS = 64, 4  # 4 blocks of k² = 16 (k = 4)
@@ -300,7 +302,7 @@ def test_verify_reports_incomplete_and_bad_r(tmp_path):
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import jax, jax.numpy as jnp
-    from trackstar_jax import index
+    from trackstar_jax.index import store as index
     path, dtype, pi, pc, slow = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     DIM = %(dim)d
     @jax.jit

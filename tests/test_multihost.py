@@ -18,7 +18,13 @@ import numpy as np
 import pytest
 from test_build_index import _config  # the small run of the index tests (30 facts, 3 steps)
 
-from trackstar_jax import checkpoint, index, multihost, pipeline
+from trackstar_jax.training import checkpoint
+
+from trackstar_jax.index import store as index
+
+from trackstar_jax.distributed import multihost
+
+from trackstar_jax import pipeline
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from test_retrieval import assert_exact, mesh_of, tied_data
-from trackstar_jax import native, retrieval
+from trackstar_jax.retrieval import native
+from trackstar_jax.retrieval import topk as retrieval
 
 BF16 = ml_dtypes.bfloat16
 ROW_DTYPES = {"bfloat16": BF16, "float32": np.float32}

@@ -15,7 +15,21 @@ import jax
 import numpy as np
 import pytest
 
-from trackstar_jax import checkpoint, data, embedding, metrics, pipeline, results, tailpatch, train
+from trackstar_jax.training import checkpoint
+
+from trackstar_jax.data import corpus as data
+
+from trackstar_jax.evaluation import embedding
+
+from trackstar_jax.evaluation import metrics
+
+from trackstar_jax import pipeline
+
+from trackstar_jax.evaluation import results
+
+from trackstar_jax.evaluation import tailpatch
+
+from trackstar_jax.training import step as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The dense row runs end to end here when its model package is installed (launch/_venv.sh does).

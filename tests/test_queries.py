@@ -6,10 +6,8 @@ import re
 
 import pytest
 
-from trackstar_jax import data
-from trackstar_jax import queries
-
-
+from trackstar_jax.data import corpus as data
+from trackstar_jax.evaluation import queries
 def _fact(fid, subj, rel, obj, ev=(), oal=(), sal=()):
     return data.Fact(fact_id=fid, subject=subj, relation=rel, object=obj, object_aliases=tuple(oal) or (obj,),
                      subject_aliases=tuple(sal) or (subj,), evidence_ids=tuple(ev))
@@ -245,8 +243,7 @@ def test_take_balanced_round_robins_buckets():
 
 
 def test_predict_pads_batches_and_skips_prompts_without_room():
-    from trackstar_jax import model as model_lib
-
+    from trackstar_jax.models import palm as model_lib
     tok = data.train_tokenizer(["Ann was born in Paris.", "Cy was born in Rome."] * 20, vocab_size=40)
     cfg = model_lib.LMConfig(vocab_size=40, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=12)
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 0))

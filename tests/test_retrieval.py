@@ -9,7 +9,10 @@ from jax.sharding import AxisType
 
 import jax
 from conftest import skip_if_not_enough_devices
-from trackstar_jax import index, native, retrieval, sharding
+from trackstar_jax.index import store as index
+from trackstar_jax.retrieval import native
+from trackstar_jax.retrieval import topk as retrieval
+from trackstar_jax.distributed import sharding
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
 
@@ -324,7 +327,9 @@ def trained_run(tmp_path_factory):
 def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     import json
 
-    from trackstar_jax import checkpoint, pipeline
+    from trackstar_jax.training import checkpoint
+
+    from trackstar_jax import pipeline
 
     c, workdir = trained_run
     n = len(checkpoint.load_run(workdir).corpus.examples)
@@ -354,7 +359,9 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
     import json
 
-    from trackstar_jax import checkpoint, pipeline
+    from trackstar_jax.training import checkpoint
+
+    from trackstar_jax import pipeline
 
     c, workdir = trained_run
     qfile = tmp_path / "mine.jsonl"

@@ -9,7 +9,12 @@ import optax
 import pytest
 
 from conftest import skip_if_not_enough_devices
-from trackstar_jax import checkpoint, data, generate, pipeline, sharding, train
+from trackstar_jax.training import checkpoint
+from trackstar_jax.data import corpus as data
+from trackstar_jax.models import generate
+from trackstar_jax import pipeline
+from trackstar_jax.distributed import sharding
+from trackstar_jax.training import step as train
 
 
 def _config(tiny_config, steps):
@@ -178,8 +183,7 @@ def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path)
 
 def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
     """Reference: recompute the full forward for each new token and take the argmax."""
-    from trackstar_jax import model as model_lib
-
+    from trackstar_jax.models import palm as model_lib
     tiny_config.model.num_layers = 1
     cfg = pipeline.model_config(tiny_config)
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 1))
@@ -255,8 +259,7 @@ def test_load_run_into_an_fsdp_mesh(run):
     """A run trained replicated loads split over fsdp (bit-exact), and featurizing it there (the
     correction read from the split optimizer state) gives the replicated run's vectors."""
     skip_if_not_enough_devices(8)
-    from trackstar_jax import vectors
-
+    from trackstar_jax.features import vectors
     workdir, _, _ = run
     rep = checkpoint.load_run(workdir)
     got = checkpoint.load_run(workdir, mesh=sharding.make_mesh((2, 4, 1)))

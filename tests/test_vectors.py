@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 
 from conftest import skip_if_not_enough_devices
-from trackstar_jax import model as model_lib, sharding, train, vectors
+from trackstar_jax.models import palm as model_lib
 
 # Same model / batch shapes as test_factored.py and test_grads.py.
+from trackstar_jax.distributed import sharding
+from trackstar_jax.training import step as train
+from trackstar_jax.features import vectors
 VOCAB, B, T = 97, 8, 12
 
 

@@ -32,24 +32,22 @@ import numpy as np
 import tqdm
 from absl import logging
 
-from trackstar_jax import baselines as baselines_lib
-from trackstar_jax import checkpoint as checkpoint_lib
-from trackstar_jax import data as data_lib
-from trackstar_jax import embedding as embedding_lib
-from trackstar_jax import generate as generate_lib
-from trackstar_jax import hessian as hessian_lib
-from trackstar_jax import index as index_lib
-from trackstar_jax import metrics as metrics_lib
-from trackstar_jax import model as model_lib
-from trackstar_jax import multihost
-from trackstar_jax import queries as queries_lib
-from trackstar_jax import retrieval as retrieval_lib
-from trackstar_jax import sharding as sharding_lib
-from trackstar_jax import tailpatch as tailpatch_lib
-from trackstar_jax import train as train_lib
-from trackstar_jax import vectors as vectors_lib
-
-
+from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.data import corpus as data_lib
+from trackstar_jax.evaluation import embedding as embedding_lib
+from trackstar_jax.models import generate as generate_lib
+from trackstar_jax.index import hessian as hessian_lib
+from trackstar_jax.index import store as index_lib
+from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.distributed import multihost
+from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.retrieval import topk as retrieval_lib
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import tailpatch as tailpatch_lib
+from trackstar_jax.training import step as train_lib
+from trackstar_jax.features import vectors as vectors_lib
 def model_config(config: ml_collections.ConfigDict) -> model_lib.LMConfig:
     """`config.model` -> `LMConfig` (unknown keys raise, naming the key)."""
     return _typed(model_lib.LMConfig, config.model, "model")

@@ -28,13 +28,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
-from trackstar_jax import factored as factored_lib
-from trackstar_jax import grads as grads_lib
-from trackstar_jax import model as model_lib
-from trackstar_jax import preconditioner as precond_lib
-from trackstar_jax import projection as proj_lib
-from trackstar_jax import sharding as sharding_lib
-
+from trackstar_jax.features import factored as factored_lib
+from trackstar_jax.features import grads as grads_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.features import preconditioner as precond_lib
+from trackstar_jax.features import projection as proj_lib
+from trackstar_jax.distributed import sharding as sharding_lib
 PATHS = ("fast", "reference")
 
 

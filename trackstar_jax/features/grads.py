@@ -34,10 +34,9 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax import model as model_lib
-from trackstar_jax import preconditioner as precond_lib
-from trackstar_jax import projection as proj_lib
-
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.features import preconditioner as precond_lib
+from trackstar_jax.features import projection as proj_lib
 OUTPUT_FNS = ("loss", "margin", "logit", "trak")
 ROLES = ("index", "query")
 

@@ -33,8 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from trackstar_jax import generate as generate_lib
-
+from trackstar_jax.models import generate as generate_lib
 # §A.4: "We exclude entity aliases with less than three characters" (for string matching).
 MIN_ALIAS_CHARS = 3
 # Frequency bucket lower edges (§A.4 uses 1-10, 10-1e2, ..., 1e5-1e6 occurrences in C4).

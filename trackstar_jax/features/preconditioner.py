@@ -37,8 +37,7 @@ import numpy as np
 from jaxtyping import Array, Float
 from optax._src.factorized import _factored_dims  # optax's own factoring rule (style.md §4.4)
 
-from trackstar_jax import model as model_lib
-
+from trackstar_jax.models import palm as model_lib
 EPSILON = 1e-30  # optax.scale_by_factored_rms default epsilon
 ADAFACTOR_FIELDS = ("v_row", "v_col", "v")
 ADAM_FIELD = "nu"

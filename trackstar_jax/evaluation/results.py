@@ -16,8 +16,7 @@ import pathlib
 import re
 from typing import Any, Sequence
 
-from trackstar_jax import queries as queries_lib
-
+from trackstar_jax.evaluation import queries as queries_lib
 EVAL_DIR = "eval"
 SUBJECT_STYLE = "background:#cfe8ff"
 OBJECT_STYLE = "background:#ffe3a8"
@@ -166,7 +165,7 @@ def format_proponents(results: Results, query_id: int, method: str, kind: str = 
 
 def split_markdown(results: Results, split: str = "by_bucket", metrics: Sequence[str] = ("mrr", "recall_at_10", "tailpatch_at_10")) -> str:
     """Markdown tables of `table.json`'s splits: one table per split value ("by_bucket" / "by_correctness")."""
-    from trackstar_jax import metrics as metrics_lib  # noqa: PLC0415
+    from trackstar_jax.evaluation import metrics as metrics_lib  # noqa: PLC0415
 
     rows = results.table["rows"]
     values = list(dict.fromkeys(v for r in rows for v in r.get(split, {})))

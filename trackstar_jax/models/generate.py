@@ -15,9 +15,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
-from trackstar_jax import model as model_lib
-
-
+from trackstar_jax.models import palm as model_lib
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id"))
 def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, "b"], *, graphdef: nnx.GraphDef,
                      max_new_tokens: int, eos_id: int) -> tuple[Int[Array, "b t"], Int[Array, "b"]]:

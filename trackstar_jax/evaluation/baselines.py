@@ -29,9 +29,8 @@ from typing import Any, Sequence
 import numpy as np
 from jaxtyping import Float, Int
 
-from trackstar_jax import embedding as embedding_lib
-from trackstar_jax import retrieval as retrieval_lib
-
+from trackstar_jax.evaluation import embedding as embedding_lib
+from trackstar_jax.retrieval import topk as retrieval_lib
 LUCENE_K1 = 1.2
 LUCENE_B = 0.75
 

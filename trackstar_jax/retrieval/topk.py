@@ -55,8 +55,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax import native
-
+from trackstar_jax.retrieval import native
 # Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
 SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -382,7 +381,7 @@ def _merge_fn(k: int):
 
 
 def _default_mesh() -> Mesh:
-    from trackstar_jax import sharding  # noqa: PLC0415  (layer 0; imported late to keep import light)
+    from trackstar_jax.distributed import sharding  # noqa: PLC0415  (layer 0; imported late to keep import light)
 
     return sharding.make_mesh(devices=jax.devices()[:1])
 
@@ -628,7 +627,7 @@ def retrieve(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any
     if isinstance(index, (np.ndarray, jax.Array)):
         return topk(q, index, k, row_scale=row_scale, mesh=mesh)
     if not hasattr(index, "read_block"):
-        from trackstar_jax import index as index_lib  # noqa: PLC0415  (same layer; only for paths)
+        from trackstar_jax.index import store as index_lib  # noqa: PLC0415  (same layer; only for paths)
 
         index = index_lib.open_index(index)
     return stream_topk(q, index, k, chunk_rows, mesh=mesh, row_scale=row_scale, query_batch_size=query_batch_size)

@@ -38,8 +38,7 @@ import grain
 import numpy as np
 import sentencepiece as spm
 
-from trackstar_jax import model as model_lib
-
+from trackstar_jax.models import palm as model_lib
 SOURCES = ("embedded", "lama", "text", "jsonl", "seqio")
 CORPUS_FORMAT_VERSION = 1
 
