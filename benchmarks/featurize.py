@@ -9,7 +9,7 @@ second moment: on the first rows of a trained run's corpus, fast vectors (rank-o
 exact reference (element-wise V): relative error, per-row cosine and top-10 neighbour
 overlap after unit normalisation (see `rank_one_gap`).
 
-* train: the project's jitted train step (`pipeline.make_jit_train_step`, state donated).
+* train: the project's jitted train step (`training.step.make_jit_train_step`, state donated).
 * fast: `vectors.jit_vector_step` with path="fast" (what the index builder runs).
 * reference: the same step with path="reference" (vmap(grad), materialised gradients).
 * trak: TRAK without its CUDA kernel: per-example gradients (vmap(grad)), flattened, times a
@@ -51,14 +51,15 @@ from trackstar_jax.features import grads
 # "medium": the largest config that fits this benchmark's time budget on a 2-core CPU.
 
 from trackstar_jax.models import palm as model_lib
-
-from trackstar_jax import pipeline
-
 from trackstar_jax.distributed import sharding
 
 from trackstar_jax.training import step as train
 
 from trackstar_jax.features import vectors
+from trackstar_jax.training import loop
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.training import step as step_lib
+from trackstar_jax import config as config_lib
 EXTRA_CONFIGS = {
     "medium": dict(base="small", model=dict(num_layers=8, embed_dim=512, num_heads=8, head_dim=64, mlp_dim=2048)),
 }
@@ -143,20 +144,20 @@ def bench_one(name: str, d: int, args) -> dict:
     # rank-one, so fast == reference is checked at scale too. The rank-one gap where optax
     # keeps a full v is measured on a trained run by `--rank1_workdir`.
     config.train.min_dim_size_to_factor = min(int(config.train.min_dim_size_to_factor), 32)
-    model_cfg = pipeline.model_config(config)
-    opt = train.make_optimizer(pipeline.optimizer_config(config))
+    model_cfg = config_lib.from_configdict(config).model
+    opt = train.make_optimizer(config_lib.from_configdict(config).train.optimizer)
     mesh = sharding.make_mesh()
-    graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
+    graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
     b = args.batch or int(config.vectors.batch_size)
     t = args.seq_len or model_cfg.max_len
     host = _batch(b, t, model_cfg.vocab_size)
-    batch = pipeline.device_batch(host, mesh)
+    batch = sharding_lib.device_batch(host, mesh)
 
     # --- training step (also gives the optimizer state a realistic, non-zero V) ---
-    step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+    step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
     train_c = step.lower(state, batch).compile()
     train_peak = _peak(train_c)
-    train_2x = _peak(step.lower(state, pipeline.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile())
+    train_2x = _peak(step.lower(state, sharding_lib.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile())
     state, _ = train_c(state, batch)
     params = jax.tree.map(jnp.copy, state.params)  # the timed train steps donate `state`
     opt_state = jax.tree.map(jnp.copy, state.opt_state)
@@ -173,7 +174,7 @@ def bench_one(name: str, d: int, args) -> dict:
     features = {}
     for path in ("fast", "reference"):
         vc = vectors.VectorConfig(num_blocks=nb, proj_dim=k, correction=True, path=path)
-        plan = vectors.make_plan(params, model_cfg, vc)
+        plan = vectors.make_block_plan(params, model_cfg, vc)
         precond = vectors.make_precond(params, opt_state, vc, plan)
         jitted = vectors.jit_vector_step(graphdef, vc, plan, mesh)
         vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
@@ -191,7 +192,7 @@ def bench_one(name: str, d: int, args) -> dict:
 
     # --- TRAK-style baseline ---
     tb = min(args.trak_batch, b)
-    plan = vectors.make_plan(params, model_cfg, vectors.VectorConfig(num_blocks=nb, proj_dim=k))
+    plan = vectors.make_block_plan(params, model_cfg, vectors.VectorConfig(num_blocks=nb, proj_dim=k))
     n_attr = row["attributed_params"]
     total_chunks = -(-n_attr // args.trak_chunk)
     timed_chunks = min(total_chunks, args.trak_max_chunks)
@@ -229,7 +230,7 @@ def bench_one(name: str, d: int, args) -> dict:
 def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
     """Fast path (rank-one V) vs exact reference (element-wise V) on a trained run's corpus rows."""
     from trackstar_jax.training import checkpoint
-    from trackstar_jax.data import corpus as data
+    from trackstar_jax import data as data
     from trackstar_jax.features import factored
     from trackstar_jax.features import preconditioner
 
@@ -237,7 +238,7 @@ def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
     cfg = run.model_cfg
     nb = _num_blocks(d, int(run.config.vectors.num_blocks), cfg.num_layers)
     vc = vectors.VectorConfig(num_blocks=nb, proj_dim=vectors.projection_dim_for(d, nb))
-    plan = vectors.make_plan(run.params, cfg, vc)
+    plan = vectors.make_block_plan(run.params, cfg, vc)
     exact = preconditioner.from_opt_state(run.params, run.opt_state, plan.paths, exact=True)
     rank1 = preconditioner.from_opt_state(run.params, run.opt_state, plan.paths, exact=False)
     kw = dict(graphdef=run.graphdef, plan=plan, seed=vc.proj_seed)

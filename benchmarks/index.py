@@ -34,19 +34,22 @@ from ml_collections import config_flags
 
 from trackstar_jax.training import checkpoint
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 
-from trackstar_jax.index import store as index
+from trackstar_jax import index
 
 from trackstar_jax.evaluation import metrics
-
-from trackstar_jax import pipeline
-
 from trackstar_jax.evaluation import queries
 
 from trackstar_jax.distributed import sharding
 
 from trackstar_jax.features import vectors
+from trackstar_jax import training
+from trackstar_jax.index import build
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax import data as data_pkg
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax import config as config_lib
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/tiny.py", "Experiment config.", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained here if empty).")
@@ -71,13 +74,13 @@ def _warm_up(run, vec_fn, mesh) -> list[int]:
     """Compiles the featurizer for every length bucket the corpus uses (not timed)."""
     max_len, bs = run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
     lengths = [len(t) + 2 for t in run.tokenizer.encode_batch(run.corpus.texts)]
-    buckets = sorted({pipeline.bucket_len(min(n, max_len), max_len) for n in lengths})
+    buckets = sorted({data_pkg.bucket_len(min(n, max_len), max_len) for n in lengths})
     for n in buckets:
         tokens = np.zeros((bs, n), np.int32)
         tokens[:, 0] = run.tokenizer.bos_id
         mask = np.ones((bs, n), np.int32)
         mask[:, 0] = 0
-        vecs, _ = vec_fn.jitted(run.params, vec_fn.precond, pipeline.device_batch({"tokens": tokens, "loss_mask": mask}, mesh))
+        vecs, _ = vec_fn.jitted(run.params, vec_fn.precond, sharding_lib.device_batch({"tokens": tokens, "loss_mask": mask}, mesh))
         vecs.block_until_ready()
     return buckets
 
@@ -106,11 +109,11 @@ def main(argv):
     config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
     if not (workdir / checkpoint.CHECKPOINT_DIR).is_dir():
         t0 = time.perf_counter()
-        pipeline.train(config, workdir)
+        training.train(config_lib.from_configdict(config), workdir)
         _emit({"kind": "train", "seconds": time.perf_counter() - t0, "steps": int(config.train.num_steps), "device": _device()})
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     run = checkpoint.load_run(workdir, mesh=mesh)
-    vec_cfg = vectors.vector_config(config.vectors)
+    vec_cfg = config_lib.from_configdict(config).vectors
     vec_fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index")
     corpus_name = run.corpus.name
     t0 = time.perf_counter()
@@ -122,19 +125,19 @@ def main(argv):
                                       r_every_chunks=int(config.index.get("r_every_chunks", 0)))
         path = workdir / f"bench_index_{dtype}"
         shutil.rmtree(path, ignore_errors=True)
-        manifest = pipeline.index_manifest(run, vec_cfg, storage, vec_fn.dim)
+        manifest = build.index_manifest(run, vec_cfg, storage, vec_fn.dim)
         builder = index.IndexBuilder(path, manifest)
-        index._quantize_step(np.zeros((builder.chunk_rows, vec_fn.dim), np.float32), dtype=dtype)  # compile outside timing
+        index.store._quantize_step(np.zeros((builder.chunk_rows, vec_fn.dim), np.float32), dtype=dtype)  # compile outside timing
         counters = {"tokens": 0, "truncated": 0}
-        stats = builder.build(pipeline.make_rows_fn(run, vec_fn, mesh, counters))
+        stats = builder.build(build.make_rows_fn(run, vec_fn, mesh, counters))
         assert stats.finalized and stats.rows_written == builder.num_rows
-        on_disk = index._du(path / "vectors") + index._du(path / "row_scale")
+        on_disk = index.store._du(path / "vectors") + index.store._du(path / "row_scale")
         _emit({"kind": "build", "corpus": corpus_name, "examples": builder.num_rows, "tokens": counters["tokens"],
                "truncated": counters["truncated"], "seconds": stats.seconds,
                "examples_per_s": builder.num_rows / stats.seconds, "tokens_per_s": counters["tokens"] / stats.seconds,
                "write_seconds": stats.write_seconds, "write_fraction": stats.write_fraction,
                "bytes_per_example": on_disk / builder.num_rows, "payload_bytes_per_example":
-               vec_fn.dim * index._NP_DTYPES[dtype].itemsize + (4 if dtype == "int8" else 0),
+               vec_fn.dim * index.NP_DTYPES[dtype].itemsize + (4 if dtype == "int8" else 0),
                "dtype": dtype, "dim": vec_fn.dim, "chunk_rows": builder.chunk_rows, "batch_size": vec_cfg.batch_size,
                "length_buckets": buckets, "compile_seconds_excluded": warm_s,
                "model_params": int(sum(x.size for x in jax.tree.leaves(run.params))), "device": _device()})
@@ -143,8 +146,8 @@ def main(argv):
     if _MRR.value:
         kept, encoded = _queries(run, config)
         qfn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="query")
-        q_raw = pipeline.query_vectors(run, qfn, encoded, mesh)
-        hcfg = pipeline.hessian_config(config)
+        q_raw = retrieval_stage.query_vectors(run, qfn, encoded, mesh)
+        hcfg = config_lib.from_configdict(config).hessian
         results = {}
         for dtype, reader in readers.items():
             scoring = index.prepare_scoring(reader, hcfg, q_raw, cache=False)

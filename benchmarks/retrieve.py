@@ -262,7 +262,7 @@ def main(argv):
                 q = rng.standard_normal((nq, d), dtype=np.float32)
                 rec = {"n": n, "d": d, "queries": nq, "dtype": dtype_name, "k": k, "distinct_rows": block * len(pool),
                        "device": dev, "resident": resident, "loadavg_1m_before": os.getloadavg()[0]}
-                plan = retrieval.make_plan(
+                plan = retrieval.make_score_plan(
                     nq, d, dtype, block_rows=_PLAN_BLOCK.value or None,
                     query_major=None if _QUERY_MAJOR.value == "auto" else _QUERY_MAJOR.value == "true",
                     upcast=None if _UPCAST.value == "auto" else _UPCAST.value)

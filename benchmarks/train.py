@@ -4,7 +4,7 @@ the parameter count of every experiments/*.py config. One JSON object per line.
     python -m benchmarks.train [--steps_tiny 50 --steps_small 10]
 
 Tokens/s counts every position of the `[global_batch_size, max_len]` batch (the jitted train
-step of `pipeline.make_jit_train_step`, state donated, batch sharded over all devices).
+step of `training.step.make_jit_train_step`, state donated, batch sharded over all devices).
 Both configs are measured in the same process, one after the other, after a compile and
 two warm-up steps; the timed loop blocks only once, at its end.
 """
@@ -20,28 +20,29 @@ import jax
 import numpy as np
 
 from trackstar_jax.models import palm as model
-
-from trackstar_jax import pipeline
-
 from trackstar_jax.distributed import sharding
 
 from trackstar_jax.training import step as train
+from trackstar_jax.training import loop
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.training import step as step_lib
+from trackstar_jax import config as config_lib
 
 
 def _throughput(name: str, steps: int) -> dict:
     config = importlib.import_module(f"experiments.{name}").get_config()
-    model_cfg = pipeline.model_config(config)
-    opt = train.make_optimizer(pipeline.optimizer_config(config))
+    model_cfg = config_lib.from_configdict(config).model
+    opt = train.make_optimizer(config_lib.from_configdict(config).train.optimizer)
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
-    graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
+    graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
     b, t = int(config.train.global_batch_size), model_cfg.max_len
     rng = np.random.default_rng(0)
     batch = {"tokens": rng.integers(4, model_cfg.vocab_size, (b, t)).astype(np.int32),
              "loss_mask": np.ones((b, t), np.int32), "example_id": np.arange(b, dtype=np.int32)}
     batch["tokens"][:, 0] = 2  # BOS
     batch["loss_mask"][:, 0] = 0
-    batch = pipeline.device_batch(batch, mesh)
-    step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+    batch = sharding_lib.device_batch(batch, mesh)
+    step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -70,7 +71,7 @@ def main() -> None:
     exps = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
                   if p.stem != "__init__")
     for name in exps:
-        cfg = pipeline.model_config(importlib.import_module(f"experiments.{name}").get_config())
+        cfg = config_lib.from_configdict(importlib.import_module(f"experiments.{name}").get_config()).model
         _, params = model.abstract_params(cfg)
         embed = cfg.vocab_size * cfg.embed_dim
         print(json.dumps({"bench": "param_count", "config": name, "params": model.param_count(params),

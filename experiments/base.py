@@ -2,7 +2,7 @@
 
 Variants import this module and change fields. Keys are grouped by pipeline stage:
 model -> data -> train -> vectors (gradients, correction, projection) -> hessian ->
-index -> retrieval -> evaluation -> tailpatch. `pipeline.py` is the only library module
+index -> retrieval -> evaluation -> tailpatch. `trackstar_jax/config.py` is the only library module
 that reads this ConfigDict; it turns sections into typed, hashable objects.
 """
 
@@ -68,6 +68,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.train.max_checkpoints_to_keep = 3
     c.train.num_completions = 8  # greedy completions of fact prompts reported at the end
     c.train.max_new_tokens = 8  # length of those completions
+    c.train.max_fact_prompts = 256  # fact prompts completed for the summary's fact_accuracy
 
     # --- gradient features (§3 Eq. 2, §A.1.1-A.1.2) ---
     c.vectors = ml_collections.ConfigDict()
@@ -125,6 +126,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.bootstrap_seed = 0  # seed of the 95% bootstrap intervals
     c.eval.num_examples_shown = 3  # queries whose proponents are printed / put in table.md
     c.eval.output_dir = ""  # folder in the workdir ("" = eval, or eval_<mode>[_t<variant>] for other modes / templates)
+    c.eval.row = ""  # one table row (e.g. "exp3"): eval.methods = (row,) and the row's vectors / hessian / index.dir
+    c.eval.optional_methods = ()  # rows left out (logged) when their model is not installed, e.g. ("dense",)
+    c.eval.completion_batch_size = 64  # prompts per greedy-completion batch (one compiled shape)
 
     # --- tail-patch (§4.3) ---
     c.tailpatch = ml_collections.ConfigDict()

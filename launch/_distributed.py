@@ -12,6 +12,7 @@ import traceback
 from absl import flags, logging
 
 from trackstar_jax.distributed import multihost
+
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Multi-host: one JAX process per host (jax.distributed).")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "With --distributed: host:port of process 0 "
                                    "(not needed on a TPU pod, SLURM or Open MPI).")

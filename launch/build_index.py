@@ -18,7 +18,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from launch import _distributed
+from launch import _config, _distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by launch.train.")
@@ -33,11 +33,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _distributed.initialize()
-    from trackstar_jax import pipeline  # after jax.distributed: nothing may start JAX's backends first
+    from trackstar_jax import index  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, local devices: %s", jax.process_index(), jax.process_count(), jax.local_devices())
-    summary = _distributed.run(lambda: pipeline.build_index(
-        _CONFIG.value, _WORKDIR.value, process_index=_PROCESS_INDEX.value, process_count=_PROCESS_COUNT.value))
+    summary = _distributed.run(lambda: index.build_index(
+        _config.settings(_CONFIG), _WORKDIR.value, process_index=_PROCESS_INDEX.value, process_count=_PROCESS_COUNT.value))
     print(json.dumps(summary))
 
 

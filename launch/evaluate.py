@@ -11,9 +11,10 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from launch import _config
+from trackstar_jax import evaluation, training
 from trackstar_jax.distributed import multihost
-
-from trackstar_jax import pipeline
+from trackstar_jax.evaluation import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; an existing run is reused).")
@@ -26,11 +27,12 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.info("devices: %s", jax.devices())
     multihost.require_single_process("launch.evaluate")  # see BUILD_NOTES "Multi-host (pods)"
+    settings = _config.settings(_CONFIG)
     if _TRAIN.value:
-        summary = pipeline.train(_CONFIG.value, _WORKDIR.value)
+        summary = training.train(settings, _WORKDIR.value)
         print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")
-    table = pipeline.evaluate(_CONFIG.value, _WORKDIR.value)
-    out = pipeline.eval_dir(_CONFIG.value, _WORKDIR.value)
+    table = evaluation.evaluate(settings, _WORKDIR.value)
+    out = report.eval_dir(settings, _WORKDIR.value)
     print((out / "table.md").read_text())
     print(f"wrote {out / 'table.json'} ({len(table['rows'])} rows, "
           f"{table['num_queries']} queries, {table['seconds']:.0f}s)")

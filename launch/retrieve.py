@@ -18,9 +18,9 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from launch import _config
+from trackstar_jax import evaluation
 from trackstar_jax.distributed import multihost
-
-from trackstar_jax import pipeline
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index).")
@@ -32,7 +32,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.info("devices: %s", jax.devices())
     multihost.require_single_process("launch.retrieve")  # see BUILD_NOTES "Multi-host (pods)"
-    manifest = pipeline.retrieve(_CONFIG.value, _WORKDIR.value)
+    settings = _config.settings(_CONFIG)
+    manifest = evaluation.retrieve(settings, _WORKDIR.value)  # a query file, or the evaluation's fact queries
     print(json.dumps({k: manifest[k] for k in ("output", "num_queries", "index_rows", "k") if k in manifest}))
 
 

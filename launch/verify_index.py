@@ -12,9 +12,8 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-from trackstar_jax.index import store as index
-
-from trackstar_jax import pipeline
+from launch import _config
+from trackstar_jax import index
 
 _PATH = flags.DEFINE_string("path", None, "Index directory (alternative to --config/--workdir).")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (for index.dir).", lock_config=True)
@@ -29,7 +28,7 @@ def main(argv):
     if _PATH.value:
         path = _PATH.value
     elif _CONFIG.value is not None and _WORKDIR.value:
-        path = pipeline.index_dir(_CONFIG.value, _WORKDIR.value)
+        path = index.index_dir(_config.settings(_CONFIG), _WORKDIR.value)
     else:
         raise app.UsageError("give --path, or --config and --workdir")
     try:

@@ -1,4 +1,4 @@
-"""pipeline.build_index on a tiny trained run: rows equal the featurizer's vectors, the manifest
+"""build_index on a tiny trained run: rows equal the featurizer's vectors, the manifest
 identifies the run, R_train matches numpy, an interrupted (disk-full) build resumes to the same
 bytes, and a changed corpus / projection seed / model is refused."""
 
@@ -12,13 +12,14 @@ import pytest
 
 from trackstar_jax.training import checkpoint
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 
-from trackstar_jax.index import store as index
-
-from trackstar_jax import pipeline
-
+from trackstar_jax import index
 from trackstar_jax.features import vectors
+from trackstar_jax import training
+from trackstar_jax.index import build
+from trackstar_jax import data as data_pkg
+from trackstar_jax import config as config_lib
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,7 +54,7 @@ def _config():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    pipeline.train(_config(), workdir)
+    training.train(config_lib.from_configdict(_config()), workdir)
     return workdir
 
 
@@ -61,7 +62,7 @@ def run_dir(tmp_path_factory):
 def f32_index(run_dir):
     c = _config()
     c.index.dtype, c.index.dir = "float32", "index_f32"
-    summary = pipeline.build_index(c, run_dir)
+    summary = build.build_index(config_lib.from_configdict(c), run_dir)
     return c, summary
 
 
@@ -71,10 +72,10 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
     n = len(run.corpus.examples)
     assert summary["rows"] == summary["rows_written"] == n and summary["complete"]
     assert summary["tokens"] > n and 0 <= summary["write_fraction"] < 1
-    reader = index.open_index(pipeline.index_dir(c, run_dir))
+    reader = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir))
     got = reader.read_dequantized(0, n)
     # Reference: the featurizer over data.index_batches (padded to max_len, not length-bucketed).
-    vec_cfg = vectors.vector_config(c.vectors)
+    vec_cfg = config_lib.from_configdict(c).vectors
     fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state)
     ref = []
     for b in data.index_batches(run.corpus, run.tokenizer, vec_cfg.batch_size, run.model_cfg.max_len):
@@ -95,7 +96,7 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
 def test_manifest_identifies_the_run(run_dir, f32_index):
     c, _ = f32_index
     run = checkpoint.load_run(run_dir)
-    m = index.open_index(pipeline.index_dir(c, run_dir)).manifest
+    m = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir)).manifest
     assert m["model"]["checkpoint_step"] == 3
     assert m["model"]["fingerprint"] == index.tree_fingerprint({"params": run.params, "opt_state": run.opt_state})
     assert m["vectors"] | {} == {"output_fn": "loss", "num_blocks": 2, "proj_dim": 8, "proj_seed": 0, "correction": True,
@@ -103,7 +104,7 @@ def test_manifest_identifies_the_run(run_dir, f32_index):
     assert m["corpus"] == {"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)}
     assert m["storage"]["dtype"] == "float32" and m["code_version"]
     expect = {"model": {"fingerprint": m["model"]["fingerprint"]}, "vectors": {"proj_seed": 0, "dim": 256}}
-    index.open_index(pipeline.index_dir(c, run_dir), expect=expect)
+    index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir), expect=expect)
 
 
 def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypatch):
@@ -120,19 +121,19 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
 
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", full_disk)
     with pytest.raises(index.IndexWriteError, match=r"chunk 1, rows \[64, 128\) failed \(the disk is full"):
-        pipeline.build_index(c, run_dir)
-    path = pipeline.index_dir(c, run_dir)
+        build.build_index(config_lib.from_configdict(c), run_dir)
+    path = build.index_dir(config_lib.from_configdict(c), run_dir)
     assert index.open_index(path).complete_chunks == frozenset({0})
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
-    summary = pipeline.build_index(c, run_dir)
+    summary = build.build_index(config_lib.from_configdict(c), run_dir)
     assert summary["chunks_skipped"] == 1 and summary["complete"]
     assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
     reader = index.open_index(path)
     rows, scale = reader.read_block(0, reader.num_rows)
-    f32 = index.open_index(pipeline.index_dir(f32_index[0], run_dir)).read_dequantized(0, reader.num_rows)
+    f32 = index.open_index(build.index_dir(config_lib.from_configdict(f32_index[0]), run_dir)).read_dequantized(0, reader.num_rows)
     assert scale is None and rows.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(rows.view(np.uint16), f32.astype(ml_dtypes.bfloat16).view(np.uint16))
-    report = pipeline.verify_index(c, run_dir)
+    report = index.verify_index(build.index_dir(config_lib.from_configdict(c), run_dir))
     assert report["ok"] and report["bytes_on_disk"] >= reader.num_rows * 256 * 2
 
 
@@ -142,10 +143,10 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
     other.index.dtype, other.index.dir = "float32", "index_f32"
     other.vectors.proj_seed = 1
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'vectors.proj_seed' is 0 in the index but 1"):
-        pipeline.build_index(other, run_dir)
+        build.build_index(config_lib.from_configdict(other), run_dir)
     other.vectors.proj_seed, other.vectors.correction = 0, False
     with pytest.raises(index.IndexMismatchError, match=r"'model.fingerprint'|'vectors.correction'"):
-        pipeline.build_index(other, run_dir)
+        build.build_index(config_lib.from_configdict(other), run_dir)
     # A regenerated corpus (one passage edited, fingerprint updated consistently).
     import shutil
 
@@ -160,21 +161,21 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
     meta["fingerprint"] = data.fingerprint(texts)
     (copy / "corpus" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'corpus.fingerprint'"):
-        pipeline.build_index(c, copy)
+        build.build_index(config_lib.from_configdict(c), copy)
 
 
 def test_config_sections_are_checked(tiny_config):
     tiny_config.index.chunk_size = 3
     with pytest.raises(ValueError, match="unknown config key.*config.index: chunk_size"):
-        pipeline.storage_config(tiny_config)
+        config_lib.from_configdict(tiny_config).index.storage
     tiny_config.hessian.lam = 0.5
     with pytest.raises(ValueError, match="config.hessian: lam"):
-        pipeline.hessian_config(tiny_config)
-    assert pipeline.bucket_len(3, 64) == 16 and pipeline.bucket_len(17, 64) == 32 and pipeline.bucket_len(70, 64) == 64
+        config_lib.from_configdict(tiny_config).hessian
+    assert data_pkg.bucket_len(3, 64) == 16 and data_pkg.bucket_len(17, 64) == 32 and data_pkg.bucket_len(70, 64) == 64
 
 
 def test_config_of_another_run_is_refused(run_dir):
     c = _config()
     c.model.embed_dim = 32
     with pytest.raises(ValueError, match=r"config disagrees with the run .*model.embed_dim: saved 64, now 32"):
-        pipeline.build_index(c, run_dir)
+        build.build_index(config_lib.from_configdict(c), run_dir)

@@ -12,6 +12,7 @@ from conftest import skip_if_not_enough_devices
 from trackstar_jax.training import checkpoint
 from trackstar_jax.distributed import sharding
 from trackstar_jax.training import step as train
+from trackstar_jax import config as config_lib
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -36,7 +37,8 @@ _CACHE = {}
 
 
 def _train(cfg, steps):
-    model_cfg, opt = checkpoint.model_config_from(cfg), train.make_optimizer(checkpoint.optimizer_config_from(cfg))
+    s = config_lib.from_configdict(cfg)
+    model_cfg, opt = s.model, train.make_optimizer(s.train.optimizer)
     graphdef, state = train.init_state(model_cfg, opt, 0)
     step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, opt=opt))
     rng = np.random.default_rng(0)
@@ -108,19 +110,19 @@ def test_restore_names_the_mismatching_field(tiny_config, tmp_path):
 
 
 def test_run_config_guards_the_workdir(tiny_config, tmp_path):
-    checkpoint.save_run_config(tmp_path, tiny_config)
-    assert checkpoint.load_run_config(tmp_path).model.embed_dim == tiny_config.model.embed_dim
+    checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
+    assert config_lib.load_run_settings(tmp_path).model.embed_dim == tiny_config.model.embed_dim
     tiny_config.train.num_steps = 5  # resumable key: allowed, recorded
     tiny_config.vectors.proj_dim = 4  # a later stage's section: allowed
-    checkpoint.save_run_config(tmp_path, tiny_config)
+    checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
     assert json.loads((tmp_path / "config.json").read_text())["train"]["num_steps"] == 5
     tiny_config.train.learning_rate = 0.5
     tiny_config.data.embedded.num_facts = 7
     with pytest.raises(ValueError, match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "
                                          r"train\.learning_rate: saved 0\.01, now 0\.5"):
-        checkpoint.save_run_config(tmp_path, tiny_config)
+        checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
     with pytest.raises(FileNotFoundError, match="no run config"):
-        checkpoint.load_run_config(tmp_path / "nothing")
+        config_lib.load_run_settings(tmp_path / "nothing")
     with pytest.raises(FileNotFoundError, match="no run config"):
         checkpoint.load_run(tmp_path / "nothing")
 

@@ -6,13 +6,15 @@ import json
 import numpy as np
 import pytest
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 from trackstar_jax.models import palm as model_lib
+from trackstar_jax import config as config_lib
+
 @pytest.fixture(scope="module")
 def embedded():
     from experiments import tiny
 
-    return data.build_corpus(tiny.get_config().data, seed=0)
+    return data.build_corpus(config_lib.section("data", tiny.get_config().data), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -24,13 +26,13 @@ def tok(embedded, tmp_path_factory):
 
 
 def test_embedded_ids_are_stable_across_builds(tiny_config):
-    a = data.build_corpus(tiny_config.data, seed=0)
-    b = data.build_corpus(tiny_config.data.to_dict(), seed=0)  # a plain dict works too
+    a = data.build_corpus(config_lib.section("data", tiny_config.data), seed=0)
+    b = data.build_corpus(config_lib.section("data", tiny_config.data.to_dict()), seed=0)  # a plain dict works too
     assert [(e.example_id, e.text) for e in a.examples] == [(e.example_id, e.text) for e in b.examples]
     assert a.fingerprint == b.fingerprint == data.fingerprint(b.texts)
     assert a.facts == b.facts and a.eval_texts == b.eval_texts
     assert [e.example_id for e in a.examples] == list(range(len(a.examples)))
-    c = data.build_corpus(tiny_config.data, seed=1)
+    c = data.build_corpus(config_lib.section("data", tiny_config.data), seed=1)
     assert c.fingerprint != a.fingerprint
 
 
@@ -38,7 +40,7 @@ def test_embedded_sizes_follow_config(tiny_config):
     tiny_config.data.embedded.num_facts = 30
     tiny_config.data.embedded.phrasings_per_fact = 2
     tiny_config.data.embedded.num_distractors = 17
-    c = data.build_corpus(tiny_config.data, seed=0)
+    c = data.build_corpus(config_lib.section("data", tiny_config.data), seed=0)
     assert len(c.facts) == 30 and len(c.examples) == 30 * 2 + 17
     assert all(len(f.evidence_ids) == 2 for f in c.facts)
     assert len({f.relation for f in c.facts}) == 10  # round-robin over the relations
@@ -100,7 +102,7 @@ def test_embedded_names_are_pronounceable_and_unique(embedded):
 def test_embedded_bad_sizes_name_the_key(tiny_config, key, value, match):
     setattr(tiny_config.data.embedded, key, value)
     with pytest.raises(ValueError, match=match):
-        data.build_corpus(tiny_config.data, seed=0)
+        data.build_corpus(config_lib.section("data", tiny_config.data), seed=0)
 
 
 # --- config errors -------------------------------------------------------------------------
@@ -110,15 +112,15 @@ def test_unknown_data_keys_are_named(tiny_config):
     d = tiny_config.data.to_dict()
     d["max_exampels"] = 3
     with pytest.raises(ValueError, match=r"config\.data: max_exampels"):
-        data.build_corpus(d, 0)
+        config_lib.from_dict({"data": d})
     d = tiny_config.data.to_dict()
     d["embedded"]["num_fact"] = 3
     with pytest.raises(ValueError, match=r"config\.data\.embedded: num_fact"):
-        data.data_config(d)
+        config_lib.from_dict({"data": d})
     with pytest.raises(ValueError, match="config.data.source"):
-        data.data_config({"source": "c4"})
+        config_lib.from_dict({"data": {"source": "c4"}})
     with pytest.raises(ValueError, match="config.data.path"):
-        data.data_config({"source": "lama"})
+        config_lib.from_dict({"data": {"source": "lama"}})
 
 
 # --- text / jsonl ---------------------------------------------------------------------------
@@ -126,49 +128,49 @@ def test_unknown_data_keys_are_named(tiny_config):
 
 def test_text_and_jsonl_sources(tmp_path):
     (tmp_path / "a.txt").write_text("first passage\n\n  second passage  \nthird\n")
-    c = data.build_corpus({"source": "text", "path": str(tmp_path / "a.txt"), "eval_fraction": 0.0}, 0)
+    c = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "a.txt"), "eval_fraction": 0.0}), 0)
     assert c.texts == ["first passage", "second passage", "third"] and c.facts == []
     d = tmp_path / "j"
     d.mkdir()
     (d / "0.jsonl").write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(5)) + "\n")
     with gzip.open(d / "1.jsonl.gz", "wt") as f:
         f.write(json.dumps({"body": "zipped doc"}) + "\n")
-    c = data.build_corpus({"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0,
-                           "max_examples": 4}, 0)
+    c = data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0,
+                           "max_examples": 4}), 0)
     assert c.texts == ["doc 0", "doc 1", "doc 2", "doc 3"]
-    c = data.build_corpus({"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0}, 0)
+    c = data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0}), 0)
     assert c.texts[-1] == "zipped doc" and len(c.examples) == 6
 
 
 def test_bad_passages_are_named(tmp_path):
     (tmp_path / "e.jsonl").write_text(json.dumps({"text": "ok"}) + "\n" + json.dumps({"text": "  "}) + "\n")
     with pytest.raises(ValueError, match=r"empty passage at .*e\.jsonl:2"):
-        data.build_corpus({"source": "jsonl", "path": str(tmp_path / "e.jsonl")}, 0)
+        data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(tmp_path / "e.jsonl")}), 0)
     (tmp_path / "k.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"k\.jsonl:1 has no field"):
-        data.build_corpus({"source": "jsonl", "path": str(tmp_path / "k.jsonl")}, 0)
+        data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(tmp_path / "k.jsonl")}), 0)
     (tmp_path / "blank.txt").write_text("\n  \n")
     with pytest.raises(ValueError, match="has no examples"):
-        data.build_corpus({"source": "text", "path": str(tmp_path / "blank.txt")}, 0)
+        data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "blank.txt")}), 0)
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        data.build_corpus({"source": "text", "path": str(tmp_path / "nope")}, 0)
+        data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "nope")}), 0)
 
 
 def test_eval_split_is_by_content_and_keeps_every_fact(tmp_path):
     texts = [f"passage number {i}" for i in range(400)]
     (tmp_path / "t.txt").write_text("\n".join(texts))
-    c = data.build_corpus({"source": "text", "path": str(tmp_path / "t.txt"), "eval_fraction": 0.2}, 0)
+    c = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "t.txt"), "eval_fraction": 0.2}), 0)
     assert 40 < len(c.eval_texts) < 120 and sorted(c.texts + list(c.eval_texts)) == sorted(texts)
     # Same held-out set whatever the file order (hash of content).
     (tmp_path / "r.txt").write_text("\n".join(texts[::-1]))
-    r = data.build_corpus({"source": "text", "path": str(tmp_path / "r.txt"), "eval_fraction": 0.2}, 0)
+    r = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "r.txt"), "eval_fraction": 0.2}), 0)
     assert set(r.eval_texts) == set(c.eval_texts)
     # A fact's last evidence passage is never held out; evidence ids are renumbered.
     facts = [data.Fact(f"f{i}", "s", "r", "o", ("o",), ("s",), (i,)) for i in range(400)]
-    kept, facts2, held = data._split_eval(texts, facts, 0.5)
+    kept, facts2, held = data.corpus._split_eval(texts, facts, 0.5)
     assert held == [] and kept == texts and facts2 == facts
     facts = [data.Fact("f", "s", "r", "o", ("o",), ("s",), tuple(range(400)))]
-    kept, (f2,), held = data._split_eval(texts, facts, 0.5)
+    kept, (f2,), held = data.corpus._split_eval(texts, facts, 0.5)
     assert len(held) > 100 and [kept[i] for i in f2.evidence_ids] == kept
 
 
@@ -198,7 +200,7 @@ def test_lama_reader_on_a_small_copy(tmp_path):
                                                       ("Paris", "Born in [MASK], Ann Lee sang.")])],
     })
     cfg = {"source": "lama", "path": str(tmp_path), "eval_fraction": 0.0}
-    c = data.build_corpus(cfg, 0)
+    c = data.build_corpus(config_lib.section("data", cfg), 0)
     # round-robin over relations: P19 fact a, P20 fact c, P19 fact b; duplicates removed
     assert c.texts == ["Ann Lee was born in Paris.", "Born in Paris, France, Ann Lee sang.", "Ann Lee died in Oslo.",
                        "Born in Paris, Ann Lee sang.", "Bo Wu (born in Rome) ran."]
@@ -206,25 +208,25 @@ def test_lama_reader_on_a_small_copy(tmp_path):
     assert (a.fact_id, a.evidence_ids, a.object_aliases) == ("a", (0, 1), ("Paris", "Paris, France"))
     assert (cc.relation, cc.evidence_ids) == ("P20", (2, 3))
     assert b.evidence_ids == (4,) and c.templates == {}
-    only = data.build_corpus(dict(cfg, relations="P20"), 0)
+    only = data.build_corpus(config_lib.section("data", dict(cfg, relations="P20")), 0)
     assert [f.fact_id for f in only.facts] == ["c"]
-    capped = data.build_corpus(dict(cfg, max_examples=4), 0)  # stops before the fact that overflows
+    capped = data.build_corpus(config_lib.section("data", dict(cfg, max_examples=4)), 0)  # stops before the fact that overflows
     assert len(capped.examples) == 4 and [f.fact_id for f in capped.facts] == ["a", "c"]
     with pytest.raises(ValueError, match="P99"):
-        data.build_corpus(dict(cfg, relations="P99"), 0)
+        data.build_corpus(config_lib.section("data", dict(cfg, relations="P99")), 0)
 
 
 def test_lama_reader_names_bad_evidence(tmp_path):
     _write_lama(tmp_path, {"P19": [_fact("a", "A", "B", "P19", [("B", "no mask here")])]})
     with pytest.raises(ValueError, match=r"evidence 0 of fact a at .*P19\.jsonl\.gz:1 has no \[MASK\]"):
-        data.build_corpus({"source": "lama", "path": str(tmp_path)}, 0)
+        data.build_corpus(config_lib.section("data", {"source": "lama", "path": str(tmp_path)}), 0)
 
 
 def test_lama_reader_on_shared_data(shared_data):
     lama = shared_data / "lama"
     cfg = {"source": "lama", "path": str(lama), "relations": "P19,P1303", "eval_fraction": 0.05}
-    c = data.build_corpus(cfg, 0)
-    assert c.fingerprint == data.build_corpus(cfg, 0).fingerprint
+    c = data.build_corpus(config_lib.section("data", cfg), 0)
+    assert c.fingerprint == data.build_corpus(config_lib.section("data", cfg), 0).fingerprint
     assert len(set(c.texts)) == len(c.texts) > 1000
     assert {f.relation for f in c.facts} == {"P19", "P1303"}
     # Reference: rebuild every fact's passages straight from the file.
@@ -251,7 +253,7 @@ def test_seqio_source(tmp_path):
         seqio.TaskRegistry.add(name, source=seqio.FunctionDataSource(
             lambda split, shuffle_files: tf.data.Dataset.from_tensor_slices({"text": texts}), splits=["train"]),
             output_features={})
-    c = data.build_corpus({"source": "seqio", "seqio_task": name, "eval_fraction": 0.0}, 0)
+    c = data.build_corpus(config_lib.section("data", {"source": "seqio", "seqio_task": name, "eval_fraction": 0.0}), 0)
     assert c.texts == texts
 
 
@@ -266,7 +268,7 @@ def test_save_load_roundtrip_and_refusals(embedded, tmp_path):
     assert back.templates == embedded.templates and back.eval_texts == embedded.eval_texts
     assert back.fingerprint == embedded.fingerprint
     data.save_corpus(embedded, d)  # the same corpus again: no-op
-    other = data.build_corpus({"source": "embedded", "embedded": {"num_facts": 20}}, 0)
+    other = data.build_corpus(config_lib.section("data", {"source": "embedded", "embedded": {"num_facts": 20}}), 0)
     with pytest.raises(FileExistsError, match="different corpus"):
         data.save_corpus(other, d)
     lines = (d / "examples.jsonl").read_text().splitlines()

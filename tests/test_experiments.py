@@ -7,12 +7,10 @@ import jax
 import ml_collections
 import pytest
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 
 from trackstar_jax.models import palm as model
-
-from trackstar_jax import pipeline
-
+from trackstar_jax import config as config_lib
 EXPERIMENTS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
                      if p.stem != "__init__")
 
@@ -25,10 +23,10 @@ def test_the_expected_configs_exist():
 def test_config_loads_and_types(name):
     config = importlib.import_module(f"experiments.{name}").get_config()
     assert isinstance(config, ml_collections.ConfigDict)
-    model_cfg = pipeline.model_config(config)  # unknown model keys would raise
-    pipeline.optimizer_config(config)
-    pipeline._check_train_keys(config)  # unknown train keys would raise
-    data_cfg = data.data_config(config.data)  # unknown data keys would raise
+    model_cfg = config_lib.from_configdict(config).model  # unknown model keys would raise
+    config_lib.from_configdict(config).train.optimizer
+    config_lib.from_configdict(config)  # unknown train keys would raise
+    data_cfg = config_lib.from_configdict(config).data  # unknown data keys would raise
     assert data_cfg.source in data.SOURCES
     _, params = model.abstract_params(model_cfg)  # builds abstractly (no allocation)
     assert model.param_count(params) > 0 and all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -36,8 +34,8 @@ def test_config_loads_and_types(name):
 
 
 def test_tiny_and_small_sizes():
-    tiny = pipeline.model_config(importlib.import_module("experiments.tiny").get_config())
-    small = pipeline.model_config(importlib.import_module("experiments.small").get_config())
+    tiny = config_lib.from_configdict(importlib.import_module("experiments.tiny").get_config()).model
+    small = config_lib.from_configdict(importlib.import_module("experiments.small").get_config()).model
     assert model.param_count(model.abstract_params(tiny)[1]) < 1_000_000
     assert 5e6 <= model.param_count(model.abstract_params(small)[1]) <= 20e6
 
@@ -45,7 +43,8 @@ def test_tiny_and_small_sizes():
 def test_unknown_keys_in_a_config_file_are_named(tiny_config):
     tiny_config.model.embed_dims = 32  # a typo in an experiment file (not a CLI override)
     with pytest.raises(ValueError, match=r"config\.model: embed_dims"):
-        pipeline.model_config(tiny_config)
+        config_lib.from_configdict(tiny_config).model
+    del tiny_config.model.embed_dims  # every section is checked by the one builder
     tiny_config.train.warmup = 5
     with pytest.raises(ValueError, match=r"config\.train: warmup"):
-        pipeline._check_train_keys(tiny_config)
+        config_lib.from_configdict(tiny_config)

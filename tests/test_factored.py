@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -21,6 +20,7 @@ from trackstar_jax.features import preconditioner as pc
 from trackstar_jax.training import step as train
 
 from trackstar_jax.features import vectors
+from trackstar_jax import config as config_lib
 VOCAB, B, T = 97, 4, 12
 
 
@@ -59,7 +59,7 @@ def _state(tied, min_dim, head_dim=16, optimizer="adafactor"):
 
 
 def _both(cfg, graphdef, state, vec_cfg, batch, exact):
-    plan = vectors.make_plan(state.params, cfg, vec_cfg)
+    plan = vectors.make_block_plan(state.params, cfg, vec_cfg)
     corr = (pc.from_opt_state(state.params, state.opt_state, plan.paths, exact=exact)
             if vec_cfg.correction else None)
     kw = dict(graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn, seed=vec_cfg.proj_seed)
@@ -136,7 +136,7 @@ def test_uneven_blocks_and_layer_norm():
     graphdef, state = train.init_state(cfg, opt, seed=1)
     state, _ = train.train_step(state, _batch(5, B, T), graphdef=graphdef, opt=opt)
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True)
-    plan = vectors.make_plan(state.params, cfg, vc)
+    plan = vectors.make_block_plan(state.params, cfg, vc)
     assert plan.entry("layer_1/mlp/up/kernel").side == 1 and plan.entry("layer_2/mlp/up/kernel").side == 3
     fast, ref, _ = _both(cfg, graphdef, state, vc, _batch(104, B, T, prompt=2), exact=True)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
@@ -145,10 +145,8 @@ def test_uneven_blocks_and_layer_norm():
 def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
     # experiments/tiny.py as configured (its optimizer factors every kernel), through the
     # same config -> typed objects path the pipeline uses.
-    from trackstar_jax import pipeline
-
-    cfg = pipeline.model_config(tiny_config)
-    opt = train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    cfg = config_lib.from_configdict(tiny_config).model
+    opt = train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
     graphdef, state = train.init_state(cfg, opt, seed=0)
     rng = np.random.default_rng(7)
     tokens = rng.integers(4, cfg.vocab_size, size=(B, 16)).astype(np.int32)
@@ -158,7 +156,7 @@ def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
     batch = {"tokens": tokens, "loss_mask": mask}
     for _ in range(2):
         state, _ = train.train_step(state, batch, graphdef=graphdef, opt=opt)
-    vc = vectors.vector_config(tiny_config.vectors)
+    vc = config_lib.from_configdict(tiny_config).vectors
     fast, ref, corr = _both(cfg, graphdef, state, vc, batch, exact=True)
     assert not corr.full and fast.shape == (B, vc.dim)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))

@@ -31,7 +31,7 @@ def _model(tied=False):
                              mlp_dim=64, max_len=16, tie_embeddings=tied)
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, seed=3))
     params = nnx.to_pure_dict(params)
-    plan = vectors.make_plan(params, cfg, vectors.VectorConfig(num_blocks=2, proj_dim=4))
+    plan = vectors.make_block_plan(params, cfg, vectors.VectorConfig(num_blocks=2, proj_dim=4))
     return cfg, graphdef, params, plan
 
 

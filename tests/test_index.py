@@ -19,7 +19,7 @@ import pytest
 
 from trackstar_jax.index import hessian
 
-from trackstar_jax.index import store as index
+from trackstar_jax import index
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DIM, BLOCKS = 64, 4  # 4 blocks of k² = 16 (k = 4)
@@ -75,7 +75,7 @@ def test_each_dtype_round_trips_within_its_precision(tmp_path, dtype):
     stats = build(tmp_path / "ix", dtype=dtype)
     assert stats.rows_written == 700 and stats.chunks_written == 11 and stats.finalized
     reader = index.open_index(tmp_path / "ix")
-    assert (reader.num_rows, reader.dim, reader.dtype_name, reader.dtype) == (700, DIM, dtype, index._NP_DTYPES[dtype])
+    assert (reader.num_rows, reader.dim, reader.dtype_name, reader.dtype) == (700, DIM, dtype, index.NP_DTYPES[dtype])
     ref = np.asarray(synthetic_rows(0, 700))
     rows, scale = reader.read_block(0, 700)
     assert rows.dtype == reader.dtype and rows.shape == (700, DIM)
@@ -302,7 +302,7 @@ def test_verify_reports_incomplete_and_bad_r(tmp_path):
 _CHILD = textwrap.dedent("""
     import json, sys, time
     import jax, jax.numpy as jnp
-    from trackstar_jax.index import store as index
+    from trackstar_jax import index
     path, dtype, pi, pc, slow = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
     DIM = %(dim)d
     @jax.jit

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from trackstar_jax.models import palm as model_lib
+from trackstar_jax import config as config_lib
 SMALL = model_lib.LMConfig(vocab_size=50, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=12)
 
 
@@ -194,10 +195,7 @@ def test_bad_model_config_and_overlong_input():
 @pytest.mark.parametrize("name,target", [("paper_154m", 154e6), ("paper_1b", 1e9), ("paper_8b", 8e9)])
 def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
     import importlib
-
-    from trackstar_jax import pipeline
-
-    cfg = pipeline.model_config(importlib.import_module(f"experiments.{name}").get_config())
+    cfg = config_lib.from_configdict(importlib.import_module(f"experiments.{name}").get_config()).model
     _, params = model_lib.abstract_params(cfg)  # jax.eval_shape: nothing is allocated
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
     n = model_lib.param_count(params)

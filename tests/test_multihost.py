@@ -20,12 +20,12 @@ from test_build_index import _config  # the small run of the index tests (30 fac
 
 from trackstar_jax.training import checkpoint
 
-from trackstar_jax.index import store as index
+from trackstar_jax import index
 
 from trackstar_jax.distributed import multihost
-
-from trackstar_jax import pipeline
-
+from trackstar_jax import training
+from trackstar_jax.index import build
+from trackstar_jax import config as config_lib
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def _override_flags(config) -> list[str]:
     """`--config.a.b=v` for every key where `config` differs from experiments/tiny.py."""
     from experiments import tiny
 
-    base, new = (checkpoint._flatten(checkpoint.config_to_dict(c)) for c in (tiny.get_config(), config))
+    base, new = (config_lib._flatten(c.to_dict()) for c in (tiny.get_config(), config))
     return [f"--config.{k}={v}" for k, v in sorted(new.items()) if base.get(k) != v]
 
 
@@ -106,7 +106,7 @@ def two_host_run(tmp_path_factory):
 def test_two_processes_train_like_one(two_host_run, tmp_path):
     workdir, _ = two_host_run
     ref_dir = tmp_path / "one_process"
-    pipeline.train(_config(), ref_dir)  # one process, 8 devices
+    training.train(config_lib.from_configdict(_config()), ref_dir)  # one process, 8 devices
     two, one = checkpoint.load_run(workdir), checkpoint.load_run(ref_dir)
     assert two.step == one.step == 3 and two.corpus.fingerprint == one.corpus.fingerprint
     # Same batches and updates; only the all-reduce differs (4 devices over gloo vs 8 in one process).
@@ -130,7 +130,7 @@ def test_two_processes_build_the_index_of_one(two_host_run):
     # The reference: one process over all its (8) devices, same run, another index directory.
     c = _config()
     c.index.dir = "index_one_process"
-    one = pipeline.build_index(c, workdir)
+    one = build.build_index(config_lib.from_configdict(c), workdir)
     assert one["process_count"] == 1 and one["complete"]
     two_r, one_r = index.open_index(path), index.open_index(workdir / "index_one_process")
     a, _ = two_r.read_block(0, two_r.num_rows)
@@ -159,7 +159,7 @@ def test_a_failing_process_fails_the_others_at_once(two_host_run):
     results = _launch("build_index", workdir, "--config.index.dir=index_mixed", timeout_s=120,
                       per_process={1: ["--config.index.dtype=float32"]})
     assert all(r.returncode != 0 for r in results)
-    refused = [i for i, r in enumerate(results) if "index.IndexMismatchError: refusing to resume" in r.stderr]
+    refused = [i for i, r in enumerate(results) if "index.store.IndexMismatchError: refusing to resume" in r.stderr]
     assert len(refused) == 1, [r.stderr[-2000:] for r in results]
     other = results[1 - refused[0]].stderr
     assert (f"process {refused[0]} failed at 'build_index:written': error: IndexMismatchError" in other

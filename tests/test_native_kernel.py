@@ -82,7 +82,7 @@ def test_non_finite_rows_propagate(code_path, dtype):
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     np.testing.assert_array_equal(got[np.isfinite(want)], want[np.isfinite(want)].astype(np.float32))
     np.testing.assert_array_equal(got[np.isinf(want)], want[np.isinf(want)])
-    plan = retrieval.make_plan(2, 40, ROW_DTYPES[dtype], upcast="native")
+    plan = retrieval.make_score_plan(2, 40, ROW_DTYPES[dtype], upcast="native")
     with pytest.raises(ValueError, match=r"non-finite retrieval scores .* \[1, 2, 4\]"):
         retrieval.topk(q, x.astype(ROW_DTYPES[dtype]), 6, mesh=mesh_of(8), plan=plan)
 
@@ -95,7 +95,7 @@ def test_topk_with_ties_native_plan(dtype, num_devices, n, k, block_rows):
     # several (copied) blocks per shard with the running merge.
     x, q = tied_data(max(n, 8))
     x = x[:n]
-    plan = retrieval.make_plan(len(q), x.shape[1], ROW_DTYPES[dtype], upcast="native", block_rows=block_rows)
+    plan = retrieval.make_score_plan(len(q), x.shape[1], ROW_DTYPES[dtype], upcast="native", block_rows=block_rows)
     ref = retrieval.reference_topk(q, x, k)
     mesh = mesh_of(num_devices)
     assert_exact(retrieval.topk(q, x.astype(ROW_DTYPES[dtype]), k, mesh=mesh, plan=plan), ref)
@@ -106,12 +106,12 @@ def test_topk_with_ties_native_plan(dtype, num_devices, n, k, block_rows):
 def test_plan_uses_native_kernel_and_env_var_forces_fallback(monkeypatch):
     x, q = tied_data(301, d=48, q=3)
     x = x.astype(BF16)
-    auto = retrieval.make_plan(len(q), 48, BF16, backend="cpu")
+    auto = retrieval.make_score_plan(len(q), 48, BF16, backend="cpu")
     assert auto.upcast == ("native" if native.isa() == "avx512" else "bf16_split3")
-    fast = retrieval.topk(q, x, 25, mesh=mesh_of(8), plan=retrieval.make_plan(len(q), 48, BF16, upcast="native"))
+    fast = retrieval.topk(q, x, 25, mesh=mesh_of(8), plan=retrieval.make_score_plan(len(q), 48, BF16, upcast="native"))
     monkeypatch.setenv(native.ENV_ENABLE, "0")
     assert not native.available() and native.isa() == "unavailable"
-    fallback_plan = retrieval.make_plan(len(q), 48, BF16, backend="cpu")
+    fallback_plan = retrieval.make_score_plan(len(q), 48, BF16, backend="cpu")
     assert fallback_plan.upcast == "bf16_split3"
     fallback = retrieval.topk(q, x, 25, mesh=mesh_of(8), plan=fallback_plan)
     for a, b in zip(fast, fallback):
@@ -122,7 +122,7 @@ def test_plan_uses_native_kernel_and_env_var_forces_fallback(monkeypatch):
 
 def test_native_plan_rejects_other_dtypes():
     with pytest.raises(ValueError, match="upcast='native' scores"):
-        retrieval.make_plan(1, 64, np.int8, upcast="native")
+        retrieval.make_score_plan(1, 64, np.int8, upcast="native")
 
 
 def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path, caplog):
@@ -134,7 +134,7 @@ def test_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path, caplog):
         assert not native.available()
     warnings = [r for r in caplog.records if "native CPU kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1
-    assert retrieval.make_plan(1, 64, BF16, backend="cpu").upcast == "bf16_split3"
+    assert retrieval.make_score_plan(1, 64, BF16, backend="cpu").upcast == "bf16_split3"
 
 
 def test_build_cache_is_reused_and_bad_libraries_are_rebuilt(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""pipeline.evaluate end to end on a tiny run, then notebooks/inspect_proponents.ipynb on its output.
+"""evaluation.evaluate end to end on a tiny run, then notebooks/inspect_proponents.ipynb on its output.
 
 Checks that can fail: table.json has every required field with intervals; BM25 ranks the
 exact template passage first on the embedded corpus (MRR 1); the per-row means equal the
@@ -17,19 +17,20 @@ import pytest
 
 from trackstar_jax.training import checkpoint
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 
 from trackstar_jax.evaluation import embedding
 
 from trackstar_jax.evaluation import metrics
-
-from trackstar_jax import pipeline
-
 from trackstar_jax.evaluation import results
 
 from trackstar_jax.evaluation import tailpatch
 
 from trackstar_jax.training import step as train
+from trackstar_jax import training
+from trackstar_jax import evaluation
+from trackstar_jax.evaluation import report
+from trackstar_jax import config as config_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The dense row runs end to end here when its model package is installed (launch/_venv.sh does).
@@ -71,8 +72,8 @@ def _config():
 @pytest.fixture(scope="module")
 def evaluated(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("run")
-    pipeline.train(_config(), workdir)
-    table = pipeline.evaluate(_config(), workdir)
+    training.train(config_lib.from_configdict(_config()), workdir)
+    table = evaluation.evaluate(config_lib.from_configdict(_config()), workdir)
     return workdir, table
 
 
@@ -106,7 +107,7 @@ def test_bm25_finds_the_template_passage(evaluated):
 
 @pytest.mark.skipif("dense" not in METHODS, reason=f"model not installed: {embedding.INSTALL_COMMAND}")
 def test_dense_row_end_to_end(evaluated):
-    """pipeline.evaluate's dense row: passage embeddings cached in the workdir, stating passages first."""
+    """evaluate's dense row: passage embeddings cached in the workdir, stating passages first."""
     workdir, table = evaluated
     dense = next(r for r in table["rows"] if r["method"] == "dense")
     assert dense["mrr"] >= 0.9 and dense["num_queries"] > 0
@@ -140,7 +141,7 @@ def test_stored_tailpatch_equals_a_fresh_step(evaluated):
     query = data.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len)
     t, _ = data.encode_example(run.tokenizer, run.corpus.texts[pid], run.model_cfg.max_len)
     prop = {"tokens": t, "loss_mask": np.r_[0, np.ones(len(t) - 1, np.int32)]}
-    opt = train.make_optimizer(checkpoint.optimizer_config_from(run.config))
+    opt = train.make_optimizer(run.settings.train.optimizer)
     fresh = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
     got = fresh(run.params, run.opt_state, {k: v[None] for k, v in prop.items()}, {k: v[None] for k, v in query.items()},
                 graphdef=run.graphdef, opt=opt)
@@ -164,9 +165,9 @@ def test_prediction_mode_queries_the_models_completion(evaluated):
     c = _config()
     c.eval.query_mode = "prediction"
     c.eval.methods = ("bm25",)
-    table = pipeline.evaluate(c, workdir)
+    table = evaluation.evaluate(config_lib.from_configdict(c), workdir)
     res = results.load_results(workdir, "eval_prediction")
-    assert table["query_mode"] == "prediction" and pipeline.eval_dir(c, workdir).name == "eval_prediction"
+    assert table["query_mode"] == "prediction" and report.eval_dir(config_lib.from_configdict(c), workdir).name == "eval_prediction"
     for x in res.retrievals["bm25"]:
         assert x["targets_plaintext"] == " " + x["model_completion"]
 
@@ -176,11 +177,11 @@ def test_unknown_method_and_missing_template_errors(evaluated):
     c = _config()
     c.eval.methods = ("bm26",)
     with pytest.raises(ValueError, match="unknown evaluation method 'bm26'"):
-        pipeline.evaluate(c, workdir)
+        evaluation.evaluate(config_lib.from_configdict(c), workdir)
     c = _config()
     c.eval.template_variant = 7
     with pytest.raises(ValueError, match="has no template variant 7"):
-        pipeline.evaluate(c, workdir)
+        evaluation.evaluate(config_lib.from_configdict(c), workdir)
 
 
 def test_highlight_marks_whole_word_entities():

@@ -6,8 +6,9 @@ import re
 
 import pytest
 
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 from trackstar_jax.evaluation import queries
+from trackstar_jax import config as config_lib
 def _fact(fid, subj, rel, obj, ev=(), oal=(), sal=()):
     return data.Fact(fact_id=fid, subject=subj, relation=rel, object=obj, object_aliases=tuple(oal) or (obj,),
                      subject_aliases=tuple(sal) or (subj,), evidence_ids=tuple(ev))
@@ -200,7 +201,7 @@ def test_load_templates_real_lama_and_pararel(shared_data):
 def test_queries_from_real_lama_lines(shared_data):
     cfg = data.DataConfig(source="lama", path=str(shared_data / "lama"), relations="P19,P103", max_examples=80,
                           eval_fraction=0.0)
-    corpus = data.build_corpus(cfg)
+    corpus = data.build_corpus(config_lib.section("data", cfg))
     tmpl = queries.load_templates(shared_data / "lama", shared_data / "pararel", ["P19", "P103"])
     idx = queries.MentionIndex(corpus.texts)
     ent = queries.entailing_ids(corpus.facts)

@@ -9,10 +9,15 @@ from jax.sharding import AxisType
 
 import jax
 from conftest import skip_if_not_enough_devices
-from trackstar_jax.index import store as index
+from trackstar_jax import index
 from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import topk as retrieval
 from trackstar_jax.distributed import sharding
+from trackstar_jax import training
+from trackstar_jax.index import build
+from trackstar_jax import evaluation
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax import config as config_lib
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
 
@@ -59,7 +64,7 @@ def test_topk_equals_argsort_with_ties(num_devices, dtype, n, k, block_rows):
     scale = None
     if dtype == "int8":  # int8 rows always come with a per-row scale; powers of two keep scores exact
         scale = 2.0 ** np.random.default_rng(1).integers(-2, 3, n).astype(np.float32)
-    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=block_rows) if block_rows else None
+    plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=block_rows) if block_rows else None
     res = retrieval.topk(q, x.astype(DTYPES[dtype]), k, row_scale=scale, mesh=mesh, plan=plan)
     assert_exact(res, retrieval.reference_topk(q, x, k, scale))
 
@@ -70,7 +75,7 @@ def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
     monkeypatch.setattr(retrieval, "_SCORE_ALL", 0)
     retrieval._sharded_fn.cache_clear()
     x, q = tied_data(1001)
-    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
+    plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
     assert plan.upcast in ("none", "bf16_split3", "native")
     ref = retrieval.reference_topk(q, x, 7)
     assert_exact(retrieval.topk(q, x.astype(DTYPES[dtype]), 7, mesh=mesh_of(8), plan=plan), ref)
@@ -98,26 +103,26 @@ def test_every_formulation_is_exact(dtype, query_major, upcast, contract):
         upcast = "none"
     if upcast == "native" and not native.available():
         pytest.skip("native kernels unavailable (no compiler or TRACKSTAR_JAX_NATIVE=0)")
-    plan = retrieval.make_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
+    plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
                                contract=contract)
     res = retrieval.topk(q, x.astype(DTYPES[dtype]), 9, mesh=mesh_of(8), plan=plan)
     assert_exact(res, retrieval.reference_topk(q, x, 9))
 
 
 def test_plan_picks_layout_by_regime():
-    one = retrieval.make_plan(1, 4096, np.float32, backend="cpu")
-    many = retrieval.make_plan(1024, 4096, np.float32, backend="cpu")
+    one = retrieval.make_score_plan(1, 4096, np.float32, backend="cpu")
+    many = retrieval.make_score_plan(1024, 4096, np.float32, backend="cpu")
     assert not one.query_major and many.query_major and one.upcast == "none"
     few_bf16 = "native" if native.available() and native.isa() == "avx512" else "bf16_split3"
-    assert retrieval.make_plan(8, 4096, np.float32, backend="cpu").upcast == few_bf16.replace("bf16_split3", "none")
-    assert retrieval.make_plan(64, 4096, np.float32, backend="gpu").upcast == "none"
-    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
-    assert retrieval.make_plan(16, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
-    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16.replace("split3", "pairs")
-    assert retrieval.make_plan(128, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
-    assert retrieval.make_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
-    assert retrieval.make_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
-    assert retrieval.make_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
+    assert retrieval.make_score_plan(8, 4096, np.float32, backend="cpu").upcast == few_bf16.replace("bf16_split3", "none")
+    assert retrieval.make_score_plan(64, 4096, np.float32, backend="gpu").upcast == "none"
+    assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
+    assert retrieval.make_score_plan(16, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
+    assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16.replace("split3", "pairs")
+    assert retrieval.make_score_plan(128, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
+    assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
+    assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
+    assert retrieval.make_score_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
     assert many.block_rows * 1024 <= 1 << 21  # the score tile stays small
 
 
@@ -203,7 +208,7 @@ def test_stream_over_zarr_index(tmp_path, dtype):
     np.testing.assert_allclose(res.bottom_scores, bs, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(res.top_ids, ti)
     np.testing.assert_array_equal(res.bottom_ids, bi)
-    same = retrieval.retrieve(q, tmp_path / "ix", 8, chunk_rows=128)  # notebook API, by path
+    same = retrieval.search(q, tmp_path / "ix", 8, chunk_rows=128)  # notebook API, by path
     np.testing.assert_array_equal(same.top_ids, ti)
 
 
@@ -310,15 +315,13 @@ def _chance_mrr(n, g):
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory):
     """A tiny run trained until it knows its facts, with its index (module-scoped: built once)."""
-    from trackstar_jax import pipeline
-
     old = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates here
     try:
         workdir = tmp_path_factory.mktemp("run")
         c = _e2e_config()
-        pipeline.train(c, workdir)
-        pipeline.build_index(c, workdir)
+        training.train(config_lib.from_configdict(c), workdir)
+        build.build_index(config_lib.from_configdict(c), workdir)
         yield c, workdir
     finally:
         jax.config.update("jax_disable_most_optimizations", old)
@@ -328,13 +331,10 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     import json
 
     from trackstar_jax.training import checkpoint
-
-    from trackstar_jax import pipeline
-
     c, workdir = trained_run
     n = len(checkpoint.load_run(workdir).corpus.examples)
     c.retrieval.top_k = n  # full ranking: every row's rank is known
-    man = pipeline.retrieve(c, workdir)  # default query source: the evaluation's fact queries
+    man = evaluation.retrieve(config_lib.from_configdict(c), workdir)  # default query source: the evaluation's fact queries
     recs = [json.loads(line) for line in open(man["output"])]
     assert man["num_queries"] == len(recs) > 0 and man["k"] == n and man["index_rows"] == n
     fields = ("example_id", "inputs_plaintext", "targets_plaintext", "proponents", "proponent_ids",
@@ -357,36 +357,32 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
 
 
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
-    import json
 
     from trackstar_jax.training import checkpoint
-
-    from trackstar_jax import pipeline
-
     c, workdir = trained_run
     qfile = tmp_path / "mine.jsonl"
     qfile.write_text("")  # empty query set -> empty output, not a crash
     c.retrieval.queries = str(qfile)
-    man = pipeline.retrieve(c, workdir)
+    man = evaluation.retrieve(config_lib.from_configdict(c), workdir)
     assert man["num_queries"] == 0 and (workdir / "retrieval" / "mine.jsonl").read_text() == ""
     with pytest.raises(FileExistsError, match="overwrite"):
-        pipeline.retrieve(c, workdir)
+        evaluation.retrieve(config_lib.from_configdict(c), workdir)
     qfile.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"mine.jsonl:1: expected an object with string fields"):
-        pipeline.retrieve(c, workdir)
+        evaluation.retrieve(config_lib.from_configdict(c), workdir)
     # The same checks through the Python API, on one loaded run.
     run = checkpoint.load_run(workdir)
-    mine = [pipeline.TextQuery("q7", "The", " capital")]
-    recs, info = pipeline.retrieve_queries(run, c, workdir, mine, k=3)
+    mine = [retrieval_stage.TextQuery("q7", "The", " capital")]
+    recs, info = retrieval_stage.retrieve_queries(run, config_lib.from_configdict(c), workdir, mine, k=3)
     assert recs[0]["example_id"] == "q7" and len(recs[0]["proponent_ids"]) == len(recs[0]["opponent_ids"]) == 3
     with pytest.raises(ValueError, match=r"top_k=1000000 must be in \[1, "):
-        pipeline.retrieve_queries(run, c, workdir, mine, k=10**6)
+        retrieval_stage.retrieve_queries(run, config_lib.from_configdict(c), workdir, mine, k=10**6)
     c.vectors.proj_seed = 1  # queries would be projected differently from the index
     with pytest.raises(index.IndexMismatchError, match="vectors.proj_seed"):
-        pipeline.retrieve_queries(run, c, workdir, mine)
+        retrieval_stage.retrieve_queries(run, config_lib.from_configdict(c), workdir, mine)
     c.vectors.proj_seed = 0
     import dataclasses
 
     other = dataclasses.replace(run, params=jax.tree.map(lambda x: x * 1.5, run.params))  # other weights
     with pytest.raises(index.IndexMismatchError, match="model.fingerprint"):
-        pipeline.retrieve_queries(other, c, workdir, mine)
+        retrieval_stage.retrieve_queries(other, config_lib.from_configdict(c), workdir, mine)

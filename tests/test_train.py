@@ -1,4 +1,4 @@
-"""Stage 1 (pipeline.train): sharded train step, loss decrease, resume, refusals, load_run."""
+"""Stage 1 (training.train): sharded train step, loss decrease, resume, refusals, load_run."""
 
 import json
 import logging
@@ -10,11 +10,15 @@ import pytest
 
 from conftest import skip_if_not_enough_devices
 from trackstar_jax.training import checkpoint
-from trackstar_jax.data import corpus as data
+from trackstar_jax import data as data
 from trackstar_jax.models import generate
-from trackstar_jax import pipeline
 from trackstar_jax.distributed import sharding
 from trackstar_jax.training import step as train
+from trackstar_jax import training
+from trackstar_jax.training import loop
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.training import step as step_lib
+from trackstar_jax import config as config_lib
 
 
 def _config(tiny_config, steps):
@@ -34,8 +38,8 @@ def run(tmp_path_factory):
     from experiments import tiny
 
     workdir = tmp_path_factory.mktemp("run")
-    first = pipeline.train(_config(tiny.get_config(), 60), workdir)
-    summary = pipeline.train(_config(tiny.get_config(), 100), workdir)
+    first = training.train(config_lib.from_configdict(_config(tiny.get_config(), 60)), workdir)
+    summary = training.train(config_lib.from_configdict(_config(tiny.get_config(), 100)), workdir)
     return workdir, first, summary
 
 
@@ -63,17 +67,17 @@ def test_resumed_run_continues_the_same_batches(run, tiny_config, tmp_path):
     tiny_config = _config(tiny_config, 100)
     corpus, tok = data.load_corpus(workdir / "corpus"), data.load_tokenizer(workdir / "tokenizer.model")
     mesh = sharding.make_mesh()
-    model_cfg, opt = pipeline.model_config(tiny_config), train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
     graphdef, target = checkpoint.abstract_state(model_cfg, opt, mesh)
     mngr = checkpoint.CheckpointManager(workdir / "checkpoints")
     assert mngr.all_steps() == [50, 60, 100]
     _, state = mngr.restore(60, target)
     mngr.close()
-    step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+    step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
     batches = data.train_batches(corpus, tok, 32, model_cfg.max_len, seed=0, start_step=60)
     ms = []
     for _ in range(10):
-        state, m = step(state, pipeline.device_batch(next(batches), mesh))
+        state, m = step(state, sharding_lib.device_batch(next(batches), mesh))
         ms.append(jax.device_get(m))
     ref = sum(float(m["loss"]) * float(m["num_tokens"]) for m in ms) / sum(float(m["num_tokens"]) for m in ms)
     np.testing.assert_allclose(_train_losses(workdir)[0][70], ref, rtol=1e-5)
@@ -83,19 +87,19 @@ def test_resumed_run_continues_the_same_batches(run, tiny_config, tmp_path):
 def test_one_and_eight_devices_give_the_same_loss(tiny_config, steps):
     skip_if_not_enough_devices(8)
     tiny_config.model.num_layers = 1
-    corpus = data.build_corpus(tiny_config.data, 0)
+    corpus = data.build_corpus(config_lib.section("data", tiny_config.data), 0)
     tok = data.train_tokenizer(corpus.texts, 512)
-    model_cfg, opt = pipeline.model_config(tiny_config), train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
     batches = data.train_batches(corpus, tok, 16, model_cfg.max_len, seed=0)
     host = [next(batches) for _ in range(steps)]
     results = []
     for devices in (jax.devices()[:1], jax.devices()[:8]):
         mesh = sharding.make_mesh(devices=devices)
-        graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
-        jit_step = pipeline.make_jit_train_step(graphdef, opt, mesh, state)
+        graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
+        jit_step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
         losses = []
         for b in host:
-            batch = pipeline.device_batch(b, mesh)
+            batch = sharding_lib.device_batch(b, mesh)
             assert len(batch["tokens"].sharding.device_set) == len(devices)
             state, m = jit_step(state, batch)
             losses.append(float(m["loss"]))
@@ -110,9 +114,8 @@ def test_rerun_of_a_finished_run_does_not_retrain_or_overwrite(run, tiny_config)
     workdir, _, summary = run
     ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     mtimes = {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()}
-    again = pipeline.train(_config(tiny_config, 100), workdir)
-    assert again["step"] == 100 and again["train_loss"] is None
-    np.testing.assert_allclose(again["eval_loss"], summary["eval_loss"], rtol=1e-6)
+    again = training.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
+    assert again == summary  # a finished run only reports: train_summary.json is not rewritten
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ckpts
     assert {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()} == mtimes
 
@@ -120,7 +123,7 @@ def test_rerun_of_a_finished_run_does_not_retrain_or_overwrite(run, tiny_config)
 def test_load_run_gives_the_trained_model(run):
     workdir, _, summary = run
     r = checkpoint.load_run(workdir)
-    assert r.step == 100 and r.model_cfg == pipeline.model_config(r.config)
+    assert r.step == 100 and r.model_cfg == config_lib.from_configdict(r.settings).model
     assert r.corpus.fingerprint == data.load_corpus(workdir / "corpus").fingerprint
     assert r.tokenizer.vocab_size <= r.model_cfg.vocab_size
     import optax
@@ -136,7 +139,7 @@ def test_refuses_a_workdir_of_another_run(run, tiny_config):
     workdir, _, _ = run
     tiny_config.model.embed_dim = 32
     with pytest.raises(ValueError, match=r"different run.*model\.embed_dim: saved 64, now 32"):
-        pipeline.train(_config(tiny_config, 100), workdir)
+        training.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
 
 
 def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
@@ -148,7 +151,7 @@ def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
     shutil.copytree(workdir / "checkpoints", other / "checkpoints")
     tiny_config.model.mlp_dim = 128
     with pytest.raises(ValueError, match=r"does not match the config: model\.mlp_dim: saved 256, now 128"):
-        pipeline.train(_config(tiny_config, 100), other)
+        training.train(config_lib.from_configdict(_config(tiny_config, 100)), other)
 
 
 @pytest.mark.parametrize("key,value,match", [
@@ -162,30 +165,30 @@ def test_bad_config_is_named(tiny_config, tmp_path, key, value, match):
     with tiny_config.unlocked():
         setattr(getattr(tiny_config, section), name, value)
     with pytest.raises(ValueError, match=match):
-        pipeline.train(tiny_config, tmp_path)
+        training.train(config_lib.from_configdict(tiny_config), tmp_path)
 
 
 def test_overlong_passages_are_truncated_and_counted(tiny_config, tmp_path, caplog):
     tiny_config.model.max_len = 12
     with caplog.at_level(logging.WARNING):
-        corpus, tok = pipeline.prepare_data(tiny_config, tmp_path)
+        corpus, tok = loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)
     n = len(data.truncation_report(corpus.texts, tok, 12))
     assert n > 0 and f"{n} of {len(corpus.examples)} passages exceed model.max_len=12" in caplog.text
 
 
 def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path):
     tiny_config.model.vocab_size = 600
-    pipeline.prepare_data(tiny_config, tmp_path)  # trains a tokenizer of <= 600 pieces
+    loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)  # trains a tokenizer of <= 600 pieces
     tiny_config.model.vocab_size = 100
     with pytest.raises(ValueError, match=r"pieces > config\.model\.vocab_size=100"):
-        pipeline.prepare_data(tiny_config, tmp_path)
+        loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)
 
 
 def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
     """Reference: recompute the full forward for each new token and take the argmax."""
     from trackstar_jax.models import palm as model_lib
     tiny_config.model.num_layers = 1
-    cfg = pipeline.model_config(tiny_config)
+    cfg = config_lib.from_configdict(tiny_config).model
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 1))
     prompts = [[2, 10, 11, 12], [2, 40], [2, 7, 7, 7, 7, 7, 7]]
     got = generate.greedy_generate(graphdef, params, prompts, 5, cfg.max_len, eos_id=3)
@@ -206,19 +209,19 @@ def _fsdp_run(tiny_config, mesh_shape, steps=3):
     """`steps` train steps of the 1-layer tiny model on a (data, fsdp, tensor) mesh of 8 devices,
     through the compiled step (whose memory_analysis comes with it)."""
     tiny_config.model.num_layers = 1
-    corpus = data.build_corpus(tiny_config.data, 0)
+    corpus = data.build_corpus(config_lib.section("data", tiny_config.data), 0)
     tok = data.train_tokenizer(corpus.texts, 512)
-    model_cfg, opt = pipeline.model_config(tiny_config), train.make_optimizer(pipeline.optimizer_config(tiny_config))
+    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
     batches = data.train_batches(corpus, tok, 16, model_cfg.max_len, seed=0)
     mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:8])
-    graphdef, state = pipeline.init_train_state(model_cfg, opt, 0, mesh)
+    graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
     init_sh = jax.tree.map(lambda x: x.sharding, state)
-    first = pipeline.device_batch(next(batches), mesh)
-    compiled = pipeline.make_jit_train_step(graphdef, opt, mesh, state).lower(state, first).compile()
+    first = sharding_lib.device_batch(next(batches), mesh)
+    compiled = step_lib.make_jit_train_step(graphdef, opt, mesh, state).lower(state, first).compile()
     batch = first
     for _ in range(steps):
         state, _ = compiled(state, batch)
-        batch = pipeline.device_batch(next(batches), mesh)
+        batch = sharding_lib.device_batch(next(batches), mesh)
     return state, init_sh, compiled.memory_analysis()
 
 

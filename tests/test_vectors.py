@@ -3,7 +3,6 @@
 import functools
 
 import jax
-import ml_collections
 import numpy as np
 import pytest
 
@@ -14,6 +13,7 @@ from trackstar_jax.models import palm as model_lib
 from trackstar_jax.distributed import sharding
 from trackstar_jax.training import step as train
 from trackstar_jax.features import vectors
+from trackstar_jax import config as config_lib
 VOCAB, B, T = 97, 8, 12
 
 
@@ -108,7 +108,7 @@ def test_parameter_tree_must_match_the_block_plan():
     params = dict(state.params)
     params["layer_0"] = dict(params["layer_0"], lora={"kernel": np.ones((4, 4), np.float32)})
     with pytest.raises(ValueError, match="layer_0/lora/kernel"):
-        vectors.make_plan(params, cfg, VC)
+        vectors.make_block_plan(params, cfg, VC)
 
 
 def test_correction_off_needs_no_optimizer_state():
@@ -132,7 +132,7 @@ def test_config_and_layout():
         vectors.VectorConfig(path="slow")
     from experiments import base, tiny
     for mod in (base, tiny):
-        vc = vectors.vector_config(mod.get_config().vectors)
+        vc = config_lib.from_configdict(mod.get_config()).vectors
         assert vc.dim == 2 * vc.num_blocks * vc.proj_dim**2
     with pytest.raises(ValueError, match="proj_dims"):
-        vectors.vector_config(ml_collections.ConfigDict({"proj_dims": 3}))
+        config_lib.from_dict({"vectors": {"proj_dims": 3}})

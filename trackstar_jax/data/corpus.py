@@ -1,4 +1,4 @@
-"""Training corpus with stable example ids, the SentencePiece tokenizer, and grain loaders.
+"""Training corpus with stable example ids: sources, the typed `config.data`, saving beside the run.
 
 Every training example is one passage (truncated to the model's max length, never packed
 with others) with a stable integer `example_id` = its row in the attribution index. The same
@@ -32,16 +32,13 @@ import json
 import os
 import pathlib
 import tempfile
-from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-import grain
 import numpy as np
-import sentencepiece as spm
+from typing import Sequence
 
-from trackstar_jax.models import palm as model_lib
+
 SOURCES = ("embedded", "lama", "text", "jsonl", "seqio")
 CORPUS_FORMAT_VERSION = 1
-
 
 # ---------------------------------------------------------------------------------------
 # Config
@@ -85,31 +82,6 @@ class DataConfig:
             raise ValueError(f"config.data.path is required for config.data.source={self.source!r}")
         if self.source == "seqio" and not self.seqio_task:
             raise ValueError("config.data.seqio_task is required for config.data.source='seqio'")
-
-
-def data_config(cfg: Any) -> DataConfig:
-    """`config.data` (ConfigDict, dict or DataConfig) -> `DataConfig`.
-
-    Raises:
-      ValueError: on an unknown key, naming it (`config.data.<key>`).
-    """
-    if isinstance(cfg, DataConfig):
-        return cfg
-    values = dict(cfg.to_dict() if hasattr(cfg, "to_dict") else cfg)
-    emb = values.pop("embedded", {}) or {}
-    emb = emb if isinstance(emb, EmbeddedConfig) else _checked(EmbeddedConfig, dict(emb), "data.embedded")
-    out = _checked(DataConfig, values, "data")
-    return dataclasses.replace(out, embedded=emb)
-
-
-def _checked(cls: Any, values: dict, name: str) -> Any:
-    fields = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(
-            f"unknown config key(s) in config.{name}: {', '.join(unknown)} (known: {', '.join(sorted(fields))})"
-        )
-    return cls(**values)
 
 
 # ---------------------------------------------------------------------------------------
@@ -172,29 +144,30 @@ def fingerprint(texts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def _make_corpus(name, texts, facts, templates, eval_texts) -> Corpus:
+def make_corpus(name, texts, facts, templates, eval_texts) -> Corpus:
     if not texts:
         raise ValueError(f"corpus {name} has no examples (check config.data.path / relations / max_examples)")
     examples = [Example(i, t) for i, t in enumerate(texts)]
     return Corpus(name, examples, facts, templates, fingerprint(texts), tuple(eval_texts))
 
 
-def build_corpus(data_cfg: Any, seed: int = 0) -> Corpus:
+def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
     """Builds the corpus that `config.data` describes (deterministic in config and seed).
 
     Args:
-      data_cfg: `config.data` (ConfigDict, dict or `DataConfig`).
+      cfg: the typed `config.data` (`config.from_configdict(...).data`).
       seed: the run seed (embedded generation; the held-out split is content-hashed).
 
     Returns:
       A `Corpus` whose example ids depend only on the config and seed.
 
     Raises:
-      ValueError: unknown config keys, no examples, an empty passage (named by file:line).
+      ValueError: no examples, an empty passage (named by file:line).
     """
-    cfg = data_config(data_cfg)
     if cfg.source == "embedded":
-        return generate_embedded(cfg.embedded, seed, cfg.eval_fraction, cfg.max_examples)
+        from trackstar_jax.data import embedded  # noqa: PLC0415  (embedded builds on this module's types)
+
+        return embedded.generate_embedded(cfg.embedded, seed, cfg.eval_fraction, cfg.max_examples)
     if cfg.source == "lama":
         texts, facts = _read_lama(cfg)
         name = f"lama:{cfg.path}"
@@ -205,7 +178,7 @@ def build_corpus(data_cfg: Any, seed: int = 0) -> Corpus:
         texts, facts = _read_seqio(cfg), []
         name = f"seqio:{cfg.seqio_task}/{cfg.seqio_split}"
     texts, facts, eval_texts = _split_eval(texts, facts, cfg.eval_fraction)
-    return _make_corpus(name, texts, facts, {}, eval_texts)
+    return make_corpus(name, texts, facts, {}, eval_texts)
 
 
 def _split_eval(texts: list[str], facts: list[Fact], fraction: float) -> tuple[list[str], list[Fact], list[str]]:
@@ -370,235 +343,6 @@ def _read_seqio(cfg: DataConfig) -> list[str]:  # pragma: no cover - needs the s
 
 
 # ---------------------------------------------------------------------------------------
-# The embedded fact corpus
-# ---------------------------------------------------------------------------------------
-
-_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "tr",
-           "st", "sh", "gr")
-_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou")
-_CODAS = ("", "", "", "", "", "", "n", "r", "l", "s", "m")
-_INSTRUMENTS = ("piano", "violin", "cello", "flute", "trumpet", "harp", "guitar", "clarinet",
-                "drums", "oboe", "saxophone", "accordion")
-_OCCUPATIONS = ("painter", "chemist", "sailor", "teacher", "architect", "baker", "surgeon",
-                "poet", "engineer", "farmer", "lawyer", "astronomer")
-
-# relation -> (subject type, object type, templates, extra phrasings). Phrasing i < 3 is
-# template i followed by " {o}" and a tail, so every template has a passage form that ends
-# in the object; phrasing 0 is stated for every fact, so the default prompt is answerable.
-_RELATIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "born_in": ("person", "city",
-                ("[X] was born in", "The birthplace of [X] is", "[X] came into the world in the city of"),
-                (".", ", where the family lived for many years.", " during a cold winter."),
-                ("{o} is the city where {s} was born.", "In {o}, a child named {s} was born.")),
-    "citizen_of": ("person", "country",
-                   ("[X] is a citizen of", "The nationality of [X] is that of", "[X] holds a passport from"),
-                   (".", ", as records show.", " and travels often."),
-                   ("{o} counts {s} among its citizens.", "As a citizen of {o}, {s} votes in every election.")),
-    "native_language": ("person", "language",
-                        ("The native language of [X] is", "[X] grew up speaking", "[X]'s mother tongue is"),
-                        (".", " at home.", ", according to friends."),
-                        ("{o} is the first language {s} learned.", "Speaking {o} since childhood, {s} writes poems in it.")),
-    "plays_instrument": ("person", "instrument",
-                         ("[X] plays the", "The instrument of [X] is the", "On stage, [X] performs on the"),
-                         (".", " in a small orchestra.", " every weekend."),
-                         ("The {o} is the instrument that {s} plays.", "Every evening the sound of the {o} comes from the house of {s}.")),
-    "occupation": ("person", "occupation",
-                   ("[X] works as a", "The profession of [X] is", "By trade, [X] is a"),
-                   (".", ", and a good one.", " in a busy town."),
-                   ("Being a {o} is how {s} earns a living.", "Trained as a {o}, {s} never changed careers.")),
-    "works_for": ("person", "company",
-                  ("[X] is employed by", "The employer of [X] is", "[X] has a job at"),
-                  (".", " for many years.", ", a large company."),
-                  ("{o} employs {s}.", "Colleagues at {o} know {s} well.")),
-    "capital": ("country", "city",
-                ("The capital of [X] is", "[X] has its capital in", "The seat of government of [X] is"),
-                (".", ", a large city.", ", by the river."),
-                ("{o} is the capital of {s}.", "Visitors to {s} usually arrive in its capital, {o}.")),
-    "located_in": ("city", "country",
-                   ("[X] is a city in", "[X] is located in", "The city of [X] lies in the country of"),
-                   (".", ", near the border.", ", on the coast."),
-                   ("{o} is the country where the city of {s} lies.", "The map of {o} shows the city of {s}.")),
-    "official_language": ("country", "language",
-                          ("The official language of [X] is", "In [X], people officially speak", "[X] uses as its official language"),
-                          (".", " in schools and courts.", ", by law."),
-                          ("{o} is the official language of {s}.", "Laws in {s} are written in {o}.")),
-    "headquarters": ("company", "city",
-                     ("[X] is headquartered in", "The headquarters of [X] are in", "[X] has its main office in"),
-                     (".", ", close to the station.", ", in a tall building."),
-                     ("{o} is home to the headquarters of {s}.", "In {o}, the company {s} has its main office.")),
-}
-
-_DISTRACTORS = {
-    "person": ("{s} was mentioned in a local newspaper last spring.", "Nobody remembers where {s} was born.",
-               "{s} rarely talks about work or music.", "A letter addressed to {s} arrived late.",
-               "Friends say {s} enjoys long walks.", "{s} once gave a short speech at a wedding."),
-    "city": ("{s} is known for its narrow streets.", "Tourists often visit {s} in the summer.",
-             "The old bridge of {s} was repaired.", "A festival in {s} draws large crowds."),
-    "country": ("{s} has a long coastline.", "Little is written about the history of {s}.",
-                "The flag of {s} has three colours.", "Many rivers cross {s}."),
-    "language": ("{s} has a rich tradition of poetry.", "Few dictionaries of {s} exist.",
-                 "Linguists still debate the grammar of {s}."),
-    "company": ("{s} announced a new product line.", "The shares of {s} rose slightly.",
-                "{s} held its yearly meeting in the spring."),
-}
-
-# share of `num_entities` per invented entity type (people are the most common subjects)
-_TYPE_SHARES = (("person", 0.55), ("city", 0.2), ("country", 0.08), ("language", 0.07), ("company", 0.1))
-
-
-def _pronounceable(rng: np.random.Generator, syllables: int) -> str:
-    s = "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
-    return s.capitalize()
-
-
-def _invent_names(rng: np.random.Generator, kind: str, n: int, taken: set[str]) -> list[str]:
-    """`n` unique names; no name is a word-prefix of another (keeps string matching exact)."""
-    out = []
-    while len(out) < n:
-        if kind == "person":
-            name = f"{_pronounceable(rng, 2)} {_pronounceable(rng, 2 + int(rng.random() < 0.3))}"
-        elif kind == "language":
-            name = _pronounceable(rng, 2) + str(rng.choice(("ish", "ese", "ic", "ian")))
-        elif kind == "company":
-            name = f"{_pronounceable(rng, 2)} {rng.choice(('Works', 'Industries', 'Trading', 'Mills', 'Labs'))}"
-        else:
-            name = _pronounceable(rng, int(rng.integers(2, 4)))
-        low = name.lower()
-        if any(low == t or low.startswith(t + " ") or t.startswith(low + " ") for t in taken) or len(name) < 4:
-            continue
-        taken.add(low)
-        out.append(name)
-    return out
-
-
-def generate_embedded(cfg: EmbeddedConfig, seed: int, eval_fraction: float = 0.05, max_examples: int = 0) -> Corpus:
-    """Generates the embedded fact corpus (deterministic in `cfg` and `seed`).
-
-    A consistent small world is drawn first (each country has a capital city located in it
-    and an official language; people, cities and companies get random attributes), then
-    `num_facts` facts are drawn round-robin over the relations. Each fact is stated by
-    `phrasings_per_fact` passages in distinct phrasings (always including phrasing 0, the
-    form of template 0); distractor passages mention entities but state no fact. Passages
-    are shuffled once, which fixes their ids. Held-out passages for the eval loss are new
-    phrasings of some facts plus new distractors, so every training passage stays.
-
-    Raises:
-      ValueError: a size that cannot be met, naming the `config.data.embedded.*` key.
-    """
-    n_phr = 3 + min(len(v[4]) for v in _RELATIONS.values())
-    if not 1 <= cfg.phrasings_per_fact <= n_phr:
-        raise ValueError(f"config.data.embedded.phrasings_per_fact must be in [1, {n_phr}], got {cfg.phrasings_per_fact}")
-    if cfg.num_entities < 20:
-        raise ValueError(f"config.data.embedded.num_entities must be >= 20, got {cfg.num_entities}")
-    if cfg.num_facts < 1 or cfg.num_distractors < 0:
-        raise ValueError("config.data.embedded.num_facts must be >= 1 and num_distractors >= 0, "
-                         f"got {cfg.num_facts} and {cfg.num_distractors}")
-    rng = np.random.default_rng([seed, 0x7AC5])
-    taken: set[str] = set()
-    ents = {}
-    for kind, share in _TYPE_SHARES:
-        ents[kind] = _invent_names(rng, kind, max(2, int(round(share * cfg.num_entities))), taken)
-    ents["city"] += _invent_names(rng, "city", max(0, len(ents["country"]) - len(ents["city"])), taken)
-    ents["instrument"], ents["occupation"] = list(_INSTRUMENTS), list(_OCCUPATIONS)
-
-    # The world: one object per (relation, subject).
-    countries, cities = ents["country"], ents["city"]
-    capital = dict(zip(countries, rng.permutation(cities)[: len(countries)].tolist()))
-    city_country = {c: str(rng.choice(countries)) for c in cities}
-    city_country.update({city: country for country, city in capital.items()})
-    world: dict[str, dict[str, str]] = {
-        "capital": capital,
-        "located_in": city_country,
-        "official_language": {c: str(rng.choice(ents["language"])) for c in countries},
-        "headquarters": {c: str(rng.choice(cities)) for c in ents["company"]},
-    }
-    for rel, (stype, otype, *_rest) in _RELATIONS.items():
-        if stype == "person":
-            world[rel] = {p: str(rng.choice(ents[otype])) for p in ents["person"]}
-    total = sum(len(v) for v in world.values())
-    if cfg.num_facts > total:
-        raise ValueError(f"config.data.embedded.num_facts={cfg.num_facts} exceeds the {total} facts of a world "
-                         f"with num_entities={cfg.num_entities}")
-
-    # Facts, round-robin over relations in a seeded order.
-    pools = {rel: rng.permutation(sorted(world[rel])).tolist() for rel in _RELATIONS}
-    order = rng.permutation(sorted(_RELATIONS)).tolist()
-    picked: list[tuple[str, str]] = []
-    while len(picked) < cfg.num_facts:
-        for rel in order:
-            if pools[rel] and len(picked) < cfg.num_facts:
-                picked.append((rel, pools[rel].pop()))
-
-    def phrasings(rel: str) -> list[str]:
-        _, _, templates, tails, extra = _RELATIONS[rel]
-        return [t.replace("[X]", "{s}") + " {o}" + tail for t, tail in zip(templates, tails)] + list(extra)
-
-    passages: list[tuple[str, int]] = []  # (text, fact index or -1)
-    unused: list[list[str]] = []
-    for fi, (rel, subj) in enumerate(picked):
-        forms = phrasings(rel)
-        rest = (1 + rng.permutation(len(forms) - 1)).tolist()
-        chosen = [0] + rest[: cfg.phrasings_per_fact - 1]
-        obj = world[rel][subj]
-        passages += [(forms[k].format(s=subj, o=obj), fi) for k in chosen]
-        unused.append([forms[k].format(s=subj, o=obj) for k in rest[cfg.phrasings_per_fact - 1:]])
-
-    def distractor() -> str:
-        kind = str(rng.choice(list(_DISTRACTORS)))
-        return str(rng.choice(_DISTRACTORS[kind])).format(s=rng.choice(ents[kind]))
-
-    seen = {t for t, _ in passages}
-    target, tries = len(passages) + cfg.num_distractors, 0
-    while len(passages) < target:
-        t, tries = distractor(), tries + 1
-        if t in seen and tries < 50 * target:  # repeat only once the distractor space is spent
-            continue
-        seen.add(t)
-        passages.append((t, -1))
-    perm = rng.permutation(len(passages))
-    passages = [passages[i] for i in perm]
-    if max_examples:
-        passages = passages[:max_examples]
-    texts = [t for t, _ in passages]
-    evidence: dict[int, list[int]] = {}
-    for i, (_, fi) in enumerate(passages):
-        if fi >= 0:
-            evidence.setdefault(fi, []).append(i)
-    facts = []
-    for fi, (rel, subj) in enumerate(picked):
-        if fi not in evidence:  # cut by max_examples
-            continue
-        obj = world[rel][subj]
-        facts.append(Fact(fact_id=f"emb-{fi:05d}", subject=subj, relation=rel, object=obj,
-                          object_aliases=(obj,), subject_aliases=(subj,), evidence_ids=tuple(evidence[fi])))
-    templates = {rel: list(v[2]) for rel, v in _RELATIONS.items()}
-
-    # Held-out passages: unused phrasings of some facts (does the model know the fact when
-    # it is stated differently?) and fresh distractors (plain language modelling).
-    n_eval = int(round(eval_fraction * len(texts)))
-    eval_texts: list[str] = []
-    fact_order = rng.permutation(len(picked)).tolist()
-    for fi in fact_order:
-        if len(eval_texts) >= n_eval // 2:
-            break
-        if unused[fi]:
-            eval_texts.append(unused[fi][0])
-    train_set = set(texts)
-    tries = 0
-    while len(eval_texts) < n_eval and tries < 100 * (n_eval + 1):
-        tries += 1
-        t = distractor()
-        if t not in train_set and t not in eval_texts:
-            eval_texts.append(t)
-    return _make_corpus(f"embedded(seed={seed})", texts, facts, templates, eval_texts)
-
-
-def fill_template(template: str, subject: str) -> str:
-    """`"[X] was born in"`, `"Arlo Venmarsh"` -> `"Arlo Venmarsh was born in"`."""
-    return template.replace("[X]", subject)
-
-
-# ---------------------------------------------------------------------------------------
 # Saving / loading beside the run
 # ---------------------------------------------------------------------------------------
 
@@ -658,230 +402,7 @@ def load_corpus(directory: str | os.PathLike) -> Corpus:
             facts.append(Fact(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}))
     with open(d / "eval.jsonl", encoding="utf-8") as f:
         eval_texts = [json.loads(line)["text"] for line in f]
-    corpus = _make_corpus(meta["name"], texts, facts, json.loads((d / "templates.json").read_text()), eval_texts)
+    corpus = make_corpus(meta["name"], texts, facts, json.loads((d / "templates.json").read_text()), eval_texts)
     if corpus.fingerprint != meta["fingerprint"]:
         raise ValueError(f"corpus at {d} was modified: fingerprint {corpus.fingerprint[:12]} != saved {meta['fingerprint'][:12]}")
     return corpus
-
-
-# ---------------------------------------------------------------------------------------
-# Tokenizer
-# ---------------------------------------------------------------------------------------
-
-UNK_ID, BOS_ID, EOS_ID = 1, 2, 3
-
-
-class Tokenizer:
-    """SentencePiece tokenizer with `pad_id == model.PAD_ID == 0`, unk 1, BOS 2, EOS 3."""
-
-    def __init__(self, model_proto: bytes):
-        self.model_proto = model_proto
-        self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        if self._sp.pad_id() != model_lib.PAD_ID or self._sp.bos_id() != BOS_ID or self._sp.eos_id() != EOS_ID:
-            raise ValueError(f"tokenizer ids (pad {self._sp.pad_id()}, bos {self._sp.bos_id()}, eos {self._sp.eos_id()}) "
-                             f"must be ({model_lib.PAD_ID}, {BOS_ID}, {EOS_ID}); train it with train_tokenizer")
-
-    pad_id = model_lib.PAD_ID
-    bos_id = BOS_ID
-    eos_id = EOS_ID
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._sp.get_piece_size())
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`, without BOS / EOS."""
-        return list(self._sp.encode(text, out_type=int))
-
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        return [list(x) for x in self._sp.encode(list(texts), out_type=int)]
-
-    def decode(self, ids: Iterable[int]) -> str:
-        """Text of `ids`; pad / BOS / EOS are dropped."""
-        return self._sp.decode([int(i) for i in ids if int(i) not in (self.pad_id, self.bos_id, self.eos_id)])
-
-    def save(self, path: str | os.PathLike) -> None:
-        _atomic_write(pathlib.Path(path), self.model_proto)
-
-
-def train_tokenizer(texts: Sequence[str], vocab_size: int, path: str | os.PathLike | None = None,
-                    model_type: str = "unigram") -> Tokenizer:
-    """Trains a SentencePiece model on `texts` and saves it to `path` (if given).
-
-    The vocabulary is at most `vocab_size` (fewer when the corpus is too small to fill it,
-    `hard_vocab_limit=False`); it must then fit the model's embedding table.
-    """
-    if not texts:
-        raise ValueError("cannot train a tokenizer on an empty corpus")
-    if vocab_size < 8:
-        raise ValueError(f"tokenizer vocab_size must be >= 8, got {vocab_size}")
-    buf = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type=model_type,
-        pad_id=model_lib.PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, hard_vocab_limit=False,
-        character_coverage=1.0 if len(texts) < 100_000 else 0.9995, input_sentence_size=2_000_000,
-        shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2, num_threads=2,
-    )
-    tok = Tokenizer(buf.getvalue())
-    if path is not None:
-        tok.save(path)
-    return tok
-
-
-def load_tokenizer(path: str | os.PathLike) -> Tokenizer:
-    """Loads a tokenizer saved by `train_tokenizer` / `Tokenizer.save`."""
-    p = pathlib.Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"no tokenizer model at {p}")
-    return Tokenizer(p.read_bytes())
-
-
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-# ---------------------------------------------------------------------------------------
-# Encoding and batches
-# ---------------------------------------------------------------------------------------
-
-
-def encode_example(tok: Tokenizer, text: str, max_len: int) -> tuple[np.ndarray, bool]:
-    """BOS + text + EOS, truncated to `max_len` tokens (loss on everything after BOS).
-
-    Returns:
-      `(tokens int32 [<= max_len], truncated)`.
-    """
-    ids = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
-    return np.asarray(ids[:max_len], np.int32), len(ids) > max_len
-
-
-def encode_query(tok: Tokenizer, prompt: str, target: str, max_len: int, query_id: Any = None) -> dict[str, np.ndarray]:
-    """BOS + prompt + target with `loss_mask` = 1 only on the target tokens.
-
-    `target` starts with a space (" Paris"); SentencePiece splits on whitespace, so encoding
-    the two parts separately gives the tokens of the joined text.
-
-    Raises:
-      ValueError: the target encodes to nothing, or prompt + target exceeds `max_len`
-        (the message names the query).
-    """
-    name = f"query {query_id!r} " if query_id is not None else ""
-    p, t = tok.encode(prompt), tok.encode(target)
-    if not t:
-        raise ValueError(f"{name}({prompt!r} -> {target!r}): the target encodes to no tokens")
-    tokens = [tok.bos_id] + p + t
-    if len(tokens) > max_len:
-        raise ValueError(f"{name}({prompt!r} -> {target!r}): {len(tokens)} tokens exceed max_len={max_len}")
-    mask = [0] * (1 + len(p)) + [1] * len(t)
-    return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, np.int32)}
-
-
-def pad_batch(items: Sequence[tuple[np.ndarray, np.ndarray]], example_ids: Sequence[int], batch_size: int,
-              seq_len: int) -> dict[str, np.ndarray]:
-    """Stacks `(tokens, loss_mask)` pairs into the batch convention, padding rows and length.
-
-    Returns:
-      `tokens int32 [batch_size, seq_len]`, `loss_mask int32 [batch_size, seq_len]`,
-      `example_id int32 [batch_size]` (-1 on padding rows, whose mask is all zero).
-    """
-    if len(items) > batch_size or len(items) != len(example_ids):
-        raise ValueError(f"pad_batch: {len(items)} items / {len(example_ids)} ids for batch_size {batch_size}")
-    tokens = np.full((batch_size, seq_len), model_lib.PAD_ID, np.int32)
-    mask = np.zeros((batch_size, seq_len), np.int32)
-    ids = np.full((batch_size,), -1, np.int32)
-    for r, ((t, m), i) in enumerate(zip(items, example_ids)):
-        if len(t) > seq_len or len(m) != len(t):
-            raise ValueError(f"pad_batch: example {i} has {len(t)} tokens / {len(m)} mask entries for seq_len {seq_len}")
-        tokens[r, : len(t)], mask[r, : len(t)], ids[r] = t, m, i
-    return {"tokens": tokens, "loss_mask": mask, "example_id": ids}
-
-
-def _example_loss_mask(tokens: np.ndarray) -> np.ndarray:
-    m = np.ones(len(tokens), np.int32)
-    m[0] = 0  # BOS is never a target
-    return m
-
-
-class _Encoded:
-    """Random-access grain source: row i -> padded `tokens`, `loss_mask`, `example_id`."""
-
-    def __init__(self, texts: Sequence[str], ids: Sequence[int], tok: Tokenizer, seq_len: int):
-        self.texts, self.ids, self.tok, self.seq_len = texts, ids, tok, seq_len
-
-    def __len__(self) -> int:
-        return len(self.texts)
-
-    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
-        t, _ = encode_example(self.tok, self.texts[i], self.seq_len)
-        b = pad_batch([(t, _example_loss_mask(t))], [self.ids[i]], 1, self.seq_len)
-        return {k: v[0] for k, v in b.items()}
-
-
-def _stack(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
-
-
-def _pad_rows(b: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
-    n = b["tokens"].shape[0]
-    if n == batch_size:
-        return b
-    out = pad_batch([], [], batch_size - n, b["tokens"].shape[1])
-    return {k: np.concatenate([b[k], out[k]]) for k in b}
-
-
-def index_batches(corpus: Corpus, tok: Tokenizer, batch_size: int, seq_len: int, start: int = 0,
-                  stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
-    """Ordered (no shuffle) batches over examples `[start, stop)`; the last one is padded.
-
-    Row r of batch b holds example `start + b * batch_size + r` (example_id -1 on padding),
-    so a caller can write vectors straight into index rows.
-    """
-    stop = len(corpus.examples) if stop is None else min(stop, len(corpus.examples))
-    if not 0 <= start <= stop:
-        raise ValueError(f"index_batches: bad row range [{start}, {stop}) for {len(corpus.examples)} examples")
-    texts = [e.text for e in corpus.examples[start:stop]]
-    ids = list(range(start, stop))
-    ds = grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len)).batch(batch_size, batch_fn=_stack)
-    for b in ds:
-        yield _pad_rows(b, batch_size)
-
-
-def eval_batches(corpus: Corpus, tok: Tokenizer, batch_size: int, seq_len: int,
-                 max_batches: int = 0) -> list[dict[str, np.ndarray]]:
-    """Batches of the held-out passages (example_id -1: they are not examples)."""
-    texts = list(corpus.eval_texts)
-    if max_batches:
-        texts = texts[: max_batches * batch_size]
-    if not texts:
-        return []
-    ds = grain.MapDataset.source(_Encoded(texts, [-1] * len(texts), tok, seq_len)).batch(batch_size, batch_fn=_stack)
-    return [_pad_rows(b, batch_size) for b in ds]
-
-
-def train_batches(corpus: Corpus, tok: Tokenizer, batch_size: int, seq_len: int, seed: int,
-                  start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
-    """Infinite shuffled batches (grain; reshuffled each epoch; seeded).
-
-    Batch s is a pure function of (corpus, seed, s), so a run resumed at step s sees exactly
-    the batches it would have seen without the interruption.
-    """
-    ds = (grain.MapDataset.source(_Encoded(corpus.texts, list(range(len(corpus.examples))), tok, seq_len))
-          .seed(seed).shuffle().repeat(None).batch(batch_size, drop_remainder=True, batch_fn=_stack))
-    step = start_step
-    while True:
-        yield ds[step]
-        step += 1
-
-
-def truncation_report(texts: Sequence[str], tok: Tokenizer, max_len: int) -> list[int]:
-    """Indices of passages longer than `max_len` tokens (BOS + text + EOS)."""
-    out = []
-    for start in range(0, len(texts), 4096):
-        for j, ids in enumerate(tok.encode_batch(texts[start:start + 4096])):
-            if len(ids) + 2 > max_len:
-                out.append(start + j)
-    return out

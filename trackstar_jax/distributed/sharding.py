@@ -127,3 +127,22 @@ def fsdp_shardings(tree: Any, mesh: Mesh, min_elements: int = FSDP_MIN_ELEMENTS)
 def data_parallel_size(mesh: Mesh) -> int:
     """Number of shards the batch axis is split into."""
     return int(mesh.shape[DATA] * mesh.shape[FSDP])
+
+
+def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
+    """Shardings of a batch dict (rows over the data axes)."""
+    return {"tokens": batch_sharding(mesh, 2), "loss_mask": batch_sharding(mesh, 2), "example_id": batch_sharding(mesh, 1)}
+
+
+def device_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
+    """Places a global host batch on `mesh`.
+
+    On a mesh that spans several processes (multi-host training) every process reads the
+    same global batch (the loaders are deterministic) and places the rows its own devices
+    hold, whatever the order of the mesh's devices. A process-local mesh (index building on
+    a pod: one writer per host) takes the batch as it is.
+    """
+    sh = batch_shardings(mesh)
+    if mesh.is_multi_process:
+        return {k: jax.make_array_from_callback(v.shape, sh[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
+    return {k: jax.device_put(v, sh[k]) for k, v in batch.items()}

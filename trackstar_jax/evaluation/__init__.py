@@ -1,1 +1,14 @@
-"""evaluation."""
+"""Evaluation: the fact-tracing table (§4-5) and stage 4.
+
+- `queries`: fact queries from templates, §A.4 sampling, frequency buckets.
+- `query_set`: the run's facts -> the encoded query set with the model's completions.
+- `rows`: one retriever per table row (gold, BM25, dense, gradient) behind one interface.
+- `baselines`: BM25, dense embeddings, the table's `METHODS`.
+- `embedding`: the dense row's MiniLM encoder in JAX.
+- `tailpatch`: the tail-patch influence metric (§4.3).
+- `metrics`: MRR / recall / precision, bootstrap intervals, tables.
+- `report`: retrieval files, table.md. `results`: reading an evaluation back (notebook).
+- `stage`: the `evaluate` stage, and `retrieve_fact_queries` (stage 3 on the fact queries).
+"""
+
+from trackstar_jax.evaluation.stage import evaluate, retrieve, retrieve_fact_queries

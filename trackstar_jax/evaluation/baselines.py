@@ -23,12 +23,12 @@ names every row and its settings; `experiments/method_*.py` hold one config per 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 import numpy as np
 from jaxtyping import Float, Int
 
+from trackstar_jax import methods as methods_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.retrieval import topk as retrieval_lib
 LUCENE_K1 = 1.2
@@ -140,66 +140,6 @@ def stable_topk(scores: Float[np.ndarray, "n"], k: int) -> Int[np.ndarray, "k"]:
     return cand[order[:k]].astype(np.int32)
 
 
-# ---------------------------------------------------------------------------------------
-# The rows of Table 1 (§5.1-5.2): what each named method is
-# ---------------------------------------------------------------------------------------
-
-METHOD_KINDS = ("gold", "bm25", "dense", "gradient")
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """One row of the fact-tracing table.
-
-    Attributes:
-      name: key used in `config.eval.methods` and in table.json.
-      kind: "gold" (the fact's own evidence passages, tail-patch only), "bm25", "dense"
-        (text-embedding cosine, `DenseEmbedding`), or "gradient" (retrieval from a gradient index).
-      label: the row label, as in Table 1.
-      output_fn, correction: the index's `vectors` settings (optimizer second-moment
-        correction = the "Optim." column).
-      hessian: the `hessian.mode` ("none" / "train" = R_train / "mixed" = TrackStar's R).
-      unit_norm: the "Unit norm" column.
-    """
-
-    name: str
-    kind: str
-    label: str
-    output_fn: str = "loss"
-    correction: bool = False
-    hessian: str = "none"
-    unit_norm: bool = False
-
-    def overrides(self) -> dict[str, Any]:
-        """Config overrides (dotted keys) that select this row's index and scoring."""
-        if self.kind != "gradient":
-            return {}
-        return {"vectors.output_fn": self.output_fn, "vectors.correction": self.correction,
-                "hessian.mode": self.hessian, "hessian.unit_norm": self.unit_norm}
-
-
-# Table 1 of the paper. Exp. 1 is the gradient dot product (TracIn-style, Pruthi et al. 2020)
-# and Exp. 2 the gradient cosine (Han et al. 2022/2023); TRAK as the paper ran it: margin
-# output function with TRAK's example-level Q on candidates, R_train, no optimizer
-# correction, no unit norm (§4.4, §A.1.1). "dense" is the Gecko row with an offline model
-# (all-MiniLM-L6-v2, `embedding.py`); it needs the model package (`embedding.is_available()`).
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("trex_gold", "gold", "T-REx gold"),
-    Method("bm25", "bm25", "BM25"),
-    Method("dense", "dense", "MiniLM-L6 embeddings (Gecko stand-in)", unit_norm=True),
-    Method("trak", "gradient", "TRAK", output_fn="trak", correction=False, hessian="train", unit_norm=False),
-    Method("exp1", "gradient", "Exp. 1 (grad dot)", correction=False, hessian="none", unit_norm=False),
-    Method("exp2", "gradient", "Exp. 2 (grad cosine)", correction=False, hessian="none", unit_norm=True),
-    Method("exp3", "gradient", "Exp. 3", correction=False, hessian="train", unit_norm=True),
-    Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
-    Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
-    Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
-)}
-TABLE1_ORDER = tuple(METHODS)
-
-
-def method(name: str) -> Method:
-    """`METHODS[name]`, or a ValueError listing the known rows."""
-    if name not in METHODS:
-        raise ValueError(f"unknown evaluation method {name!r} in config.eval.methods (known: {', '.join(METHODS)})")
-    return METHODS[name]
+# The rows of Table 1 are configuration (named vector / Hessian settings): trackstar_jax/methods.py.
+METHOD_KINDS, Method, METHODS, TABLE1_ORDER, method = (
+    methods_lib.METHOD_KINDS, methods_lib.Method, methods_lib.METHODS, methods_lib.TABLE1_ORDER, methods_lib.method)

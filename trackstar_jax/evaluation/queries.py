@@ -33,21 +33,15 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from trackstar_jax.data import answers
 from trackstar_jax.models import generate as generate_lib
+
+# One definition of correctness (§4.2) for training reports and evaluation: data/answers.py.
+STOPWORDS, words, normalize_answer, is_correct = answers.STOPWORDS, answers.words, answers.normalize_answer, answers.is_correct
 # §A.4: "We exclude entity aliases with less than three characters" (for string matching).
 MIN_ALIAS_CHARS = 3
 # Frequency bucket lower edges (§A.4 uses 1-10, 10-1e2, ..., 1e5-1e6 occurrences in C4).
 DEFAULT_BUCKET_EDGES = (1, 10, 100, 1_000, 10_000, 100_000)
-# Lucene's English stop words (EnglishAnalyzer.ENGLISH_STOP_WORDS_SET), the list bm25s calls "en"
-# (`test_stopwords_are_bm25s_en` pins the equality). Spelled out here because importing bm25s
-# runs a JAX computation, which starts JAX's backends at import time (too early for
-# `jax.distributed.initialize` and for config set after import).
-STOPWORDS = frozenset((
-    "a", "an", "and", "are", "as", "at", "be", "but", "by", "for", "if", "in", "into", "is", "it", "no", "not",
-    "of", "on", "or", "such", "that", "the", "their", "then", "there", "these", "they", "this", "to", "was",
-    "will", "with"))
-
-_WORD_RE = re.compile(r"\w+", re.UNICODE)
 
 
 # ---------------------------------------------------------------------------------------
@@ -152,31 +146,6 @@ class SelectionConfig:
 # ---------------------------------------------------------------------------------------
 # Text normalisation and entity matching
 # ---------------------------------------------------------------------------------------
-
-
-def words(text: str) -> list[str]:
-    """Lowercased word tokens (unicode `\\w+` runs)."""
-    return _WORD_RE.findall(text.lower())
-
-
-def normalize_answer(text: str) -> tuple[str, ...]:
-    """Lowercase, drop punctuation and stopwords (§4.2 correctness scoring)."""
-    return tuple(w for w in words(text) if w not in STOPWORDS)
-
-
-def is_correct(prediction: str, aliases: Iterable[str]) -> bool:
-    """§4.2: the greedy completion matches an alias after lowercasing + stopword removal.
-
-    A completion keeps going after the object ("Paris in 1950"), so it is correct when its
-    normalised word sequence *starts with* a normalised alias (whole words). Aliases that
-    normalise to nothing (all stopwords) never match.
-    """
-    pred = normalize_answer(prediction)
-    for alias in aliases:
-        a = normalize_answer(alias)
-        if a and pred[: len(a)] == a:
-            return True
-    return False
 
 
 def matchable_aliases(aliases: Iterable[str]) -> list[str]:
@@ -631,14 +600,9 @@ def predict(graphdef: Any, params: Any, tokenizer: Any, queries: Sequence[Query]
     """
     # A prompt that leaves no room to generate gets no completion (its query cannot be
     # encoded either and is skipped, counted, by `encode_queries`).
-    fits = [len(tokenizer.encode(q.prompt)) + 1 < max_len for q in queries]
-    completions: list[str] = []
-    for start in range(0, len(queries), batch_size):
-        chunk = [q.prompt if ok else "" for q, ok in zip(queries[start:start + batch_size], fits[start:start + batch_size])]
-        prompts = chunk + [""] * (batch_size - len(chunk))  # one batch size: fewer compiles
-        completions += generate_lib.complete(graphdef, params, tokenizer, prompts, max_new_tokens,
-                                             max_len)[: len(chunk)]
-    completions = [cut_completion(c) if ok else "" for c, ok in zip(completions, fits)]
+    completions = generate_lib.complete_batched(graphdef, params, tokenizer, [q.prompt for q in queries],
+                                                max_new_tokens, max_len, batch_size)
+    completions = [cut_completion(c) for c in completions]
     return completions, [is_correct(c, q.aliases) for c, q in zip(completions, queries)]
 
 

@@ -1,7 +1,7 @@
 """Reading and showing an evaluation's output (`workdir/eval/`), for the notebook and the CLI.
 
 `load_results(workdir)` reads the query set, the per-row retrievals (PAIR-code schema) and
-the table written by `pipeline.evaluate`. `proponent_rows` lists one query's proponents or
+the table written by `evaluation.evaluate`. `proponent_rows` lists one query's proponents or
 opponents with scores, gold / mention labels and tail-patch deltas; `highlight` marks the
 query's subject and object surface forms in a passage (HTML); `side_by_side_html` compares
 rows (methods) for one query; `format_proponents` is the plain-text form.
@@ -54,7 +54,7 @@ def load_results(workdir: str | pathlib.Path, name: str = EVAL_DIR) -> Results:
     Args:
       workdir: the run directory.
       name: the evaluation folder ("eval"; "eval_prediction", "eval_gold_t1", ... for other
-        query modes / template variants, see `pipeline.eval_dir`).
+        query modes / template variants, see `evaluation.report.eval_dir`).
 
     Raises:
       FileNotFoundError: no evaluation output there (names the missing file).

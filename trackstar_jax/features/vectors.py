@@ -79,7 +79,7 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
     return 2 * cfg.num_blocks, cfg.proj_dim**2
 
 
-def make_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
+def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
     """The block plan of a (possibly abstract) parameter tree; errors name the offending parameter."""
     flat = model_lib.flat_params(grads_lib.pure_params(params))
     shapes = {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat) if p in flat}
@@ -96,7 +96,7 @@ def make_precond(params: Any, opt_state: Any, vec_cfg: VectorConfig,
     if plan is None:
         if model_cfg is None:
             raise ValueError("make_precond needs the block plan or the model config")
-        plan = make_plan(params, model_cfg, vec_cfg)
+        plan = make_block_plan(params, model_cfg, vec_cfg)
     return precond_lib.from_opt_state(params, opt_state, plan.paths, exact=vec_cfg.path == "reference")
 
 
@@ -191,7 +191,7 @@ class VectorFn:
     def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role):
         self.vec_cfg, self.model_cfg, self.role = vec_cfg, model_cfg, role
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
-        self.plan = make_plan(params, model_cfg, vec_cfg)
+        self.plan = make_block_plan(params, model_cfg, vec_cfg)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
         if self.precond is not None and int(self.mesh.shape[sharding_lib.FSDP]) > 1:
             # read from an fsdp-sharded optimizer state (training's shardings): the step takes it replicated
@@ -252,16 +252,6 @@ def make_vector_fn(graphdef: nnx.GraphDef, model_cfg: model_lib.LMConfig, vec_cf
     if role not in grads_lib.ROLES:
         raise ValueError(f"role must be one of {grads_lib.ROLES}, got {role!r}")
     return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role)
-
-
-def vector_config(section: Any) -> VectorConfig:
-    """`config.vectors` (ConfigDict or mapping) -> `VectorConfig`; unknown keys raise, naming them."""
-    values = dict(section.to_dict() if hasattr(section, "to_dict") else section)
-    fields = {f.name for f in dataclasses.fields(VectorConfig)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ValueError(f"unknown config key(s) in config.vectors: {', '.join(unknown)} (known: {', '.join(sorted(fields))})")
-    return VectorConfig(**values)
 
 
 def projection_dim_for(d: int, num_blocks: int) -> int:

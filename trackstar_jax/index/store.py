@@ -35,20 +35,16 @@ pre-quantisation rows makes R exactly the autocorrelation of what retrieval scor
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import errno
 import functools
 import hashlib
-import io
 import json
 import math
 import os
 import pathlib
 import re
-import socket
 import time
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +57,7 @@ import trackstar_jax
 from trackstar_jax.index import hessian
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-_NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
               "float16": np.dtype(np.float16), "int8": np.dtype(np.int8)}
 _INFO = "info"  # manifest section that is recorded but never compared
 _MARKER_RE = re.compile(r"^chunk_(\d{8})\.done$")
@@ -123,7 +119,7 @@ def auto_r_every_chunks(dim: int, num_blocks_total: int, dtype: str, chunk_rows:
     """Smallest segment (in chunks) for which saving the float64 R sum costs <= 2% of its data."""
     k2 = dim // num_blocks_total
     r_bytes = num_blocks_total * k2 * k2 * 8
-    chunk_bytes = chunk_rows * dim * _NP_DTYPES[dtype].itemsize
+    chunk_bytes = chunk_rows * dim * NP_DTYPES[dtype].itemsize
     return max(1, math.ceil(r_bytes / (_R_SAVE_BUDGET * chunk_bytes)))
 
 
@@ -233,40 +229,6 @@ def tree_fingerprint(tree: Any) -> str:
 # ------------------------------------------------------------------------------------------
 
 
-def _write_tmp(path: pathlib.Path, data: bytes) -> pathlib.Path:
-    """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path."""
-    # Host and pid: writers on several hosts may share the filesystem (and a pid).
-    tmp = path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return tmp
-
-
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new)."""
-    os.replace(_write_tmp(path, data), path)
-
-
-def _create_once(path: pathlib.Path, data: bytes) -> bool:
-    """Atomically creates `path` with `data` unless it exists; returns True if this call created it."""
-    tmp = _write_tmp(path, data)
-    try:
-        os.link(tmp, path)  # fails if another writer got there first
-        return True
-    except FileExistsError:
-        return False
-    finally:
-        tmp.unlink()
-
-
-def _npy_bytes(a: np.ndarray) -> bytes:
-    buf = io.BytesIO()
-    np.save(buf, a, allow_pickle=False)
-    return buf.getvalue()
-
-
 def read_manifest(path: str | os.PathLike) -> dict:
     """Loads `<path>/manifest.json` (clear error if the directory is not an index)."""
     p = pathlib.Path(path) / "manifest.json"
@@ -333,7 +295,7 @@ def quantize(rows: Float[Array, "n d"], dtype: str) -> tuple[Array, Float[Array,
         scale = jnp.max(jnp.abs(rows), axis=1) / 127.0
         q = jnp.where(scale[:, None] > 0, rows / jnp.where(scale > 0, scale, 1.0)[:, None], 0.0)
         return jnp.clip(jnp.round(q), -127, 127).astype(jnp.int8), scale
-    return rows.astype(_NP_DTYPES[dtype]), None
+    return rows.astype(NP_DTYPES[dtype]), None
 
 
 def dequantize(stored: Array, scale: Float[Array, "n"] | None) -> Float[Array, "n d"]:
@@ -376,7 +338,7 @@ class IndexReader:
         self.num_rows = int(st["num_rows"])
         self.dim = int(manifest["vectors"]["dim"])
         self.dtype_name = st["dtype"]
-        self.dtype = _NP_DTYPES[self.dtype_name]
+        self.dtype = NP_DTYPES[self.dtype_name]
         self.chunk_rows = int(st["chunk_rows"])
         self.num_blocks_total = int(manifest["vectors"]["num_blocks_total"])
         self.block_dim = self.dim // self.num_blocks_total
@@ -521,31 +483,6 @@ def load_r_train(path: str | os.PathLike) -> hessian.RStats | None:
     return hessian.RStats(total, int(meta["count"]))
 
 
-# ------------------------------------------------------------------------------------------
-# Builder
-# ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class BuildStats:
-    """What one `IndexBuilder.build` call did, and where its time went."""
-
-    rows_written: int = 0
-    chunks_written: int = 0
-    chunks_skipped: int = 0  # already complete (resume)
-    chunks_read_back: int = 0  # complete chunks re-read for the R_train running sum
-    seconds: float = 0.0
-    write_seconds: float = 0.0  # main loop blocked on writing (submits, commits, markers, R saves)
-    readback_seconds: float = 0.0
-    finalized: bool = False
-
-    @property
-    def write_fraction(self) -> float:
-        return self.write_seconds / self.seconds if self.seconds > 0 else 0.0
-
-
-RowsFn = Callable[[int, int], Any]  # (start, stop) -> float32 [stop-start, d] rows for example ids start..stop-1
-
 
 def process_chunk_range(num_chunks: int, r_every_chunks: int, process_index: int, process_count: int) -> range:
     """The contiguous chunks process `process_index` of `process_count` writes (whole segments)."""
@@ -556,299 +493,6 @@ def process_chunk_range(num_chunks: int, r_every_chunks: int, process_index: int
     hi = segments * (process_index + 1) // process_count
     return range(min(lo * r_every_chunks, num_chunks), min(hi * r_every_chunks, num_chunks))
 
-
-class IndexBuilder:
-    """Creates (or resumes) an index and fills this process's rows.
-
-    Usage: `IndexBuilder(path, manifest, process_index=p, process_count=P).build(rows_fn)`.
-    `rows_fn(start, stop)` must return the float32 vectors of example ids `start..stop-1`
-    (jax or numpy array). It may return a device array without blocking: the builder
-    overlaps computing chunk c+1 with moving chunk c to the host and writing it.
-    """
-
-    def __init__(self, path: str | os.PathLike, manifest: Mapping[str, Any], *, process_index: int = 0,
-                 process_count: int = 1, max_writes_in_flight: int = 2, device: jax.Device | None = None):
-        self.path = pathlib.Path(path)
-        self.manifest = json.loads(json.dumps(dict(manifest)))
-        if self.manifest.get("format") != FORMAT:
-            raise ValueError("manifest was not made by index.make_manifest")
-        st = self.manifest["storage"]
-        self.num_rows, self.chunk_rows = int(st["num_rows"]), int(st["chunk_rows"])
-        self.dtype = st["dtype"]
-        self.r_every = int(st["r_every_chunks"])
-        self.dim = int(self.manifest["vectors"]["dim"])
-        self.num_blocks_total = int(self.manifest["vectors"]["num_blocks_total"])
-        self.num_chunks = -(-self.num_rows // self.chunk_rows)
-        self.process_index, self.process_count = process_index, process_count
-        self.chunks = process_chunk_range(self.num_chunks, self.r_every, process_index, process_count)
-        self.max_writes_in_flight = max(1, max_writes_in_flight)
-        # R partial sums run on one fixed device so that build and read-back give the same bits.
-        self.device = device or jax.local_devices()[0]
-        self._open_or_create()
-
-    # -- setup ---------------------------------------------------------------------------
-
-    def _open_or_create(self) -> None:
-        p = self.path
-        p.mkdir(parents=True, exist_ok=True)
-        mpath = p / "manifest.json"
-        if not mpath.exists():
-            if (p / "vectors").exists():
-                raise IndexMismatchError(f"{p} holds index data but no manifest.json: refusing to overwrite it")
-            _create_once(mpath, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
-        on_disk = read_manifest(p)
-        check_manifest(on_disk, _identity(self.manifest), path=str(p), action="resume")
-        # Fields present on disk but absent from ours also count as a mismatch.
-        check_manifest(self.manifest, _identity(on_disk), path=str(p), action="resume")
-        self.manifest = on_disk
-        (p / "progress").mkdir(exist_ok=True)
-        (p / "r_train").mkdir(exist_ok=True)
-        part = json.dumps({"process_count": self.process_count}).encode()
-        _create_once(p / "progress" / "partition.json", part)
-        started = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
-        if started != self.process_count:
-            raise IndexMismatchError(f"refusing to resume index {p}: it was started with process_count={started}, "
-                                     f"not {self.process_count} (R_train partial sums are per process range)")
-        self._vectors, self._scale = _open_arrays(p, self.manifest, create=True)
-
-    # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
-
-    def chunk_rows_range(self, c: int) -> tuple[int, int]:
-        return c * self.chunk_rows, min((c + 1) * self.chunk_rows, self.num_rows)
-
-    def _marker(self, c: int) -> pathlib.Path:
-        return self.path / "progress" / f"chunk_{c:08d}.done"
-
-    def _write_rows(self, lo: int, hi: int, stored: np.ndarray, scale: np.ndarray | None) -> list:
-        futs = [self._vectors[lo:hi].write(stored).commit]
-        if scale is not None:
-            futs.append(self._scale[lo:hi].write(scale).commit)
-        return futs
-
-    def _pad(self, x: Any, n: int) -> Any:
-        if n == self.chunk_rows:
-            return x
-        pad = [(0, self.chunk_rows - n)] + [(0, 0)] * (np.ndim(x) - 1)
-        return jnp.pad(x, pad) if isinstance(x, jax.Array) else np.pad(x, pad)
-
-    def _partial(self, stored: Any, scale: Any) -> jax.Array:
-        stored = jax.device_put(stored, self.device)
-        scale = None if scale is None else jax.device_put(scale, self.device)
-        return _chunk_autocorrelation(stored, scale, num_blocks_total=self.num_blocks_total)
-
-    def _part_files(self) -> dict[int, pathlib.Path]:
-        out = {}
-        for f in (self.path / "r_train").iterdir():
-            m = _PART_RE.match(f.name)
-            if m and int(m.group(1)) == self.process_index and int(m.group(2)) == self.process_count:
-                out[int(m.group(3))] = f
-        return out
-
-    def _save_running(self, upto: int, total: np.ndarray) -> None:
-        name = f"part-{self.process_index:04d}-of-{self.process_count:04d}-upto-{upto:08d}.npy"
-        _atomic_write(self.path / "r_train" / name, _npy_bytes(total))
-        for u, f in self._part_files().items():  # older running sums are superseded
-            if u < upto:
-                f.unlink(missing_ok=True)
-
-    # -- the build -------------------------------------------------------------------------
-
-    def build(self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None,
-              finalize_when_done: bool = True) -> BuildStats:
-        """Writes every incomplete chunk of this process's range, then finalises if all are done.
-
-        Args:
-          rows_fn: `(start, stop) -> [stop-start, d]` float32 vectors of those example ids.
-          progress: optional callback `(chunks_done, chunks_total)` after each chunk.
-          finalize_when_done: call `finalize` at the end (False: the caller finalises once,
-            e.g. process 0 of a multi-host job after a barrier).
-
-        Returns:
-          BuildStats.
-
-        Raises:
-          IndexWriteError: a write failed (e.g. ENOSPC); every chunk before it is complete and
-            intact, and calling `build` again resumes.
-          ValueError: rows_fn returned the wrong shape or non-finite values (names the rows).
-        """
-        stats = BuildStats()
-        t_start = time.perf_counter()
-        complete = _complete_chunks(self.path, self.num_chunks)
-        parts = self._part_files()
-        upto = max((u for u in parts if self.chunks.start <= u <= self.chunks.stop), default=self.chunks.start)
-        running = np.load(parts[upto], allow_pickle=False) if upto in parts else None
-        k2 = self.dim // self.num_blocks_total
-        if running is not None and running.shape != (self.num_blocks_total, k2, k2):
-            raise IndexCorruptError(f"index {self.path}: R_train running sum {parts[upto].name} has shape {running.shape}")
-        if running is None:
-            running = np.zeros((self.num_blocks_total, k2, k2), np.float64)
-        seg_acc = None
-        # A background thread waits for each chunk's commit and then writes its marker, so the
-        # build loop only blocks when more than `max_writes_in_flight` chunks are unfinished.
-        committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-commit")
-        in_flight: list[tuple[int, concurrent.futures.Future]] = []  # in chunk order
-        pending = None  # (chunk, lo, hi, stored, scale, bad) computed but not yet on the host
-
-        def commit(c: int, futs: list) -> None:
-            for f in futs:
-                f.result()
-            lo, hi = self.chunk_rows_range(c)
-            _atomic_write(self._marker(c), json.dumps({"rows": [lo, hi]}).encode())
-
-        def finish_writes(block_all: bool) -> None:
-            """Collects finished chunks (oldest first); re-raises the first failed write."""
-            t0 = time.perf_counter()
-            failure = None
-            while in_flight and (block_all or failure is not None or len(in_flight) > self.max_writes_in_flight
-                                 or in_flight[0][1].done()):
-                c, fut = in_flight.pop(0)
-                lo, hi = self.chunk_rows_range(c)
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001 - re-raised below with the row range
-                    failure = failure or (c, lo, hi, e)
-                    continue
-                stats.chunks_written += 1
-                stats.rows_written += hi - lo
-            stats.write_seconds += time.perf_counter() - t0
-            if failure is not None:
-                raise IndexWriteError(self._write_failure(*failure)) from failure[3]
-
-        def flush(item) -> None:
-            c, lo, hi, stored, scale, bad = item
-            bad = np.asarray(bad)[: hi - lo]
-            if bad.any():
-                rows = (lo + np.flatnonzero(bad)).tolist()
-                raise ValueError(f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
-                                 f"NaN/inf from the featurizer or overflow of storage dtype {self.dtype})")
-            stored_h = np.asarray(stored)[: hi - lo]
-            scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
-            t0 = time.perf_counter()
-            try:
-                futs = self._write_rows(lo, hi, stored_h, scale_h)
-            except Exception as e:  # noqa: BLE001
-                stats.write_seconds += time.perf_counter() - t0
-                finish_writes(block_all=True)
-                raise IndexWriteError(self._write_failure(c, lo, hi, e)) from e
-            in_flight.append((c, committer.submit(commit, c, futs)))
-            stats.write_seconds += time.perf_counter() - t0
-            finish_writes(block_all=False)
-
-        try:
-            for c in self.chunks:
-                lo, hi = self.chunk_rows_range(c)
-                if c in complete:
-                    stats.chunks_skipped += 1
-                    if c >= upto:  # completed after the last saved running sum: re-read for R
-                        t0 = time.perf_counter()
-                        stored, scale = self._read_chunk(c)
-                        part = self._partial(self._pad(stored, hi - lo), None if scale is None else self._pad(scale, hi - lo))
-                        seg_acc = part if seg_acc is None else seg_acc + part
-                        stats.chunks_read_back += 1
-                        stats.readback_seconds += time.perf_counter() - t0
-                else:
-                    rows = rows_fn(lo, hi)
-                    if tuple(rows.shape) != (hi - lo, self.dim):
-                        raise ValueError(f"rows_fn({lo}, {hi}) returned shape {tuple(rows.shape)}, expected {(hi - lo, self.dim)}")
-                    stored, scale, bad = _quantize_step(self._pad(jnp.asarray(rows, jnp.float32), hi - lo), dtype=self.dtype)
-                    if c >= upto:
-                        part = self._partial(stored, scale)
-                        seg_acc = part if seg_acc is None else seg_acc + part
-                    if pending is not None:
-                        flush(pending)  # chunk c is queued on the device while c-1 goes to disk
-                    pending = (c, lo, hi, stored, scale, bad)
-                seg_end = (c + 1 - self.chunks.start) % self.r_every == 0 or c + 1 == self.chunks.stop
-                if seg_end and c >= upto:
-                    if pending is not None:
-                        flush(pending)
-                        pending = None
-                    finish_writes(block_all=True)
-                    t0 = time.perf_counter()
-                    running = running + np.asarray(seg_acc, np.float64)
-                    seg_acc = None
-                    self._save_running(c + 1, running)
-                    upto = c + 1
-                    stats.write_seconds += time.perf_counter() - t0
-                if progress is not None:
-                    progress(c + 1 - self.chunks.start, len(self.chunks))
-            if pending is not None:
-                flush(pending)
-            finish_writes(block_all=True)
-        except BaseException:
-            # Let writes that were already submitted land and be marked, so progress is kept.
-            try:
-                finish_writes(block_all=True)
-            except IndexWriteError:
-                pass
-            raise
-        finally:
-            committer.shutdown(wait=True)
-        if finalize_when_done:
-            stats.finalized = finalize(self.path, finalized_by=f"writer {self.process_index} of {self.process_count}")
-        stats.seconds = time.perf_counter() - t_start
-        return stats
-
-    def _read_chunk(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
-        lo, hi = self.chunk_rows_range(c)
-        try:
-            stored = self._vectors[lo:hi].read().result()
-            scale = self._scale[lo:hi].read().result() if self._scale is not None else None
-        except ValueError as e:
-            raise IndexCorruptError(f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}") from e
-        return stored, scale
-
-    def _write_failure(self, c: int, lo: int, hi: int, e: BaseException) -> str:
-        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "no space" in str(e).lower()
-        why = "the disk is full" if full else "the write failed"
-        return (f"index {self.path}: writing chunk {c}, rows [{lo}, {hi}) failed ({why}: {e}); chunks with "
-                f"markers in progress/ are complete and intact; fix the cause and run the build again to resume")
-
-
-def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
-    """If every chunk is complete, sums the processes' R_train running sums into r_train.npy and
-    writes COMPLETE (recording `finalized_by`). Returns True when complete.
-
-    Idempotent and safe to call from any process, also concurrently: each output file is
-    created once (link, create-if-absent) with deterministic content, so two writers that
-    finish together never write the same file, and a finaliser that died half-way is
-    completed by the next call."""
-    p = pathlib.Path(path)
-    if (p / "COMPLETE").exists():
-        return True
-    manifest = read_manifest(p)
-    st = manifest["storage"]
-    num_rows, chunk_rows, r_every = st["num_rows"], st["chunk_rows"], st["r_every_chunks"]
-    num_chunks = -(-num_rows // chunk_rows)
-    if len(_complete_chunks(p, num_chunks)) < num_chunks:
-        return False
-    pcount = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
-    parts = {}
-    for f in (p / "r_train").iterdir():
-        m = _PART_RE.match(f.name)
-        if m and int(m.group(2)) == pcount:
-            parts.setdefault(int(m.group(1)), {})[int(m.group(3))] = f
-    total = None
-    for i in range(pcount):
-        rng = process_chunk_range(num_chunks, r_every, i, pcount)
-        if not len(rng):
-            continue
-        f = parts.get(i, {}).get(rng.stop)
-        if f is None:  # its chunks are complete but its final running sum is not saved yet
-            return False
-        part = np.load(f, allow_pickle=False)
-        total = part if total is None else total + part
-    _create_once(p / "r_train.npy", _npy_bytes(total))
-    _create_once(p / "r_train.json", json.dumps({"count": num_rows, "shape": list(total.shape), "dtype": "float64",
-                                                 "sha256": hashlib.sha256(total.tobytes()).hexdigest()}).encode())
-    _create_once(p / "COMPLETE", json.dumps({"num_rows": num_rows, "finished_unix": time.time(),
-                                             "finalized_by": finalized_by}).encode())
-    return True
-
-
-def finalized_by(path: str | os.PathLike) -> Any:
-    """Who finalised the index at `path` (as recorded in COMPLETE), or None."""
-    f = pathlib.Path(path) / "COMPLETE"
-    return json.loads(f.read_text()).get("finalized_by") if f.exists() else None
 
 
 # ------------------------------------------------------------------------------------------
@@ -935,113 +579,3 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
 
 def _du(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
-
-
-# ------------------------------------------------------------------------------------------
-# Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py)
-# ------------------------------------------------------------------------------------------
-
-
-@functools.partial(jax.jit, static_argnames=("unit_norm",))
-def _row_scale_step(stored, scale, w, *, unit_norm):
-    return hessian.row_scale(dequantize(stored, scale), w, unit_norm)
-
-
-def compute_row_scale(reader: IndexReader, whitening: hessian.Whitening, *, cache: bool = True) -> np.ndarray:
-    """Per-row scale `1/||W g_m||` of on-the-fly scoring over the whole index (one streamed pass).
-
-    The scale applies to the *dequantised* rows: for int8 storage, scores against the raw int8
-    values are `(int8_row · q') * int8_scale * row_scale`.
-
-    Args:
-      reader: a complete index.
-      whitening: from `hessian.make_whitening`.
-      cache: store/reuse `<index>/scoring/<key>.npy`, keyed by the index identity and W.
-
-    Returns:
-      float32 `[num_rows]`.
-    """
-    if not whitening.unit_norm:
-        return np.ones(reader.num_rows, np.float32)
-    h = hashlib.sha256(manifest_fingerprint(reader.manifest).encode())
-    h.update(b"none" if whitening.matrix is None else np.ascontiguousarray(whitening.matrix).tobytes())
-    f = reader.path / "scoring" / f"{h.hexdigest()[:32]}.npy"
-    if cache and f.exists():
-        out = np.load(f, allow_pickle=False)
-        if out.shape == (reader.num_rows,):
-            return out
-    w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
-    out = np.empty(reader.num_rows, np.float32)
-    for start, rows, scale in reader.iter_blocks():
-        out[start:start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
-    if cache:
-        f.parent.mkdir(exist_ok=True)
-        _atomic_write(f, _npy_bytes(out))
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Scoring:
-    """Everything retrieval needs to score raw rows as TrackStar (Eq. 1-3).
-
-    score(query, row m) = (stored_row_m (dequantised) · finalize_queries(q)) * row_scale[m]
-    """
-
-    whitening: hessian.Whitening
-    row_scale: np.ndarray  # [num_rows] float32
-
-    def finalize_queries(self, q_raw: Float[Array, "q d"]) -> np.ndarray:
-        """Raw query vectors -> q' = W normalise(W q) (float32)."""
-        w = None if self.whitening.matrix is None else jnp.asarray(self.whitening.matrix)
-        return np.asarray(hessian.finalize_queries(jnp.asarray(q_raw, jnp.float32), w, self.whitening.unit_norm))
-
-
-def prepare_scoring(reader: IndexReader, cfg: hessian.HessianConfig, query_vectors: Float[Array, "q d"] | None = None,
-                    *, cache: bool = True) -> Scoring:
-    """Resolves R (none / train / mixed with automatic λ), R^{-1/2} and the per-row scales.
-
-    Args:
-      reader: a complete index (R_train comes from it).
-      cfg: hessian config.
-      query_vectors: raw query vectors (R_eval for mode "mixed").
-      cache: cache the per-row scales under the index.
-
-    Returns:
-      Scoring.
-    """
-    r_train = reader.r_train() if cfg.mode != "none" else None
-    if cfg.mode != "none" and r_train is None:
-        raise IndexIncompleteError(f"index {reader.path} has no R_train yet (build incomplete: "
-                                   f"{len(reader.complete_chunks)}/{reader.num_chunks} chunks)")
-    r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
-    whit = hessian.make_whitening(cfg, r_train, r_ev)
-    return Scoring(whit, compute_row_scale(reader, whit, cache=cache))
-
-
-def write_finalized(reader: IndexReader, whitening: hessian.Whitening, out_path: str | os.PathLike, *,
-                    dtype: str = "float32", process_index: int = 0, process_count: int = 1) -> IndexReader:
-    """The other finalisation path: a second index whose rows are Ḡ_m = normalise(W g_m).
-
-    Retrieval over it is a plain dot product with `hessian.finalize_rows(q, W, unit_norm)`.
-    Resumable like any build. Its manifest copies the source's and records the whitening.
-
-    Returns:
-      A reader of the new index.
-    """
-    src = reader.manifest
-    w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
-    storage = StorageConfig(dtype=dtype, chunk_rows=reader.chunk_rows)
-    manifest = make_manifest(
-        num_rows=reader.num_rows, dim=reader.dim, num_blocks_total=reader.num_blocks_total, storage=storage,
-        model=src["model"], vectors=src["vectors"], corpus=src["corpus"], featurizer=src.get("featurizer", {}),
-        info={"source_index": str(reader.path)})
-    manifest["finalized"] = {**whitening.describe(), "source": manifest_fingerprint(src),
-                             "whitening_sha256": None if whitening.matrix is None else hashlib.sha256(np.ascontiguousarray(whitening.matrix).tobytes()).hexdigest()}
-    fn = jax.jit(lambda rows, scale: hessian.finalize_rows(dequantize(rows, scale), w, whitening.unit_norm))
-
-    def rows_fn(lo, hi):
-        rows, scale = reader.read_block(lo, hi)
-        return fn(rows, scale)
-
-    IndexBuilder(out_path, manifest, process_index=process_index, process_count=process_count).build(rows_fn)
-    return open_index(out_path)

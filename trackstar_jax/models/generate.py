@@ -86,3 +86,18 @@ def complete(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[st
         full = tok.decode(p + o)
         texts.append(full[len(head):] if full.startswith(head) else tok.decode(o))
     return texts
+
+
+def complete_batched(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int,
+                     max_len: int, batch_size: int = 64) -> list[str]:
+    """`complete` over any number of prompts in batches of exactly `batch_size` (one compiled shape).
+
+    A prompt that leaves no room to generate below `max_len` gets the completion "".
+    """
+    fits = [len(tok.encode(p)) + 1 < max_len for p in prompts]
+    out: list[str] = []
+    for start in range(0, len(prompts), batch_size):
+        chunk = [p if ok else "" for p, ok in zip(prompts[start:start + batch_size], fits[start:start + batch_size])]
+        padded = chunk + [""] * (batch_size - len(chunk))  # one batch shape: one compilation
+        out += complete(graphdef, params, tok, padded, max_new_tokens, max_len)[: len(chunk)]
+    return [c if ok else "" for c, ok in zip(out, fits)]

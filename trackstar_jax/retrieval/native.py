@@ -18,7 +18,7 @@ sidecar `<so>.sha256` (written after it, also by rename) must match the library'
 before it is loaded; a partial, corrupted or foreign file is rebuilt, never loaded. Builds
 are serialised by a lock file across processes and a lock across threads.
 
-Fallback: `available()` is False -- and `retrieval.make_plan` keeps its XLA formulations --
+Fallback: `available()` is False -- and `retrieval.make_score_plan` keeps its XLA formulations --
 when `TRACKSTAR_JAX_NATIVE=0`, or (with one warning) when there is no compiler or the build
 or load fails.
 """

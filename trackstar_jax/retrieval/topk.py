@@ -22,7 +22,7 @@ How (issue 5, style.md §4.3):
   * Rows that do not exist (padding to a multiple of the device count, the overlap of a
     clamped last block) get score -inf and id `SENTINEL`; they can never beat a real row
     (every real score is finite; a non-finite score is reported as an error).
-  * Streaming (`stream_topk`): the index is read chunk by chunk through an `IndexReader`,
+  * Streaming (`stream_topk`): the index is read chunk by chunk through an `RowSource`,
     the next chunk is read (and put on the devices) by a background thread while the current
     one is scored, queries go in fixed-size batches, and the running top-k is merged across
     chunks with the same stable merge -- the result equals the in-memory `topk`.
@@ -55,10 +55,11 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import native
 # Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
 SENTINEL = int(np.iinfo(np.int32).max)
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+STORAGE_DTYPES = store_lib.STORAGE_DTYPES
 UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "native")
 CONTRACTS = ("dot", "reduce")
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
@@ -93,7 +94,7 @@ class TopK(NamedTuple):
     bottom_ids: np.ndarray
 
 
-class IndexReader(Protocol):
+class RowSource(Protocol):
     """What retrieval needs from an index (implemented by `index.IndexReader`, `ArrayReader`)."""
 
     num_rows: int
@@ -105,7 +106,7 @@ class IndexReader(Protocol):
 
 
 class ArrayReader:
-    """An in-memory `IndexReader` over an array (tests, benchmarks, notebooks).
+    """An in-memory `RowSource` over an array (tests, benchmarks, notebooks).
 
     `read_block` returns views (no copy). `row_scale` plays the role of the int8 dequantisation
     scale of `index.IndexReader` (returned with every block).
@@ -163,7 +164,7 @@ class Plan:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
 
 
-def make_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = None,
+def make_score_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = None,
               block_rows: int | None = None, query_major: bool | None = None, upcast: str | None = None,
               contract: str | None = None) -> Plan:
     """Chooses the fastest known formulation for a regime (see the module docstring).
@@ -483,7 +484,7 @@ def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array
       row_scale: optional `[n]` per-row multiplier (int8 dequantisation scale times, e.g., the
         on-the-fly `1/||R^{-1/2} g_m||` of `index.prepare_scoring`).
       mesh: rows are split over all of its devices (default: one device).
-      plan: kernel formulation (default `make_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(...)`).
 
     Returns:
       TopK with `[Q, k]` arrays: proponents by (score desc, id asc), opponents by (score asc, id asc).
@@ -508,14 +509,14 @@ def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array
         rows = jnp.pad(rows, ((0, n_pad - n), (0, 0))) if isinstance(rows, jax.Array) else _host_rows(rows, n_pad)
         if row_scale is not None:
             row_scale = _host_rows(np.asarray(row_scale, np.float32), n_pad)
-    plan = plan or make_plan(q.shape[0], d, rows.dtype)
+    plan = plan or make_score_plan(q.shape[0], d, rows.dtype)
     rows, scale = _put_rows(mesh, rows, row_scale, plan)
     fn = _sharded_fn(mesh, k, plan, scale is not None)
     args = (_put_replicated(mesh, q), rows) + ((scale,) if scale is not None else ()) + _scalars(mesh, 0, n)
     return _finish(fn(*args), q.shape[0])
 
 
-def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh, plan: Plan
+def _chunks(reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh, plan: Plan
             ) -> Iterator[tuple[int, jax.Array, jax.Array | None]]:
     """Yields `(start, rows, scale)` on the mesh, every chunk padded to `chunk_rows` rows.
 
@@ -544,7 +545,7 @@ def _chunks(reader: IndexReader, chunk_rows: int, row_scale: np.ndarray | None, 
             yield cur
 
 
-def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk_rows: int, mesh: Mesh | None = None,
+def stream_topk(queries: Float[Array, "q d"], reader: RowSource, k: int, chunk_rows: int, mesh: Mesh | None = None,
                 row_scale: Float[Array, "n"] | None = None, *, query_batch_size: int | None = None,
                 plan: Plan | None = None) -> TopK:
     """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
@@ -555,14 +556,14 @@ def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk
 
     Args:
       queries: `[Q, d]` query vectors.
-      reader: an `IndexReader` (`index.open_index(...)`, `ArrayReader`); its int8 per-row
+      reader: an `RowSource` (`index.open_index(...)`, `ArrayReader`); its int8 per-row
         scale is applied automatically.
       k: results per query and side, `1 <= k <= reader.num_rows`.
       chunk_rows: rows read per step (rounded up to a multiple of the device count).
       mesh: devices to split each chunk over (default: one device).
       row_scale: optional `[num_rows]` extra per-row multiplier (on-the-fly scoring scales).
       query_batch_size: queries scored together (default: all); the last batch is padded.
-      plan: kernel formulation (default `make_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(...)`).
 
     Returns:
       TopK (see `topk`).
@@ -589,7 +590,7 @@ def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk
     chunk_rows = -(-min(int(chunk_rows), n) // num_dev) * num_dev
     qbs = min(int(query_batch_size or q.shape[0]), q.shape[0])
     batches = [_host_rows(q[i: i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
-    plan = plan or make_plan(qbs, d, reader.dtype)
+    plan = plan or make_score_plan(qbs, d, reader.dtype)
     merge = _merge_fn(k)
     results: list[tuple[Any, ...] | None] = [None] * len(batches)
     q_dev = [_put_replicated(mesh, b) for b in batches]
@@ -603,14 +604,14 @@ def stream_topk(queries: Float[Array, "q d"], reader: IndexReader, k: int, chunk
     return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))
 
 
-def retrieve(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any = None, mesh: Mesh | None = None,
+def search(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any = None, mesh: Mesh | None = None,
              chunk_rows: int = 65_536, query_batch_size: int | None = 64) -> TopK:
     """Notebook API: exact top-k / bottom-k of query vectors over an index.
 
     Args:
       queries: `[Q, d]` query vectors already in the index's scoring space (e.g. from
         `index.Scoring.finalize_queries`), or `[d]` for one query.
-      index: an index directory (opened with `index.open_index`), an `IndexReader`, or an
+      index: an index directory (opened with `index.open_index`), an `RowSource`, or an
         in-memory `[n, d]` array.
       k: results per query and side.
       row_scale: optional `[n]` per-row multiplier (e.g. `index.Scoring.row_scale`).
@@ -627,9 +628,7 @@ def retrieve(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any
     if isinstance(index, (np.ndarray, jax.Array)):
         return topk(q, index, k, row_scale=row_scale, mesh=mesh)
     if not hasattr(index, "read_block"):
-        from trackstar_jax.index import store as index_lib  # noqa: PLC0415  (same layer; only for paths)
-
-        index = index_lib.open_index(index)
+        index = store_lib.open_index(index)
     return stream_topk(q, index, k, chunk_rows, mesh=mesh, row_scale=row_scale, query_batch_size=query_batch_size)
 
 
@@ -650,5 +649,5 @@ def reference_topk(queries: np.ndarray, rows: np.ndarray, k: int, row_scale: np.
     return (np.take_along_axis(s, top_i, 1), top_i, np.take_along_axis(s, bot_i, 1), bot_i)
 
 
-__all__: Sequence[str] = ("TopK", "ArrayReader", "Plan", "make_plan", "topk", "stream_topk", "retrieve",
+__all__: Sequence[str] = ("TopK", "ArrayReader", "Plan", "make_score_plan", "topk", "stream_topk", "search",
                           "reference_topk", "SENTINEL")

@@ -20,95 +20,42 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import optax
 import orbax.checkpoint as ocp
 from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from trackstar_jax.data import corpus as data_lib
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import files
 from trackstar_jax.models import palm as model_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.training import step as train_lib
-CONFIG_FILE = "config.json"
 CHECKPOINT_DIR = "checkpoints"
 CORPUS_DIR = "corpus"
 TOKENIZER_FILE = "tokenizer.model"
 
-# Config sections a run is defined by: a checkpoint (or an existing workdir) is refused when
-# any of these differ. Other sections (vectors, index, retrieval, eval, ...) belong to later
-# stages and may change between their runs.
-RUN_SECTIONS = ("seed", "model", "data")
-# train keys that may change on resume (longer training, other cadences); all other train
-# keys (optimizer, batch size) must match.
-RESUMABLE_TRAIN_KEYS = ("num_steps", "log_every_steps", "eval_every_steps", "num_eval_batches",
-                        "checkpoint_every_steps", "max_checkpoints_to_keep", "num_completions", "max_new_tokens")
 
-
-def config_to_dict(config: Any) -> dict:
-    """ConfigDict / FrozenConfigDict / dict -> plain JSON-able dict (tuples become lists)."""
-    d = config.to_dict() if hasattr(config, "to_dict") else dict(config)
-    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
-
-
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, dict):
-        out = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: d}
-
-
-def config_mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS + ("train",),
-                      ignore: Sequence[str] = tuple(f"train.{k}" for k in RESUMABLE_TRAIN_KEYS)) -> list[str]:
-    """Fields of `sections` that differ between two configs, as readable strings.
-
-    Returns:
-      e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
-    """
-    a, b = _flatten(config_to_dict(saved)), _flatten(config_to_dict(current))
-    out = []
-    for key in sorted(set(a) | set(b)):
-        if key.split(".")[0] not in sections or key in ignore:
-            continue
-        if a.get(key, "<absent>") != b.get(key, "<absent>"):
-            out.append(f"{key}: saved {a.get(key, '<absent>')!r}, now {b.get(key, '<absent>')!r}")
-    return out
-
-
-def save_run_config(workdir: str | os.PathLike, config: Any, write: bool = True) -> None:
-    """Writes `workdir/config.json`, or checks an existing one against `config`.
+def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, write: bool = True) -> None:
+    """Writes `workdir/config.json`, or checks an existing one against `settings`.
 
     An existing run directory is reused only for the same run: `seed`, `model`, `data` and
     the optimizer/batch keys of `train` must agree (the resumable train keys are updated).
     With `write=False` (the non-primary processes of a multi-host run) it only checks.
 
     Raises:
-      ValueError: the existing config.json describes a different run (names the fields).
+      ConfigError: the existing config.json describes a different run (names the fields).
     """
-    path = pathlib.Path(workdir) / CONFIG_FILE
-    new = config_to_dict(config)
+    path = pathlib.Path(workdir) / config_lib.CONFIG_FILE
+    new = config_lib.to_dict(settings)
     if path.exists():
-        bad = config_mismatches(json.loads(path.read_text()), new)
+        bad = config_lib.mismatches(config_lib.read_json(path), new)
         if bad:
-            raise ValueError(f"{path} belongs to a different run; refusing to reuse the workdir. Differences: "
-                             + "; ".join(bad))
-    if not write:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(new, indent=1, sort_keys=True))
-    os.replace(tmp, path)
-
-
-def load_run_config(workdir: str | os.PathLike) -> ml_collections.ConfigDict:
-    """Reads `workdir/config.json` as a ConfigDict."""
-    path = pathlib.Path(workdir) / CONFIG_FILE
-    if not path.exists():
-        raise FileNotFoundError(f"no run config at {path} (run `python -m launch.train` first)")
-    return ml_collections.ConfigDict(json.loads(path.read_text()))
+            raise config_lib.ConfigError(f"{path} belongs to a different run; refusing to reuse the workdir. "
+                                         "Differences: " + "; ".join(bad))
+    if write:
+        files.atomic_write(path, json.dumps(new, indent=1, sort_keys=True))
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
@@ -164,7 +111,7 @@ class CheckpointManager:
             raise ValueError(f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
                              "(a newer or equal checkpoint is never overwritten)")
         self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      config=ocp.args.JsonSave(config_to_dict(config))))
+                                                      config=ocp.args.JsonSave(config_lib.to_dict(config))))
         return step
 
     def saved_config(self, step: int | None = None) -> dict:
@@ -189,7 +136,7 @@ class CheckpointManager:
         """
         step = self._step(step)
         if expect_config is not None:
-            bad = config_mismatches(self.saved_config(step), expect_config, sections=sections, ignore=ignore)
+            bad = config_lib.mismatches(self.saved_config(step), expect_config, sections=sections, ignore=ignore)
             if bad:
                 raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
@@ -217,24 +164,11 @@ class CheckpointManager:
         self._mngr.close()
 
 
-def model_config_from(config: Any) -> model_lib.LMConfig:
-    """`LMConfig` from a (saved) config's `model` section."""
-    m = config_to_dict(config)["model"]
-    return model_lib.LMConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in m.items()})
-
-
-def optimizer_config_from(config: Any) -> train_lib.OptimizerConfig:
-    """`OptimizerConfig` from a (saved) config's `train` section (only the optimizer keys)."""
-    t = config_to_dict(config)["train"]
-    fields = {f.name for f in dataclasses.fields(train_lib.OptimizerConfig)}
-    return train_lib.OptimizerConfig(**{k: v for k, v in t.items() if k in fields})
-
-
 @dataclasses.dataclass
 class Run:
     """Everything later stages need from a pretraining run (see `load_run`)."""
 
-    config: ml_collections.ConfigDict
+    settings: config_lib.Settings  # the run's own config (workdir/config.json)
     model_cfg: model_lib.LMConfig
     graphdef: nnx.GraphDef
     params: Any  # pure nested dict
@@ -249,7 +183,7 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
     """Loads config, tokenizer, corpus and a checkpoint (default: latest) of a run.
 
     Args:
-      workdir: the run directory written by `pipeline.train`.
+      workdir: the run directory written by `training.train`.
       step: checkpoint step (None: latest).
       mesh: arrays are placed on it by `state_shardings` (split over its fsdp axis when that
         has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
@@ -259,19 +193,19 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
       FileNotFoundError: a missing piece of the run (names the path).
     """
     workdir = pathlib.Path(workdir)
-    config = load_run_config(workdir)
-    model_cfg = model_config_from(config)
-    opt = train_lib.make_optimizer(optimizer_config_from(config))
+    settings = config_lib.load_run_settings(workdir)
+    model_cfg = settings.model
+    opt = train_lib.make_optimizer(settings.train.optimizer)
     mesh = sharding_lib.make_mesh() if mesh is None else mesh
     graphdef, target = abstract_state(model_cfg, opt, mesh)
     if not (workdir / CHECKPOINT_DIR).is_dir():
         raise FileNotFoundError(f"no checkpoints at {workdir / CHECKPOINT_DIR} (run `python -m launch.train` first)")
     mngr = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=None)
     try:
-        step, state = mngr.restore(step, target, expect_config=config)
+        step, state = mngr.restore(step, target, expect_config=settings)
     finally:
         mngr.close()
     logging.info("loaded run %s at step %d", workdir, step)
-    return Run(config=config, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=state.opt_state,
+    return Run(settings=settings, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=state.opt_state,
                step=int(step), tokenizer=data_lib.load_tokenizer(workdir / TOKENIZER_FILE),
                corpus=data_lib.load_corpus(workdir / CORPUS_DIR), workdir=workdir)

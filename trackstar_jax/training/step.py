@@ -8,6 +8,7 @@ small matrices) is what TrackStar later reads, so it is kept in full in `TrainSt
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Mapping
 
 import flax.struct
@@ -17,6 +18,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
+from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import palm as model_lib
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -94,3 +96,28 @@ def eval_step(params: Any, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef
     """Summed loss and token count on `batch` (summed over eval batches by the caller)."""
     _, aux = loss_fn(params, graphdef, batch)
     return aux
+
+
+# ---------------------------------------------------------------------------------------
+# jit at the step boundary (explicit shardings, state donated)
+# ---------------------------------------------------------------------------------------
+
+
+def make_jit_train_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, mesh: jax.sharding.Mesh,
+                        state: Any) -> Any:
+    """`jit(train_step)` with explicit state / batch shardings over `mesh`, state donated.
+
+    Args:
+      state: a TrainState (or its abstract form) whose leaves carry their shardings.
+    """
+    state_sh = jax.tree.map(lambda x: x.sharding, state)
+    return jax.jit(functools.partial(train_step, graphdef=graphdef, opt=opt),
+                   in_shardings=(state_sh, sharding_lib.batch_shardings(mesh)),
+                   out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0)
+
+
+def make_jit_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, params: Any) -> Any:
+    """`jit(eval_step)`: summed loss and token count of a batch."""
+    params_sh = jax.tree.map(lambda x: x.sharding, params)
+    return jax.jit(functools.partial(eval_step, graphdef=graphdef),
+                   in_shardings=(params_sh, sharding_lib.batch_shardings(mesh)), out_shardings=sharding_lib.replicated(mesh))

@@ -1,0 +1,415 @@
+"""The one typed config: every section of an experiment's ConfigDict as a frozen dataclass.
+
+`experiments/*.py` files (ml_collections, absl `--config.x.y=` overrides) stay the user
+interface. This module is the only place that reads a ConfigDict (or a run's saved
+`config.json`): `from_configdict` turns it into `Settings`, checking every key once, and the
+stages take `Settings` (or one of its sections). Errors name the dotted key and the file the
+config came from:
+
+    settings = config.from_configdict(get_config(), source="experiments/tiny.py")
+    settings.model          # models.palm.LMConfig (hashable: a jit static argument)
+    settings.train.optimizer  # training.step.OptimizerConfig
+
+Each role owns the type of its own section (`LMConfig` in models, `DataConfig` in data,
+`OptimizerConfig` in training, `VectorConfig` in features, `HessianConfig` / `StorageConfig`
+in index); the sections that only a stage reads (train loop, mesh, index location,
+retrieval, eval, tail-patch) are defined here. `to_dict(settings)` gives back the nested
+dict a ConfigDict would, so run directories written before the typed config still load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+from trackstar_jax import methods as methods_lib
+from trackstar_jax.data import corpus as data_lib
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import hessian as hessian_lib
+from trackstar_jax.index import store as store_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.training import step as step_lib
+
+CONFIG_FILE = "config.json"  # the run directory's resolved config
+
+# Sections a run is defined by: a checkpoint (or an existing workdir) is refused when any of
+# these differ. Other sections (vectors, index, retrieval, eval, ...) belong to later stages.
+RUN_SECTIONS = ("seed", "model", "data")
+# train keys that may change on resume (longer training, other cadences); all other train
+# keys (optimizer, batch size) must match.
+RESUMABLE_TRAIN_KEYS = ("num_steps", "log_every_steps", "eval_every_steps", "num_eval_batches",
+                        "checkpoint_every_steps", "max_checkpoints_to_keep", "num_completions", "max_new_tokens")
+QUERY_MODES = ("gold", "prediction")
+
+
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names `config.<section>.<key>` and the file."""
+
+
+# ---------------------------------------------------------------------------------------
+# Sections read only by the stages
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """`config.mesh`: `shape` (data, fsdp, tensor); -1 = all remaining devices."""
+
+    shape: tuple[int, ...] = (-1, 1, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings:
+    """`config.train`: the optimizer (§A.3) and the training loop's cadences."""
+
+    num_steps: int = 187_000
+    global_batch_size: int = 1024
+    learning_rate: float = 0.01
+    warmup_steps: int = 10_000
+    decay_rate: float = 0.8
+    min_dim_size_to_factor: int = 128
+    clipping_threshold: float | None = 1.0
+    multiply_by_parameter_scale: bool = True
+    log_every_steps: int = 50
+    eval_every_steps: int = 500
+    num_eval_batches: int = 4
+    checkpoint_every_steps: int = 1000
+    max_checkpoints_to_keep: int = 3
+    num_completions: int = 8
+    max_new_tokens: int = 8
+    max_fact_prompts: int = 256  # fact prompts completed for the train summary's fact_accuracy
+
+    def __post_init__(self):
+        for key in ("num_steps", "global_batch_size", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+
+    @property
+    def optimizer(self) -> step_lib.OptimizerConfig:
+        """The optimizer's keys as `OptimizerConfig`."""
+        return step_lib.OptimizerConfig(
+            learning_rate=float(self.learning_rate), warmup_steps=int(self.warmup_steps),
+            decay_rate=float(self.decay_rate), min_dim_size_to_factor=int(self.min_dim_size_to_factor),
+            clipping_threshold=None if self.clipping_threshold is None else float(self.clipping_threshold),
+            multiply_by_parameter_scale=bool(self.multiply_by_parameter_scale))
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSettings:
+    """`config.index`: storage (`StorageConfig`) plus `dir`, the index's folder in the workdir."""
+
+    dtype: str = "bfloat16"
+    chunk_rows: int = 1024
+    r_every_chunks: int = 0
+    dir: str = "index"
+
+    def __post_init__(self):
+        self.storage  # validates dtype / chunk_rows / r_every_chunks  # noqa: B018
+        if not self.dir or pathlib.Path(self.dir).name != self.dir or self.dir.startswith("."):
+            raise ValueError(f"index.dir must be a plain folder name inside the workdir, got {self.dir!r}")
+
+    @property
+    def storage(self) -> store_lib.StorageConfig:
+        return store_lib.StorageConfig(dtype=self.dtype, chunk_rows=self.chunk_rows, r_every_chunks=self.r_every_chunks)
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSettings:
+    """`config.retrieval` (see experiments/base.py for the meaning of each key)."""
+
+    top_k: int = 10
+    query_batch_size: int = 64
+    read_chunk_rows: int = 65_536
+    queries: str = ""
+    output: str = ""
+    overwrite: bool = False
+
+    def __post_init__(self):
+        for key in ("top_k", "query_batch_size", "read_chunk_rows"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"retrieval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.output and (pathlib.Path(self.output).name != self.output or self.output.startswith(".")):
+            raise ValueError(f"retrieval.output must be a plain file name stem, got {self.output!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSettings:
+    """`config.eval` (§4, §A.4; see experiments/base.py)."""
+
+    query_mode: str = "gold"
+    template_variant: int = 0
+    max_queries: int = 0
+    methods: tuple[str, ...] = ("trackstar",)
+    relations: str = ""
+    lama_dir: str = ""
+    pararel_dir: str = ""
+    num_proponents: int = 10
+    max_per_bucket: int = 1000
+    max_per_relation_target_per_bucket: int = 25
+    max_per_relation_target: int = 100
+    max_incorrect_per_bucket: int = 0
+    bucket_edges: tuple[int, ...] = (1, 10, 100, 1_000, 10_000, 100_000)
+    include_unmentioned: bool = False
+    max_new_tokens: int = 8
+    bm25_k1: float = 1.2
+    bm25_b: float = 0.75
+    bootstrap_seed: int = 0
+    num_examples_shown: int = 3
+    output_dir: str = ""
+    row: str = ""  # one table row (a name in methods.METHODS): its settings apply to every stage
+    optional_methods: tuple[str, ...] = ()  # rows skipped (with a warning) when their model is not installed
+    completion_batch_size: int = 64  # prompts per greedy-completion batch (one compiled shape)
+
+    def __post_init__(self):
+        if self.query_mode not in QUERY_MODES:
+            raise ValueError(f"eval.query_mode must be one of {QUERY_MODES}, got {self.query_mode!r}")
+        if not self.methods:
+            raise ValueError("eval.methods is empty: name at least one row (e.g. 'bm25', 'trackstar')")
+        edges = self.bucket_edges
+        if not edges or list(edges) != sorted(set(edges)) or edges[0] < 1:
+            raise ValueError(f"eval.bucket_edges must be increasing positive integers, got {edges}")
+        if self.num_proponents < 1:
+            raise ValueError(f"eval.num_proponents must be >= 1, got {self.num_proponents}")
+        if self.output_dir and (pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")):
+            raise ValueError(f"eval.output_dir must be a plain folder name inside the workdir, got {self.output_dir!r}")
+
+    @property
+    def relation_list(self) -> tuple[str, ...]:
+        """`relations` split on commas ("" = every relation of the corpus)."""
+        return tuple(r.strip() for r in self.relations.split(",") if r.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class TailpatchSettings:
+    """`config.tailpatch` (§4.3)."""
+
+    top_ks: tuple[int, ...] = (1, 3, 5, 10)
+    learning_rate: float = -1.0  # < 0: the schedule's value at the final step
+    batch_size: int = 16
+
+    def __post_init__(self):
+        if not self.top_ks or min(self.top_ks) < 1:
+            raise ValueError(f"tailpatch.top_ks must be positive integers, got {self.top_ks}")
+        if self.batch_size < 1:
+            raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """A whole experiment config, typed. Built by `from_configdict` / `load_run_settings`."""
+
+    seed: int = 0
+    model: model_lib.LMConfig = model_lib.LMConfig()
+    data: data_lib.DataConfig = data_lib.DataConfig()
+    mesh: MeshSettings = MeshSettings()
+    train: TrainSettings = TrainSettings()
+    vectors: vectors_lib.VectorConfig = vectors_lib.VectorConfig()
+    hessian: hessian_lib.HessianConfig = hessian_lib.HessianConfig()
+    index: IndexSettings = IndexSettings()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    eval: EvalSettings = EvalSettings()
+    tailpatch: TailpatchSettings = TailpatchSettings()
+    source: str = dataclasses.field(default="", compare=False)  # where it came from (for messages)
+
+    def __post_init__(self):
+        if self.eval.num_proponents < max(self.tailpatch.top_ks):
+            raise ValueError(f"eval.num_proponents={self.eval.num_proponents} must be >= "
+                             f"max(tailpatch.top_ks)={max(self.tailpatch.top_ks)}")
+
+    def replace(self, overrides: Mapping[str, Any]) -> Settings:
+        """A copy with dotted-key overrides, e.g. `{"vectors.correction": False, "index.dir": "x"}`."""
+        d = to_dict(self)
+        for key, value in overrides.items():
+            node = d
+            *parents, leaf = key.split(".")
+            for p in parents:
+                node = node[p]
+            if leaf not in node:
+                raise ConfigError(f"unknown config key config.{key}")
+            node[leaf] = value
+        return from_dict(d, source=self.source)
+
+
+# ---------------------------------------------------------------------------------------
+# Building and comparing
+# ---------------------------------------------------------------------------------------
+
+
+def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
+    """Dataclass `cls` from `values`: unknown keys and bad values raise, naming the key and file."""
+    where = f" (in {source})" if source else ""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Settings and f.name == "source")}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"unknown config key(s) in config{'.' + name if name else ''}: {', '.join(unknown)}{where} "
+                          f"(known: {', '.join(sorted(fields))})")
+    hints = typing.get_type_hints(cls, vars(_module_of(cls)))
+    kwargs = {}
+    for key, value in values.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if isinstance(value, hint):
+                kwargs[key] = value
+                continue
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"config.{name}.{key} must be a section, got {value!r}{where}")
+            kwargs[key] = _build(hint, value, f"{name}.{key}" if name else key, source)
+        else:
+            kwargs[key] = _coerce(value, hint, f"config.{name}.{key}" if name else f"config.{key}", where)
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
+        msg = str(e)  # role types name their key as "<section>.<key> ..." (or "config.<section>...")
+        if not msg.startswith("config."):
+            msg = f"config.{msg}" if name and msg.startswith(name.split(".")[0] + ".") else f"config.{name or 'root'}: {msg}"
+        raise ConfigError(f"{msg}{where}") from e
+
+
+def _module_of(cls: type) -> types.ModuleType:
+    import sys  # noqa: PLC0415
+
+    return sys.modules[cls.__module__]
+
+
+def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
+    """JSON / ConfigDict value -> the field's type (lists -> tuples, ints -> floats)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        if value is None and type(None) in args:
+            return None
+        hint = next(a for a in args if a is not type(None))
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key} must be a sequence, got {value!r}{where}")
+        elem = args[0] if args else Any
+        return tuple(_coerce(v, elem, key, where) for v in value)
+    if hint is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, float) and value.is_integer():
+        return int(value)
+    if hint in (int, float, str, bool) and not isinstance(value, hint):
+        raise ConfigError(f"{key} must be a {hint.__name__}, got {value!r}{where}")
+    if hint is int and isinstance(value, bool):
+        raise ConfigError(f"{key} must be an int, got {value!r}{where}")
+    return value
+
+
+def from_dict(values: Mapping[str, Any], source: str = "") -> Settings:
+    """`Settings` from a nested dict (a ConfigDict's `to_dict()` or a run's config.json).
+
+    Raises:
+      ConfigError: an unknown key or a bad value, naming `config.<section>.<key>` and `source`.
+    """
+    return dataclasses.replace(_build(Settings, dict(values), "", source), source=source)
+
+
+def from_configdict(config: Any, source: str = "") -> Settings:
+    """`Settings` from an experiment's ConfigDict (`experiments/*.py:get_config()`).
+
+    `eval.row` (one table row) is resolved here into explicit settings: `eval.methods =
+    (row,)` plus the row's vectors / hessian settings and index folder, so every stage runs
+    exactly that row; the resolved settings are what a run directory records.
+    """
+    if isinstance(config, Settings):
+        return config
+    s = from_dict(config.to_dict() if hasattr(config, "to_dict") else dict(config), source=source)
+    return with_row(s, s.eval.row) if s.eval.row else s
+
+
+def with_row(settings: Settings, name: str) -> Settings:
+    """`settings` restricted to table row `name`, with that row's settings (`methods.Method.overrides`)."""
+    try:
+        m = methods_lib.method(name)
+    except ValueError as e:
+        raise ConfigError(f"config.eval.row: {e}" + (f" (in {settings.source})" if settings.source else "")) from e
+    return settings.replace({**m.overrides(settings.index.dir), "eval.methods": (name,), "eval.row": ""})
+
+
+def to_dict(settings: Any) -> dict:
+    """Nested JSON-able dict with the ConfigDict's keys (tuples become lists).
+
+    Takes `Settings` (or any section), a ConfigDict or a plain mapping.
+    """
+    if dataclasses.is_dataclass(settings):
+        d = dataclasses.asdict(settings)
+        if isinstance(settings, Settings):
+            d.pop("source", None)
+    else:
+        d = settings.to_dict() if hasattr(settings, "to_dict") else dict(settings)
+    return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+
+
+def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, Mapping):
+        out = {}
+        for k, v in d.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: d}
+
+
+def mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS + ("train",),
+               ignore: Sequence[str] = tuple(f"train.{k}" for k in RESUMABLE_TRAIN_KEYS)) -> list[str]:
+    """Fields of `sections` that differ between two configs (Settings or nested dicts).
+
+    A key absent on one side compares equal to the other side's default (so a run saved
+    before a field existed still matches when the field keeps its default).
+
+    Returns:
+      e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
+    """
+    defaults = _flatten(to_dict(Settings()))
+    a, b = _flatten(to_dict(saved)), _flatten(to_dict(current))
+    out = []
+    for key in sorted(set(a) | set(b)):
+        if key.split(".")[0] not in sections or key in ignore:
+            continue
+        va, vb = a.get(key, defaults.get(key, "<absent>")), b.get(key, defaults.get(key, "<absent>"))
+        if va != vb:
+            out.append(f"{key}: saved {va!r}, now {vb!r}")
+    return out
+
+
+def check_matches_run(settings: Settings, workdir: str | os.PathLike, sections: Sequence[str] = RUN_SECTIONS) -> None:
+    """Refuses a stage whose config disagrees with the run's `config.json` in `sections`.
+
+    Raises:
+      ConfigError: naming each differing field, the run's config.json and the config's file.
+    """
+    path = pathlib.Path(workdir) / CONFIG_FILE
+    bad = mismatches(read_json(path), settings, sections=sections, ignore=())
+    if bad:
+        src = f" ({settings.source})" if settings.source else ""
+        raise ConfigError(f"the config{src} disagrees with the run in {workdir} (its {CONFIG_FILE}): " + "; ".join(bad))
+
+
+def read_json(path: str | os.PathLike) -> dict:
+    """A JSON file the pipeline wrote, with a clear error for a missing or damaged one."""
+    path = pathlib.Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no run config at {path} (run `python -m launch.train` first)")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); restore it or re-create the run") from e
+
+
+def load_run_settings(workdir: str | os.PathLike) -> Settings:
+    """The `Settings` a run was made with (`workdir/config.json`)."""
+    path = pathlib.Path(workdir) / CONFIG_FILE
+    return from_dict(read_json(path), source=str(path))
+
+
+def section(name: str, values: Any) -> Any:
+    """One typed section (e.g. `section("data", {"source": "text", "path": ...})`) from a
+    ConfigDict section or a plain dict, checked like a whole config (notebooks, tests)."""
+    return getattr(from_dict({name: to_dict(values)}), name)

@@ -1,0 +1,185 @@
+"""Encoding passages and queries, padded batches and the grain loaders.
+
+Batches follow the convention in `models/palm.py`: `tokens [B, T]` (BOS first, PAD_ID
+padding at the end), `loss_mask [B, T]`, `example_id [B]` (-1 for padding rows).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import tokenizer as tokenizer_lib
+from trackstar_jax.models import palm as model_lib
+
+# ---------------------------------------------------------------------------------------
+# Encoding and batches
+# ---------------------------------------------------------------------------------------
+
+
+def encode_example(tok: tokenizer_lib.Tokenizer, text: str, max_len: int) -> tuple[np.ndarray, bool]:
+    """BOS + text + EOS, truncated to `max_len` tokens (loss on everything after BOS).
+
+    Returns:
+      `(tokens int32 [<= max_len], truncated)`.
+    """
+    ids = [tok.bos_id] + tok.encode(text) + [tok.eos_id]
+    return np.asarray(ids[:max_len], np.int32), len(ids) > max_len
+
+
+def encode_query(tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len: int, query_id: Any = None) -> dict[str, np.ndarray]:
+    """BOS + prompt + target with `loss_mask` = 1 only on the target tokens.
+
+    `target` starts with a space (" Paris"); SentencePiece splits on whitespace, so encoding
+    the two parts separately gives the tokens of the joined text.
+
+    Raises:
+      ValueError: the target encodes to nothing, or prompt + target exceeds `max_len`
+        (the message names the query).
+    """
+    name = f"query {query_id!r} " if query_id is not None else ""
+    p, t = tok.encode(prompt), tok.encode(target)
+    if not t:
+        raise ValueError(f"{name}({prompt!r} -> {target!r}): the target encodes to no tokens")
+    tokens = [tok.bos_id] + p + t
+    if len(tokens) > max_len:
+        raise ValueError(f"{name}({prompt!r} -> {target!r}): {len(tokens)} tokens exceed max_len={max_len}")
+    mask = [0] * (1 + len(p)) + [1] * len(t)
+    return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, np.int32)}
+
+
+def pad_batch(items: Sequence[tuple[np.ndarray, np.ndarray]], example_ids: Sequence[int], batch_size: int,
+              seq_len: int) -> dict[str, np.ndarray]:
+    """Stacks `(tokens, loss_mask)` pairs into the batch convention, padding rows and length.
+
+    Returns:
+      `tokens int32 [batch_size, seq_len]`, `loss_mask int32 [batch_size, seq_len]`,
+      `example_id int32 [batch_size]` (-1 on padding rows, whose mask is all zero).
+    """
+    if len(items) > batch_size or len(items) != len(example_ids):
+        raise ValueError(f"pad_batch: {len(items)} items / {len(example_ids)} ids for batch_size {batch_size}")
+    tokens = np.full((batch_size, seq_len), model_lib.PAD_ID, np.int32)
+    mask = np.zeros((batch_size, seq_len), np.int32)
+    ids = np.full((batch_size,), -1, np.int32)
+    for r, ((t, m), i) in enumerate(zip(items, example_ids)):
+        if len(t) > seq_len or len(m) != len(t):
+            raise ValueError(f"pad_batch: example {i} has {len(t)} tokens / {len(m)} mask entries for seq_len {seq_len}")
+        tokens[r, : len(t)], mask[r, : len(t)], ids[r] = t, m, i
+    return {"tokens": tokens, "loss_mask": mask, "example_id": ids}
+
+
+def example_loss_mask(tokens: np.ndarray) -> np.ndarray:
+    """Pretraining loss mask of one passage: every token after BOS is a target (paper §3:
+    all tokens of a training example). `int32 [len(tokens)]`."""
+    m = np.ones(len(tokens), np.int32)
+    m[0] = 0  # BOS is never a target
+    return m
+
+
+# Smallest padded length of a featurize batch; lengths are rounded up to powers of two from
+# here to model.max_len, so short passages (T-REx sentences) do not pay for max_len padding
+# and a step compiles at most log2(max_len / 16) + 1 times.
+MIN_BUCKET_LEN = 16
+
+
+def bucket_len(longest: int, max_len: int) -> int:
+    """Padded length of a batch whose longest example has `longest` tokens (power of two)."""
+    n = MIN_BUCKET_LEN
+    while n < longest:
+        n *= 2
+    return min(n, max_len)
+
+
+def encode_passages(tok: tokenizer_lib.Tokenizer, texts: Sequence[str], max_len: int
+                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+    """`(tokens, loss_mask)` of each passage under the pretraining loss, and how many were truncated."""
+    out, truncated = [], 0
+    for text in texts:
+        t, cut = encode_example(tok, text, max_len)
+        truncated += int(cut)
+        out.append((t, example_loss_mask(t)))
+    return out, truncated
+
+
+class _Encoded:
+    """Random-access grain source: row i -> padded `tokens`, `loss_mask`, `example_id`."""
+
+    def __init__(self, texts: Sequence[str], ids: Sequence[int], tok: tokenizer_lib.Tokenizer, seq_len: int):
+        self.texts, self.ids, self.tok, self.seq_len = texts, ids, tok, seq_len
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        t, _ = encode_example(self.tok, self.texts[i], self.seq_len)
+        b = pad_batch([(t, example_loss_mask(t))], [self.ids[i]], 1, self.seq_len)
+        return {k: v[0] for k, v in b.items()}
+
+
+def _stack(rows: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+
+
+def _pad_rows(b: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray]:
+    n = b["tokens"].shape[0]
+    if n == batch_size:
+        return b
+    out = pad_batch([], [], batch_size - n, b["tokens"].shape[1])
+    return {k: np.concatenate([b[k], out[k]]) for k in b}
+
+
+def index_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, start: int = 0,
+                  stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+    """Ordered (no shuffle) batches over examples `[start, stop)`; the last one is padded.
+
+    Row r of batch b holds example `start + b * batch_size + r` (example_id -1 on padding),
+    so a caller can write vectors straight into index rows.
+    """
+    stop = len(corpus.examples) if stop is None else min(stop, len(corpus.examples))
+    if not 0 <= start <= stop:
+        raise ValueError(f"index_batches: bad row range [{start}, {stop}) for {len(corpus.examples)} examples")
+    texts = [e.text for e in corpus.examples[start:stop]]
+    ids = list(range(start, stop))
+    ds = grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len)).batch(batch_size, batch_fn=_stack)
+    for b in ds:
+        yield _pad_rows(b, batch_size)
+
+
+def eval_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int,
+                 max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+    """Batches of the held-out passages (example_id -1: they are not examples)."""
+    texts = list(corpus.eval_texts)
+    if max_batches:
+        texts = texts[: max_batches * batch_size]
+    if not texts:
+        return []
+    ds = grain.MapDataset.source(_Encoded(texts, [-1] * len(texts), tok, seq_len)).batch(batch_size, batch_fn=_stack)
+    return [_pad_rows(b, batch_size) for b in ds]
+
+
+def train_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, seed: int,
+                  start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+    """Infinite shuffled batches (grain; reshuffled each epoch; seeded).
+
+    Batch s is a pure function of (corpus, seed, s), so a run resumed at step s sees exactly
+    the batches it would have seen without the interruption.
+    """
+    ds = (grain.MapDataset.source(_Encoded(corpus.texts, list(range(len(corpus.examples))), tok, seq_len))
+          .seed(seed).shuffle().repeat(None).batch(batch_size, drop_remainder=True, batch_fn=_stack))
+    step = start_step
+    while True:
+        yield ds[step]
+        step += 1
+
+
+def truncation_report(texts: Sequence[str], tok: tokenizer_lib.Tokenizer, max_len: int) -> list[int]:
+    """Indices of passages longer than `max_len` tokens (BOS + text + EOS)."""
+    out = []
+    for start in range(0, len(texts), 4096):
+        for j, ids in enumerate(tok.encode_batch(texts[start:start + 4096])):
+            if len(ids) + 2 > max_len:
+                out.append(start + j)
+    return out

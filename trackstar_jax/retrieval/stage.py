@@ -1,0 +1,203 @@
+"""Stage 3, `retrieve`: proponents and opponents of text queries over the whole index (exact, §4).
+
+Each query (prompt + target, loss on the target tokens only) is featurized with the same
+model, projection and correction as the index (checked against its manifest), finalised
+with the same R (`config.hessian`), and scored against every row (`topk.stream_topk`).
+Outputs go to `workdir/retrieval/<name>.jsonl` (PAIR-code schema, `records.py`) with a
+`<name>.manifest.json` saying what produced them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pathlib
+import time
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from absl import logging
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import files
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import build as build_lib
+from trackstar_jax.index import scoring as scoring_lib
+from trackstar_jax.index import store as store_lib
+from trackstar_jax.retrieval import records
+from trackstar_jax.retrieval import topk
+from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import logs
+
+RETRIEVAL_DIR = "retrieval"
+RETRIEVAL_FORMAT = "trackstar_jax.retrieval/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class TextQuery:
+    """A query given as text: `prompt` + `target` (the target starts with a space, " Paris").
+
+    `extra` fields are copied into the query's output record (e.g. fact_id, model_correct);
+    `gold` (entailing passage ids of a fact query) adds `proponent_correct`.
+    """
+
+    example_id: Any
+    prompt: str
+    target: str
+    extra: tuple[tuple[str, Any], ...] = ()
+    gold: tuple[int, ...] | None = None
+
+
+def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
+    """Reads a jsonl of `{"prompt", "target"[, "example_id"]}` (example_id defaults to the line number).
+
+    Raises:
+      ValueError: a malformed line (names the file and line).
+    """
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
+            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "target")):
+                raise ValueError(f"{path}:{n}: expected an object with string fields 'prompt' and 'target'")
+            out.append(TextQuery(rec.get("example_id", len(out)), rec["prompt"], rec["target"]))
+    return out
+
+
+def query_vectors(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded: list[tuple[np.ndarray, np.ndarray]]
+                  ) -> np.ndarray:
+    """Raw query vectors `[Q, d]` (loss on the target tokens only), in batches of `vectors.batch_size`."""
+    bs = vec_fn.vec_cfg.batch_size
+    seq_len = max(len(t) for t, _ in encoded)
+    out = []
+    for lo in range(0, len(encoded), bs):
+        items = encoded[lo:lo + bs]
+        batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
+        out.append(vec_fn(run.params, vec_fn.precond, batch)[: len(items)])
+    return np.concatenate(out)
+
+
+def open_checked_index(run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike
+                       ) -> store_lib.IndexReader:
+    """The index of `settings`, refused (naming the manifest field) unless it was built from
+    this run's model, optimizer state, vector settings and corpus."""
+    path = build_lib.index_dir(settings, workdir)
+    if not (path / "manifest.json").exists():
+        raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
+    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
+    return store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, num_blocks_total * block_dim))
+
+
+def retrieve_queries(run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike,
+                     queries: Sequence[TextQuery], *, mesh: jax.sharding.Mesh | None = None,
+                     k: int | None = None) -> tuple[list[dict], dict]:
+    """Featurizes text queries like the index and retrieves their proponents / opponents.
+
+    Notebook use: `records, info = retrieval.retrieve_queries(run, settings, workdir,
+    [retrieval.TextQuery(0, "Paris is the capital of", " France")])`.
+
+    Returns:
+      `(records, info)`: one PAIR-code-schema dict per query, and what was used (index,
+      whitening, timings).
+
+    Raises:
+      index.store.IndexMismatchError: the index was built from another model / projection /
+        corpus (names the manifest field).
+      ValueError: a query that cannot be encoded (names it), bad k.
+    """
+    st = settings.retrieval
+    k = st.top_k if k is None else int(k)
+    mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
+    reader = open_checked_index(run, settings, workdir)
+    if k < 1 or k > reader.num_rows:
+        raise ValueError(f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)")
+    info = {"index": str(reader.path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k}
+    if not queries:
+        return [], info
+    t0 = time.perf_counter()
+    encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
+               for q in queries]
+    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state,
+                                        mesh=mesh, role="query")
+    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+    t1 = time.perf_counter()
+    info["featurize_seconds"] = t1 - t0
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
+    q_prime = scoring.finalize_queries(q_raw)
+    t2 = time.perf_counter()
+    res = topk.stream_topk(q_prime, reader, k, st.read_chunk_rows, mesh=mesh, row_scale=scoring.row_scale,
+                           query_batch_size=st.query_batch_size)
+    t3 = time.perf_counter()
+    info.update(whitening=scoring.whitening.describe(), scoring_prep_seconds=t2 - t1, retrieval_seconds=t3 - t2,
+                dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9))
+    out = [records.pair_record(q.example_id, q.prompt, q.target, run.corpus.texts, res.top_ids[qi], res.top_scores[qi],
+                               res.bottom_ids[qi], res.bottom_scores[qi], gold=q.gold, **dict(q.extra))
+           for qi, q in enumerate(queries)]
+    return out, info
+
+
+def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, pathlib.Path]:
+    """`(workdir/retrieval/<name>.jsonl, <name>.manifest.json)`."""
+    out_dir = pathlib.Path(workdir) / RETRIEVAL_DIR
+    return out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
+
+
+def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike, queries: Sequence[TextQuery] | None = None,
+             *, name: str | None = None, source: dict | None = None, run: checkpoint_lib.Run | None = None) -> dict:
+    """Stage 3: retrieve for a query set and write its jsonl + manifest.
+
+    Args:
+      settings: the experiment's typed config.
+      workdir: the run directory.
+      queries: the queries; None reads the jsonl at `config.retrieval.queries` (for the
+        evaluation's fact queries, see `evaluation.retrieve_fact_queries`).
+      name: output name (default `config.retrieval.output`, else the query file's stem).
+      source: what the queries are (recorded in the manifest).
+      run: the loaded run, if the caller has it.
+
+    Returns:
+      The manifest (also written), with counts and timings.
+
+    Raises:
+      FileExistsError: the output exists and `config.retrieval.overwrite` is not set.
+    """
+    logs.quiet_library_logs()
+    st = settings.retrieval
+    if queries is None:
+        if not st.queries:
+            raise config_lib.ConfigError("config.retrieval.queries is empty: give a jsonl of {\"prompt\", \"target\"}")
+        queries = load_text_queries(st.queries)  # a bad file is refused before the run loads
+        source = source or {"kind": "jsonl", "path": str(st.queries)}
+        name = name or st.output or pathlib.Path(st.queries).stem
+    name = st.output or name
+    if not name:
+        raise config_lib.ConfigError("no output name: set config.retrieval.output")
+    out, man_path = output_paths(workdir, name)
+    if not st.overwrite and (out.exists() or man_path.exists()):
+        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+                              "or --config.retrieval.output=<another name>")
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    config_lib.check_matches_run(settings, workdir)
+    run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh)
+    recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh)
+    files.atomic_write(out, "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs))
+    reader = store_lib.open_index(info["index"])
+    manifest = {
+        "format": RETRIEVAL_FORMAT, "name": name, "queries": source or {"kind": "given"}, "num_queries": len(recs),
+        "output": str(out), "index_fingerprint": store_lib.manifest_fingerprint(reader.manifest),
+        "checkpoint_step": int(run.step), "vectors": dataclasses.asdict(settings.vectors),
+        "hessian": dataclasses.asdict(settings.hessian), "retrieval": dataclasses.asdict(st),
+        "mesh": dict(mesh.shape), "devices": [str(d) for d in jax.devices()], "jax_version": jax.__version__, **info}
+    files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
+    logging.info("retrieve: %d queries x %d rows in %.2fs -> %s", len(recs), info["index_rows"],
+                 info.get("retrieval_seconds", 0.0), out)
+    return manifest

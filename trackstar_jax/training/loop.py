@@ -1,0 +1,380 @@
+"""Stage 1, `train`: corpus -> tokenizer -> pretraining (paper §A.3) -> loss and completions.
+
+The loop is a plain `for` over the jitted step with hooks (levanter's pattern): logging,
+held-out evaluation and checkpointing each run every N steps and see `(step, state,
+metrics)`; metrics stay on device until the logging hook fetches them.
+
+Run directory written here: `config.json`, `corpus/`, `tokenizer.model`, `checkpoints/`,
+`metrics.jsonl`, `train_summary.json`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+import jax
+import numpy as np
+import tqdm
+from absl import logging
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import files
+from trackstar_jax.distributed import multihost
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.models import generate as generate_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import logs
+from trackstar_jax.training import step as step_lib
+
+SUMMARY_FILE = "train_summary.json"
+METRICS_FILE = "metrics.jsonl"
+# Evidence passages searched for the longest prefix that ends right before the object, when
+# a LAMA corpus has no templates (the train summary's fact prompts).
+MAX_EVIDENCE_FOR_PROMPT = 8
+
+
+def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
+                 ) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
+    """Builds the corpus and trains the tokenizer, or reloads both from `workdir`.
+
+    `workdir/corpus/` and `workdir/tokenizer.model` are written once; a rerun reuses them
+    (its config.json has already been checked to describe the same data).
+
+    Raises:
+      ValueError: the trained vocabulary does not fit `config.model.vocab_size`.
+    """
+    workdir = pathlib.Path(workdir)
+    model_cfg = settings.model
+    corpus_dir = workdir / checkpoint_lib.CORPUS_DIR
+    if (corpus_dir / "meta.json").exists():
+        corpus = data_lib.load_corpus(corpus_dir)
+        logging.info("reusing corpus %s (%d examples) from %s", corpus.name, len(corpus.examples), corpus_dir)
+    else:
+        corpus = data_lib.build_corpus(settings.data, settings.seed)
+        data_lib.save_corpus(corpus, corpus_dir)
+        logging.info("built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
+                     corpus.name, len(corpus.examples), len(corpus.facts), len(corpus.eval_texts), corpus.fingerprint[:12])
+    tok_path = workdir / checkpoint_lib.TOKENIZER_FILE
+    if tok_path.exists():
+        tok = data_lib.load_tokenizer(tok_path)
+    else:
+        tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, settings.data.tokenizer_model_type)
+        logging.info("trained %s tokenizer: %d pieces -> %s", settings.data.tokenizer_model_type, tok.vocab_size, tok_path)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise ValueError(f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}")
+    long = data_lib.truncation_report(corpus.texts, tok, model_cfg.max_len)
+    if long:
+        logging.warning("%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
+                        len(long), len(corpus.examples), model_cfg.max_len, long[:10], " ..." if len(long) > 10 else "")
+    return corpus, tok
+
+
+# ---------------------------------------------------------------------------------------
+# Compiled pieces
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainFns:
+    """The jitted pieces of training for one (model, optimizer, seed, mesh, batch size)."""
+
+    graphdef: Any
+    opt: Any
+    target: Any  # abstract TrainState with shardings (restore target)
+    init: Callable[[], step_lib.TrainState]  # placed in its shardings
+    step: Any  # compiled train step (state donated)
+    eval: Any  # jit(eval_step)
+
+
+def init_train_state(model_cfg: model_lib.LMConfig, opt: Any, seed: int,
+                     mesh: jax.sharding.Mesh) -> tuple[Any, step_lib.TrainState]:
+    """`(graphdef, state)` initialised directly into its shardings on `mesh` (jit out_shardings)."""
+    graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    state = jax.jit(lambda: step_lib.init_state(model_cfg, opt, seed)[1], out_shardings=shardings)()
+    return graphdef, state
+
+
+# Compiled once per process and configuration: a rerun, or a later stage in the same process
+# (tests, notebooks, the LDS retraining loop), reuses the compiled step instead of spending
+# seconds to minutes recompiling it. Keys are hashable typed configs and the mesh.
+@functools.lru_cache(maxsize=4)
+def compile_train_fns(model_cfg: model_lib.LMConfig, opt_cfg: step_lib.OptimizerConfig, seed: int,
+                      mesh: jax.sharding.Mesh, batch_size: int) -> TrainFns:
+    """Builds and AOT-compiles the train step; logs its memory analysis once."""
+    opt = step_lib.make_optimizer(opt_cfg)
+    graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
+    shardings = jax.tree.map(lambda x: x.sharding, target)
+    init = jax.jit(lambda: step_lib.init_state(model_cfg, opt, seed)[1], out_shardings=shardings)
+    abstract_batch = {k: jax.ShapeDtypeStruct((batch_size,) + ((model_cfg.max_len,) if k != "example_id" else ()),
+                                              np.int32, sharding=sh) for k, sh in sharding_lib.batch_shardings(mesh).items()}
+    compiled = step_lib.make_jit_train_step(graphdef, opt, mesh, target).lower(target, abstract_batch).compile()
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        logging.info("train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
+                     mem.argument_size_in_bytes / 2**20, mem.output_size_in_bytes / 2**20,
+                     mem.temp_size_in_bytes / 2**20)
+    return TrainFns(graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params))
+
+
+# ---------------------------------------------------------------------------------------
+# The loop and its hooks
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Hook:
+    """Runs `fn(step, state, metrics)` every `every` steps and at the last step."""
+
+    every: int
+    fn: Callable[[int, step_lib.TrainState, Any], None]
+
+
+def run_loop(state: step_lib.TrainState, start: int, num_steps: int, step_fn: Any,
+             batches: Iterator[dict[str, jax.Array]], hooks: list[Hook], progress: Callable[[], None] = lambda: None
+             ) -> step_lib.TrainState:
+    """Steps `start+1 .. num_steps`; the next batch is placed while the device runs the step.
+
+    Each hook sees the step's on-device metrics (it decides whether to fetch them).
+    """
+    batch = next(batches)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
+        for step in range(start + 1, num_steps + 1):
+            state, metrics = step_fn(state, batch)
+            if step < num_steps:
+                batch = next(batches)
+            progress()
+            for h in hooks:
+                if step % h.every == 0 or step == num_steps:
+                    h.fn(step, state, metrics)
+    return state
+
+
+class MetricsLog:
+    """The logging hook: keeps step metrics on device, fetches them every `log_every_steps`.
+
+    Refuses to go on from a non-finite loss: training stops naming the step before the
+    checkpoint hook can save a NaN state.
+    """
+
+    def __init__(self, path: pathlib.Path | None, tokens_per_step: int, bar: Any):
+        self.file = open(path, "a") if path is not None else None  # noqa: SIM115  (closed by close())
+        self.tokens_per_step, self.bar = tokens_per_step, bar
+        self.pending: list[Any] = []
+        self.train_loss: float | None = None
+        self.tokens_per_sec: float | None = None
+        self._t0, self._tokens = time.perf_counter(), 0
+
+    def collect(self, step: int, state: Any, metrics: Any) -> None:
+        del step, state
+        self.pending.append(metrics)
+
+    def flush(self, step: int, state: Any, metrics: Any) -> None:
+        del state, metrics
+        fetched, self.pending = jax.device_get(self.pending), []
+        n_tok = sum(float(x["num_tokens"]) for x in fetched)
+        loss = sum(float(x["loss"]) * float(x["num_tokens"]) for x in fetched) / max(n_tok, 1.0)
+        if not np.isfinite(loss):
+            bad = next(step - len(fetched) + 1 + i for i, x in enumerate(fetched) if not np.isfinite(float(x["loss"])))
+            raise FloatingPointError(f"training loss is {loss} at step {bad} (nothing after step "
+                                     f"{step - len(fetched)} was saved); lower train.learning_rate or check the data")
+        self.train_loss = loss
+        self._tokens += len(fetched) * self.tokens_per_step
+        self.tokens_per_sec = self._tokens / (time.perf_counter() - self._t0)
+        rec = {"step": step, "train/loss": loss, "train/grad_norm": float(fetched[-1]["grad_norm"]),
+               "train/tokens_per_sec": self.tokens_per_sec}
+        self.bar.set_postfix(loss=f"{loss:.3f}")
+        logging.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in rec.items() if k != "step"))
+        self.write(rec)
+
+    def write(self, record: dict) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+def held_out_loss(jit_eval_step: Any, params: Any, batches: list[dict]) -> float | None:
+    """Mean loss per target token over the held-out batches (None without held-out text)."""
+    if not batches:
+        return None
+    metrics = jax.device_get([jit_eval_step(params, b) for b in batches])
+    return sum(float(m["loss_sum"]) for m in metrics) / max(sum(float(m["num_tokens"]) for m in metrics), 1.0)
+
+
+# ---------------------------------------------------------------------------------------
+# Fact completions (the summary's fact accuracy)
+# ---------------------------------------------------------------------------------------
+
+
+def fact_prompts(corpus: data_lib.Corpus, max_facts: int = 0) -> list[tuple[str, data_lib.Fact]]:
+    """(prompt, fact) pairs for completions, round-robin over relations.
+
+    The prompt is the relation's template 0 (embedded corpus) or, without templates (LAMA),
+    the first evidence passage cut right before the object.
+    """
+    by_rel: dict[str, list[data_lib.Fact]] = {}
+    for f in corpus.facts:
+        by_rel.setdefault(f.relation, []).append(f)
+    out = []
+    for row in range(max((len(v) for v in by_rel.values()), default=0)):
+        for rel in sorted(by_rel):
+            if row >= len(by_rel[rel]):
+                continue
+            f = by_rel[rel][row]
+            if corpus.templates.get(rel):
+                out.append((data_lib.fill_template(corpus.templates[rel][0], f.subject), f))
+            elif f.evidence_ids:
+                # The longest passage prefix that ends right before an alias of the object.
+                best = ""
+                for e in f.evidence_ids[:MAX_EVIDENCE_FOR_PROMPT]:
+                    text = corpus.examples[e].text
+                    cuts = [text.find(a) for a in f.object_aliases if a and text.find(a) > 0]
+                    if cuts and min(cuts) > len(best):
+                        best = text[: min(cuts)].rstrip()
+                if best:
+                    out.append((best, f))
+            if max_facts and len(out) >= max_facts:
+                return out
+    return out
+
+
+def evaluate_completions(graphdef: Any, params: Any, tok: data_lib.Tokenizer, corpus: data_lib.Corpus, max_len: int,
+                         max_new_tokens: int, max_facts: int, batch_size: int = 64) -> list[dict]:
+    """Greedy completions of fact prompts, scored by the one correctness rule (`data.is_correct`, §4.2)."""
+    pairs = [(p, f) for p, f in fact_prompts(corpus, max_facts) if len(tok.encode(p)) + 1 < max_len]
+    outs = generate_lib.complete_batched(graphdef, params, tok, [p for p, _ in pairs], max_new_tokens, max_len,
+                                         batch_size)
+    return [{"fact_id": f.fact_id, "prompt": p, "completion": o, "target": f.object,
+             "correct": data_lib.is_correct(o, f.object_aliases)} for (p, f), o in zip(pairs, outs)]
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------
+
+
+def _open_run_dir(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
+    """config.json + corpus + tokenizer. Multi-host: process 0 writes, the others wait, then check and reload."""
+    primary = multihost.is_primary()
+    with multihost.step("train:run_dir"):
+        if primary:
+            checkpoint_lib.save_run_config(workdir, settings)
+            corpus, tok = prepare_data(settings, workdir)
+    if not primary:
+        checkpoint_lib.save_run_config(workdir, settings, write=False)
+        corpus, tok = prepare_data(settings, workdir)
+    return corpus, tok
+
+
+def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
+    """Stage 1: pretrain the run's model (resuming from its latest checkpoint).
+
+    A workdir of a different run is refused (naming the differing fields); a checkpoint at
+    or beyond `train.num_steps` only reports. Multi-host: one SPMD program over the global
+    mesh; process 0 writes the plain files, every process saves/restores checkpoints.
+
+    Returns:
+      The summary: final step, train / eval loss, fact accuracy, completions, throughput.
+    """
+    workdir = pathlib.Path(workdir)
+    logs.quiet_library_logs()
+    t, model_cfg = settings.train, settings.model
+    corpus, tok = _open_run_dir(settings, workdir)
+
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    dp = sharding_lib.data_parallel_size(mesh)
+    if t.global_batch_size % dp:
+        raise ValueError(f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
+                         f"{dp} data-parallel shards of mesh {dict(mesh.shape)}")
+    mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
+    must_match = dict(sections=config_lib.RUN_SECTIONS + ("train",),
+                      ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS))
+    if mngr.latest_step() is not None:  # refuse a foreign checkpoint before compiling anything
+        bad = config_lib.mismatches(mngr.saved_config(), settings, **must_match)
+        if bad:
+            raise config_lib.ConfigError(f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: "
+                                         + "; ".join(bad))
+    fns = compile_train_fns(model_cfg, t.optimizer, settings.seed, mesh, t.global_batch_size)
+    if mngr.latest_step() is not None:
+        start, state = mngr.restore_latest(fns.target, expect_config=settings, **must_match)
+        logging.info("resumed from %s at step %d", mngr.directory, start)
+    else:
+        state, start = fns.init(), 0
+    logging.info("model: %d parameters; mesh %s; %d examples; batch %d x %d tokens", model_lib.param_count(state.params),
+                 dict(mesh.shape), len(corpus.examples), t.global_batch_size, model_cfg.max_len)
+
+    eval_batches = [sharding_lib.device_batch(b, mesh) for b in
+                    data_lib.eval_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, t.num_eval_batches)]
+    bar = tqdm.tqdm(total=t.num_steps, initial=start, desc="train", disable=jax.process_index() > 0,
+                    mininterval=2.0, dynamic_ncols=True)
+    log = MetricsLog(workdir / METRICS_FILE if multihost.is_primary() else None,
+                     t.global_batch_size * model_cfg.max_len, bar)
+    eval_loss: list[float | None] = [None]
+
+    def eval_hook(step: int, state: step_lib.TrainState, metrics: Any) -> None:
+        del metrics
+        eval_loss[0] = held_out_loss(fns.eval, state.params, eval_batches)
+        if eval_loss[0] is not None:
+            logging.info("step %d: eval/loss=%.4f", step, eval_loss[0])
+            log.write({"step": step, "eval/loss": eval_loss[0]})
+
+    hooks = [Hook(1, log.collect), Hook(t.log_every_steps, log.flush), Hook(t.eval_every_steps, eval_hook),
+             Hook(t.checkpoint_every_steps, lambda step, state, m: mngr.save(state, settings))]
+    summary_path = workdir / SUMMARY_FILE
+    if start >= t.num_steps and summary_path.exists():  # a finished run only reports
+        mngr.close()
+        logging.info("checkpoint step %d >= train.num_steps=%d: already trained; %s unchanged", start, t.num_steps,
+                     summary_path)
+        return config_lib.read_json(summary_path)
+    try:
+        if start >= t.num_steps:
+            logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, t.num_steps)
+        else:
+            batches = (sharding_lib.device_batch(b, mesh) for b in data_lib.train_batches(
+                corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, start_step=start))
+            state = run_loop(state, start, t.num_steps, fns.step, batches, hooks, progress=lambda: bar.update(1))
+    finally:
+        bar.close()
+        log.close()
+        mngr.wait_until_finished()
+        mngr.close()
+    return _report(settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0],
+                   log.tokens_per_sec)
+
+
+def _report(settings: config_lib.Settings, workdir: pathlib.Path, state: step_lib.TrainState, fns: TrainFns,
+            tok: data_lib.Tokenizer, corpus: data_lib.Corpus, eval_batches: list, train_loss: float | None,
+            eval_loss: float | None, tokens_per_sec: float | None) -> dict:
+    """Held-out loss and fact completions of the final state -> `train_summary.json`."""
+    t = settings.train
+    final_step = int(jax.device_get(state.step))
+    if eval_loss is None:
+        eval_loss = held_out_loss(fns.eval, state.params, eval_batches)
+    rows = evaluate_completions(fns.graphdef, state.params, tok, corpus, settings.model.max_len, t.max_new_tokens,
+                                t.max_fact_prompts)
+    accuracy = sum(r["correct"] for r in rows) / len(rows) if rows else None
+    for r in rows[: t.num_completions]:
+        logging.info("%s %r -> %r (target %r)", "OK " if r["correct"] else "   ", r["prompt"], r["completion"], r["target"])
+    summary = {"step": final_step, "train_loss": train_loss, "eval_loss": eval_loss, "fact_accuracy": accuracy,
+               "num_fact_prompts": len(rows), "tokens_per_sec": tokens_per_sec,
+               "num_params": model_lib.param_count(state.params), "completions": rows[: t.num_completions]}
+    if multihost.is_primary():
+        files.atomic_write_json(workdir / SUMMARY_FILE, summary)
+    logging.info("trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)", final_step,
+                 None if train_loss is None else f"{train_loss:.4f}", None if eval_loss is None else f"{eval_loss:.4f}",
+                 None if accuracy is None else f"{accuracy:.3f}", len(rows))
+    return summary
