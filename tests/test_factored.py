@@ -160,3 +160,43 @@ def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
     fast, ref, corr = _both(cfg, graphdef, state, vc, batch, exact=True)
     assert not corr.full and fast.shape == (B, vc.dim)
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
+
+
+# Imported architectures (issue 11): biases (dense and LayerNorm) are attributed parameters,
+# and the factored path must reproduce the reference for them as for kernels and scales.
+ARCH_CONFIGS = {
+    "llama": model_lib.LMConfig(arch="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
+                                num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16, qkv_bias=True, out_bias=True,
+                                mlp_bias=True, tie_embeddings=True),
+    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2,
+                                   head_dim=16, mlp_dim=64, max_len=16, norm="layer", norm_bias=True, qkv_bias=True,
+                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=True,
+                                   activation="gelu", tie_embeddings=False),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_state(arch):
+    opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
+    graphdef, state = train.init_state(ARCH_CONFIGS[arch], opt, seed=0)  # make_model dispatches on arch
+    step = functools.partial(train.train_step, graphdef=graphdef, opt=opt)
+    for s in range(2):
+        state, _ = step(state, _batch(s, B, T))
+    return ARCH_CONFIGS[arch], graphdef, state
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_fast_equals_reference_on_imported_architectures(arch, correction):
+    cfg, graphdef, state = _arch_state(arch)
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=correction, proj_seed=5)
+    plan = vectors.make_plan(state.params, cfg, vc)
+    assert plan.entry("layer_1/attn/value/bias").side == 2 and plan.entry("layer_0/mlp/down/bias").side == 1
+    assert "layer_0/attn/key/bias" not in plan.paths  # zero gradient where unrotated (lm.EXCLUDED_SUFFIXES)
+    if arch == "gpt_neox":
+        assert plan.entry("final_norm/bias").side == 3 and plan.entry("layer_0/attn_norm/bias").side == 0
+    fast, ref, corr = _both(cfg, graphdef, state, vc, _batch(105, B, T, prompt=2), exact=True)
+    if correction:
+        assert not corr.full  # biases keep a full 1-D v, which is rank-one as a 1 x n matrix
+    assert np.max(np.abs(ref)) > 0
+    np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))

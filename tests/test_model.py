@@ -204,3 +204,63 @@ def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
     flat = model_lib.flat_params(params)
     assert flat["layer_0/attn/key/kernel"].shape == (cfg.embed_dim, cfg.head_dim)
     assert flat["layer_0/mlp/gate/kernel"].shape == (cfg.embed_dim, cfg.mlp_dim)
+
+
+# Imported architectures (issue 11): llama (GQA, biases) and gpt_neox (LayerNorm + biases,
+# partial rotary, parallel residual). Their logits are checked against transformers in
+# test_models_hf.py; here: parameter paths, taps and config validation.
+ARCH_CONFIGS = {
+    "llama": model_lib.LMConfig(arch="llama", vocab_size=50, num_layers=2, embed_dim=16, num_heads=4, num_kv_heads=2,
+                                head_dim=4, mlp_dim=24, max_len=12, qkv_bias=True, out_bias=True, mlp_bias=True,
+                                tie_embeddings=False),
+    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=50, num_layers=2, embed_dim=16, num_heads=2,
+                                   head_dim=8, mlp_dim=24, max_len=12, norm="layer", norm_bias=True, qkv_bias=True,
+                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=True,
+                                   activation="gelu", tie_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_tap_sees_every_parameter_of_the_imported_architectures(arch):
+    cfg = ARCH_CONFIGS[arch]
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg, seed=0))
+    tokens = jnp.asarray(np.arange(8, dtype=np.int32)[None])
+    seen = {}
+
+    def tap(path, x, y):
+        seen[path] = None if x is None else x.shape
+        return y
+
+    out = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t, tap=tap))(params, tokens)
+    assert out.shape == (1, 8, cfg.vocab_size)
+    key_biases = [f"layer_{i}/attn/key/bias" for i in range(cfg.num_layers)]  # tapped, never attributed
+    assert sorted(seen) == sorted(model_lib.attributed_paths(params) + key_biases)
+    assert seen["layer_0/attn/query/bias"] is None and seen["layer_1/mlp/down/bias"] is None  # a bias multiplies 1
+    flat = model_lib.flat_params(params)
+    assert flat["layer_0/attn/key/kernel"].shape == (cfg.embed_dim, cfg.kv_heads * cfg.head_dim)
+    if arch == "gpt_neox":
+        assert "layer_0/attn_norm/bias" in seen and "final_norm/bias" in seen and "layer_0/mlp/gate/kernel" not in flat
+
+
+def test_rope_partial_rotary_leaves_the_tail_alone():
+    x = np.random.default_rng(8).standard_normal((2, 7, 3, 8)).astype(np.float32)
+    got = np.asarray(model_lib.rope(jnp.asarray(x), 100.0, rotary_dim=4))
+    np.testing.assert_allclose(got[..., :4], _np_rope(x[..., :4], 100.0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(arch="bert"), "model.arch"),
+    (dict(arch="llama", num_heads=4, num_kv_heads=3), "model.num_kv_heads"),
+    (dict(arch="llama", norm="layer"), "model.norm"),
+    (dict(arch="palm", qkv_bias=True), "model.qkv_bias"),
+    (dict(arch="palm", num_kv_heads=2, num_heads=4), "model.num_kv_heads"),
+    (dict(arch="gpt_neox", norm="rms"), "model.norm"),
+    (dict(arch="gpt_neox", norm="layer", activation="silu"), "model.activation"),
+    (dict(arch="gpt_neox", norm="layer", head_dim=8, rotary_pct=0.25 * 1.5), "model.rotary_pct"),
+    (dict(norm_bias=True), "model.norm_bias"),
+    (dict(activation="swish"), "model.activation"),
+])
+def test_bad_architecture_config_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field.replace(".", r"\.")):
+        model_lib.LMConfig(**kwargs)

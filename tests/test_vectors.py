@@ -136,3 +136,45 @@ def test_config_and_layout():
         assert vc.dim == 2 * vc.num_blocks * vc.proj_dim**2
     with pytest.raises(ValueError, match="proj_dims"):
         config_lib.from_dict({"vectors": {"proj_dims": 3}})
+
+
+# Imported architectures (issue 11): the jitted, sharded step on 1 and 8 devices, fast and
+# reference paths, with and without the correction.
+ARCH_CONFIGS = {
+    "llama": model_lib.LMConfig(arch="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
+                                num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16, qkv_bias=True, tie_embeddings=False),
+    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2,
+                                   head_dim=16, mlp_dim=64, max_len=16, norm="layer", norm_bias=True, qkv_bias=True,
+                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=False,
+                                   activation="gelu", tie_embeddings=True),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _arch_state(arch):
+    cfg = ARCH_CONFIGS[arch]
+    opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
+    graphdef, state = train.init_state(cfg, opt, seed=0)
+    state, _ = train.train_step(state, _batch(0), graphdef=graphdef, opt=opt)
+    return cfg, graphdef, state
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+def test_imported_architectures_fast_equals_reference_on_1_and_8_devices(arch, correction):
+    skip_if_not_enough_devices(8)
+    cfg, graphdef, state = _arch_state(arch)
+    batch = _batch(3)
+    opt_state = state.opt_state if correction else None
+    out = {}
+    for path in ("fast", "reference"):
+        vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=correction, proj_seed=3, path=path)
+        for n in (1, 8):
+            mesh = sharding.make_mesh(devices=jax.devices()[:n])
+            fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, opt_state, mesh=mesh)
+            with jax.default_matmul_precision("highest"):
+                out[path, n] = fn(state.params, fn.precond, batch)
+    want = out["reference", 1]
+    assert want.shape == (B, VC.dim) and np.abs(want).max() > 0
+    for key, got in out.items():
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=str(key))

@@ -10,7 +10,8 @@ corrected gradient is
 so the correction folds into the projection matrices and each token needs only two small
 projections (k (m + n) multiply-adds) and a k x k outer product; the sum over tokens is one
 batched contraction. A norm `y_t = xhat_t * s` (1-D scale seen as a `1 x n` matrix) has
-`G = sum_t (xhat_t * g_t)`, projected as `P0' (P1' G)^T`.
+`G = sum_t (xhat_t * g_t)`, projected as `P0' (P1' G)^T`; a bias `y_t = ... + c` (of a dense
+layer or a LayerNorm, also `1 x n`) has `G = sum_t g_t`, projected the same way.
 
 Mechanics (one forward, one batched backward). `model.apply(..., tap=...)` hands every
 layer's `(x, y)` to a tap. The tap routes `y` through `_capture`, an identity in the forward
@@ -40,9 +41,11 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from trackstar_jax.features import grads as grads_lib
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
+from trackstar_jax.models import lm as model_lib
+
+
 @jax.custom_vjp
 def _capture_dense(y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"],
                    z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
@@ -114,6 +117,28 @@ def _capture_scale_bwd(res, g):
 _capture_scale.defvjp(_capture_scale_fwd, _capture_scale_bwd)
 
 
+@jax.custom_vjp
+def _capture_bias(y: Float[Array, "b t n"], p0: Float[Array, "k"], p1: Float[Array, "k n"],
+                  z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `p0 (P1' sum_t g_t)^T` to `z` (a bias: it multiplies 1)."""
+    del p0, p1, z
+    return y
+
+
+def _capture_bias_fwd(y, p0, p1, z):
+    del z
+    return y, (p0, p1)
+
+
+def _capture_bias_bwd(res, g):
+    p0, p1 = res
+    u = jnp.einsum("btn,kn->bk", g.astype(jnp.float32), p1)
+    return g, None, None, p0[None, :, None] * u[:, None, :]
+
+
+_capture_bias.defvjp(_capture_bias_fwd, _capture_bias_bwd)
+
+
 def folded_projections(plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None,
                        seed: int) -> dict[str, tuple[Array, Array]]:
     """`{path: (P0 diag(a) [k, m], P1 diag(b) [k, n])}`: projections with the correction folded in."""
@@ -160,11 +185,15 @@ def factored_vectors(params: Any, correction: precond_lib.Correction | None, bat
 
         def tap(path, x, y):
             if path not in entries:
+                if not model_lib.is_attributed(path):
+                    return y  # e.g. an attention key bias: a model parameter, never attributed
                 raise ValueError(f"the model uses parameter {path!r}, which is not in the block plan")
             seen.add(path)
             e = entries[path]
             p0, p1 = projs[path]
-            if e.ndim == 1:
+            if e.kind == "bias":
+                return _capture_bias(y, p0[:, 0], p1, zs[e.side])
+            if e.kind == "scale":
                 return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
             if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
                 return _capture_dense_lazy(y, x, p0, p1, zs[e.side])

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
 OUTPUT_FNS = ("loss", "margin", "logit", "trak")

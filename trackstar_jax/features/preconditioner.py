@@ -10,7 +10,7 @@ optimizer's estimate of E[g^2] before projecting. We read V from the checkpoint:
   `row_factor = (v_row / mean(v_row)) ** -0.5` (along d1), `col_factor = v_col ** -0.5`
   (along d0). We reuse optax's `_factored_dims` itself, so the correction is exactly the
   `1/sqrt(V)` of optax's own update. An unfactored parameter (a dim below
-  `min_dim_size_to_factor`, or a 1-D norm scale) keeps a full `v`: `1/sqrt(v)`.
+  `min_dim_size_to_factor`, or a 1-D norm scale or bias) keeps a full `v`: `1/sqrt(v)`.
 * Adam-family (`nu`): `1/sqrt(nu)` element-wise. Adam's bias correction `1/(1-b2^t)` is the
   same for every parameter, a global scale that unit normalisation removes; not applied.
 
@@ -18,7 +18,7 @@ Zeros in V (a never-updated state) are floored at optax's epsilon (1e-30), as op
 `grad^2 + epsilon` accumulation would; NaN/inf in V is an error naming the parameter.
 
 Every correction is stored as the rank-one pair `(a [m], b [n])` with `1/sqrt(V) ~ a b^T`
-for a parameter seen as an `m x n` matrix (1-D scales as `1 x n`): this is what the fast
+for a parameter seen as an `m x n` matrix (1-D scales and biases as `1 x n`): this is what the fast
 factored path folds into its projection matrices (`P0 diag(a)`, `P1 diag(b)`). It is exact
 for factored Adafactor and for 1-D scales. Where V is a full matrix (unfactored Adafactor,
 Adam), the pair is the Adafactor-style rank-one factorisation of V itself,
@@ -37,7 +37,7 @@ import numpy as np
 from jaxtyping import Array, Float
 from optax._src.factorized import _factored_dims  # optax's own factoring rule (style.md §4.4)
 
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 EPSILON = 1e-30  # optax.scale_by_factored_rms default epsilon
 ADAFACTOR_FIELDS = ("v_row", "v_col", "v")
 ADAM_FIELD = "nu"

@@ -1,21 +1,24 @@
 """Layer blocks and the two-sided Gaussian random projection (paper §A.1.2, Eq. 3).
 
-Block plan. The attributed parameters (all but the token embedding, `model.attributed_paths`)
-are pooled into `num_blocks` blocks of consecutive decoder layers, with attention and MLP
-kept apart, giving `2 * num_blocks` block-sides in the order
+Block plan. The attributed parameters (all but the token embedding and attention key
+biases, `lm.attributed_paths`) are pooled into `num_blocks` blocks of consecutive decoder
+layers, with attention and MLP kept apart, giving `2 * num_blocks` block-sides in the order
 (block0_attn, block0_mlp, block1_attn, ...):
 
-* `layer_i/attn/*/kernel` and `layer_i/attn_norm/scale`  -> attention side of block(i);
-* `layer_i/mlp/*/kernel` and `layer_i/mlp_norm/scale`    -> MLP side of block(i);
-* `final_norm/scale` and `unembed/kernel` (untied only)  -> MLP side of the LAST block
-  (they are position-wise maps that follow the last MLP, like it);
+* `layer_i/attn/*/{kernel,bias}` and `layer_i/attn_norm/{scale,bias}` -> attention side of block(i);
+* `layer_i/mlp/*/{kernel,bias}` and `layer_i/mlp_norm/{scale,bias}`   -> MLP side of block(i);
+* `final_norm/{scale,bias}` and `unembed/kernel` (untied only)        -> MLP side of the LAST
+  block (they are position-wise maps that follow the last MLP, like it);
 * anything else is an error naming the parameter.
+
+Biases (of dense layers and of LayerNorms) are attributed like norm scales: §3 attributes
+"all model parameters except the token embedding layer".
 
 `block(i) = i * num_blocks // num_layers`: contiguous runs of layers, as even as possible
 (the paper's 32 layers / 8 blocks gives 4 layers each).
 
 Projection. Each attributed parameter `W [m, n]` (a dense kernel `[in, out]`; a 1-D norm
-scale `[n]` is treated as the `1 x n` matrix it multiplies row-wise) is projected to
+scale or bias `[n]` is treated as a `1 x n` matrix) is projected to
 `P0 W P1^T [k, k]` with `P0 [k, m]`, `P1 [k, n]`, and the projections of a block-side are
 summed. That sum is exactly the projection of the block-diagonal concatenation
 `diag(W_1, W_2, ...)` by `[P0_1 | P0_2 | ...]` and `[P1_1 | P1_2 | ...]`.
@@ -44,7 +47,8 @@ from jaxtyping import Array, Float
 ATTN, MLP = 0, 1
 _ATTN_PARTS = ("attn", "attn_norm")
 _MLP_PARTS = ("mlp", "mlp_norm")
-_TOP_LEVEL_MLP = ("final_norm/scale", "unembed/kernel")
+_TOP_LEVEL_MLP = ("final_norm/scale", "final_norm/bias", "unembed/kernel")
+KINDS = ("kernel", "scale", "bias")  # the last path component: dense kernel, norm scale, bias
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,8 +57,13 @@ class PlanEntry:
 
     path: str
     side: int  # index into the [2*num_blocks] block-sides
-    shape: tuple[int, int]  # as a matrix: kernels [in, out]; norm scales [1, n]
-    ndim: int  # 1 for norm scales, 2 for kernels
+    shape: tuple[int, int]  # as a matrix: kernels [in, out]; norm scales and biases [1, n]
+    ndim: int  # 1 for norm scales and biases, 2 for kernels
+
+    @property
+    def kind(self) -> str:
+        """"kernel", "scale" or "bias" (the last path component)."""
+        return self.path.rsplit("/", 1)[-1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +96,8 @@ class BlockPlan:
 
 def _side_of(path: str, num_layers: int, num_blocks: int) -> int:
     parts = path.split("/")
+    if parts[-1] not in KINDS:
+        raise ValueError(f"parameter {path!r} does not fit the block plan: its name must end in one of {KINDS}")
     if path in _TOP_LEVEL_MLP:
         return 2 * (num_blocks - 1) + MLP
     if parts[0].startswith("layer_") and len(parts) >= 3:
@@ -131,7 +142,10 @@ def block_plan(shapes: Mapping[str, tuple[int, ...]], num_layers: int, num_block
     for path in sorted(shapes):
         shape = tuple(int(s) for s in shapes[path])
         if len(shape) not in (1, 2):
-            raise ValueError(f"parameter {path!r} has shape {shape}: only 1-D norm scales and 2-D kernels can be projected")
+            raise ValueError(f"parameter {path!r} has shape {shape}: only 1-D norm scales / biases and 2-D kernels "
+                             "can be projected")
+        if (len(shape) == 2) != (path.endswith("/kernel")):
+            raise ValueError(f"parameter {path!r} has shape {shape}: kernels must be 2-D, norm scales and biases 1-D")
         side = _side_of(path, num_layers, num_blocks)
         entries.append(PlanEntry(path, side, shape if len(shape) == 2 else (1, shape[0]), len(shape)))
     used = {e.side for e in entries}
@@ -170,7 +184,7 @@ def side_matrices(seed: int, path: str, shape: tuple[int, int], k: int,
 
 
 def as_matrix(g: Array) -> Array:
-    """A 1-D norm-scale gradient `[..., n]` as `[..., 1, n]`; 2-D kernels unchanged (batched ok)."""
+    """A 1-D norm-scale or bias gradient `[..., n]` as `[..., 1, n]` (batched ok)."""
     return g[..., None, :]
 
 

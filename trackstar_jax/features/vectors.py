@@ -30,7 +30,7 @@ from jaxtyping import Array, Float
 
 from trackstar_jax.features import factored as factored_lib
 from trackstar_jax.features import grads as grads_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
 from trackstar_jax.distributed import sharding as sharding_lib

@@ -1,0 +1,191 @@
+"""Building blocks shared by every architecture (PaLM, Llama, GPT-NeoX) and the loss helpers.
+
+Every parameterised layer knows its own parameter path (`layer_3/attn/query/kernel`, the
+path in `nnx.state(model, nnx.Param)` joined by '/') and hands its input and output to a
+`Tap` when one is given: the fast factored gradient path (`features/factored.py`) uses this
+to capture layer inputs and per-token output gradients without weight gradients.
+
+Parameter kinds, by the last path component:
+
+* `kernel [in, out]`: dense `y = x @ kernel`; the tap sees `x` (the layer input);
+* `scale [n]`: norm `y = xhat * scale`; the tap sees `xhat` (the normalised input);
+* `bias [n]`: `y = ... + bias`; the tap sees `x = None` (a bias multiplies a constant 1,
+  so its per-example gradient is the sum over tokens of the output gradient).
+
+Batch convention (shared by training, featurization, retrieval and tail-patch):
+`tokens [B, T] int32` (BOS first, PAD_ID padding at the end), `loss_mask [B, T]`
+(1 where token t is a target, i.e. predicted from tokens < t; 0 on BOS, prompt and padding),
+`example_id [B] int32` (-1 for padding rows).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+if TYPE_CHECKING:  # lm.py imports this module; the config is only a type here
+    from trackstar_jax.models.lm import LMConfig
+
+PAD_ID = 0
+NORM_TYPES = ("rms", "layer")
+PARAM_KINDS = ("kernel", "scale", "bias")
+
+
+class Tap(Protocol):
+    """Observer of every parameterised layer: `tap(path, x, y) -> y'`.
+
+    `path` is the parameter's path (e.g. `layer_0/mlp/up/kernel`), `x` the array that
+    multiplies the parameter (the dense input, the normalised input of a norm scale, or None
+    for a bias, which multiplies a constant 1) and `y` the layer output so far (a kernel's
+    tap sees `x @ kernel`, the bias's tap that plus the bias). The returned array replaces `y`.
+    """
+
+    def __call__(self, path: str, x: Array | None, y: Array) -> Array: ...
+
+
+def param_path_str(path: tuple[Any, ...]) -> str:
+    """Joins an `nnx.state` / pytree key path into the canonical 'layer_0/attn/query/kernel' string."""
+    parts = []
+    for p in path:
+        for attr in ("key", "idx", "name"):  # jax.tree_util key entries
+            if hasattr(p, attr):
+                p = getattr(p, attr)
+                break
+        parts.append(str(p))
+    return "/".join(parts)
+
+
+def flat_params(params: Any) -> dict[str, Any]:
+    """`{'layer_0/attn/query/kernel': array, ...}` for a parameter tree (state or dict)."""
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params)[0]
+    return {param_path_str(path): leaf for path, leaf in leaves}
+
+
+def param_count(params: Any) -> int:
+    """Total number of parameters in a (possibly abstract) parameter tree."""
+    return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
+
+
+def layer_index(path: str) -> int | None:
+    """Decoder layer number of a parameter path (`layer_3/...` -> 3); None outside layers."""
+    head = path.split("/", 1)[0]
+    return int(head[len("layer_"):]) if head.startswith("layer_") else None
+
+
+class Linear(nnx.Module):
+    """Dense layer `y = x @ kernel (+ bias)`, kernel `[in, out]`, optional bias `[out]`."""
+
+    def __init__(self, in_features: int, out_features: int, path: str, cfg: LMConfig, *, rngs: nnx.Rngs,
+                 bias: bool = False):
+        init = nnx.initializers.normal(stddev=1.0 / math.sqrt(in_features))
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), pdt))
+        self.bias = nnx.Param(jnp.zeros((out_features,), pdt)) if bias else None
+        self.path = path
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: Float[Array, "... i"], tap: Tap | None = None) -> Float[Array, "... o"]:
+        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(self.dtype))
+        if tap is not None:
+            y = tap(self.path + "/kernel", x, y)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+            if tap is not None:
+                y = tap(self.path + "/bias", None, y)
+        return y
+
+
+class Norm(nnx.Module):
+    """RMSNorm or LayerNorm with a learned `scale [dim]` and an optional `bias [dim]`.
+
+    `kind`, `eps` and `bias` default to `cfg.norm`, `cfg.norm_eps`, `cfg.norm_bias`.
+    Statistics are taken in float32 (as HF's Llama / NeoX norms do), the result cast to
+    `cfg.dtype` before the scale.
+    """
+
+    def __init__(self, dim: int, path: str, cfg: LMConfig, eps: float | None = None, *, kind: str | None = None,
+                 bias: bool | None = None):
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.scale = nnx.Param(jnp.ones((dim,), pdt))
+        use_bias = cfg.norm_bias if bias is None else bias
+        self.bias = nnx.Param(jnp.zeros((dim,), pdt)) if use_bias else None
+        self.kind = cfg.norm if kind is None else kind
+        if self.kind not in NORM_TYPES:
+            raise ValueError(f"norm kind must be one of {NORM_TYPES}, got {self.kind!r}")
+        self.eps = cfg.norm_eps if eps is None else eps
+        self.path = path
+        self.dtype = cfg.dtype
+
+    def __call__(self, x: Float[Array, "... d"], tap: Tap | None = None) -> Float[Array, "... d"]:
+        xf = x.astype(jnp.float32)
+        if self.kind == "layer":
+            xf = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        xhat = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)).astype(self.dtype)
+        y = xhat * self.scale[...].astype(self.dtype)
+        if tap is not None:
+            y = tap(self.path + "/scale", xhat, y)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+            if tap is not None:
+                y = tap(self.path + "/bias", None, y)
+        return y
+
+
+def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = None) -> Float[Array, "b t ... h"]:
+    """Rotary position embedding over the last axis, positions 0..T-1.
+
+    Rotate-half layout (HF's `rotate_half`, GPT-NeoX and Llama): within the first
+    `rotary_dim` features (all by default), feature i is paired with i + rotary_dim/2 and
+    rotated by angle `p / base^(2i / rotary_dim)`; the remaining features pass through
+    unchanged (GPT-NeoX's partial rotary, `rotary_pct`).
+    """
+    t, h = x.shape[1], x.shape[-1]
+    r = h if rotary_dim is None else rotary_dim
+    inv_freq = 1.0 / (base ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))  # [r/2]
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [t, r/2]
+    shape = (1, t) + (1,) * (x.ndim - 3) + (r // 2,)
+    sin, cos = jnp.sin(angles).reshape(shape), jnp.cos(angles).reshape(shape)
+    xf = x.astype(jnp.float32)
+    x1, x2, rest = xf[..., : r // 2], xf[..., r // 2: r], xf[..., r:]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
+
+
+def causal_attention(q: Float[Array, "b t h d"], k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]
+                     ) -> Float[Array, "b t h d"]:
+    """Causal softmax attention with `h` query heads over `g` key/value heads (h % g == 0).
+
+    Query head j reads key/value head `j // (h / g)` (HF's `repeat_kv` order), which covers
+    multi-head (g = h), grouped-query and multi-query (g = 1) attention. Scores and softmax
+    in float32, scaled by 1/sqrt(d).
+    """
+    b, t, h, d = q.shape
+    g = k.shape[2]
+    qg = q.reshape(b, t, g, h // g, d)
+    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, h, d)
+
+
+def lm_targets(batch: Mapping[str, Array]) -> tuple[Int[Array, "b t1"], Int[Array, "b t1"], Float[Array, "b t1"]]:
+    """Splits a batch into (inputs, targets, weights) for next-token prediction (T1 = T-1)."""
+    tokens = batch["tokens"]
+    return tokens[:, :-1], tokens[:, 1:], batch["loss_mask"][:, 1:].astype(jnp.float32)
+
+
+def token_log_probs(logits: Float[Array, "b t v"], targets: Int[Array, "b t"]) -> Float[Array, "b t"]:
+    """log p(target_t | prefix) for every position, in float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+
+
+def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Array]) -> Float[Array, "b"]:
+    """Per-example loss summed over target tokens: `-sum_t mask_t log p(y_t)`."""
+    inputs, targets, weights = lm_targets(batch)
+    return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)

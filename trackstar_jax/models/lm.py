@@ -1,0 +1,203 @@
+"""The language-model family: one config (`LMConfig`) and functions that dispatch on `arch`.
+
+Architectures (one module each, each exporting `Transformer(cfg, *, rngs)` whose
+`__call__(tokens, tap=None)` returns float32 logits):
+
+| arch       | module        | attention          | MLP              | norm             | biases            |
+| ---------- | ------------- | ------------------ | ---------------- | ---------------- | ----------------- |
+| `palm`     | `palm.py`     | multi-query        | SwiGLU           | RMS / bias-free LN | none            |
+| `llama`    | `llama.py`    | MHA / GQA / MQA    | SwiGLU           | RMS              | optional q/k/v/o, MLP |
+| `gpt_neox` | `gpt_neox.py` | MHA, partial RoPE  | GELU             | LayerNorm + bias | everywhere        |
+
+Parameter paths are shared by all of them (the block plan in `features/projection.py`
+relies on it): `embed` (token embedding, never attributed), `layer_i/attn/<name>/kernel|bias`,
+`layer_i/attn_norm/scale|bias`, `layer_i/mlp/<name>/kernel|bias`, `layer_i/mlp_norm/...`,
+`final_norm/...`, `unembed/kernel` (untied output embedding).
+
+The architecture modules are imported lazily (`_model_class`): `palm.py` re-exports the
+functions of this module for older callers, so this module must not import it at load time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any
+
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
+    NORM_TYPES,
+    PAD_ID,
+    Tap,
+    example_losses,
+    flat_params,
+    layer_index,
+    lm_targets,
+    param_count,
+    param_path_str,
+    token_log_probs,
+)
+
+ARCHS = ("palm", "llama", "gpt_neox")
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+_ARCH_MODULES = {a: f"trackstar_jax.models.{a}" for a in ARCHS}
+
+# Parameters TrackStar never attributes (§3: "all model parameters except the token
+# embedding layer"); with tied embeddings this is also the output embedding.
+EXCLUDED_PARAMS = ("embed",)
+# Attention key biases are not attributed either (the paper's models have none). Adding a
+# bias to every key shifts each query's scores by a constant, which the softmax ignores:
+# where RoPE does not rotate it (GPT-NeoX's un-rotated 75%), its gradient is identically
+# zero, so the optimizer's V is ~0 there and the correction 1/sqrt(V) amplifies pure
+# roundoff into the largest entries of the vector (seen as 1 vs 8 device vectors that
+# differed by 100% with the correction on). The rotated part carries little signal.
+EXCLUDED_SUFFIXES = ("/attn/key/bias",)
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """Model hyperparameters (frozen and hashable, so it can be a jit static argument).
+
+    Attributes:
+      arch: "palm" (the paper's model), "llama" (Llama / Mistral / Qwen2 / SmolLM2) or
+        "gpt_neox" (GPT-NeoX / Pythia).
+      vocab_size, num_layers, embed_dim, num_heads, head_dim, mlp_dim, max_len: sizes.
+      num_kv_heads: key/value heads (llama: None = num_heads; palm: None or 1, multi-query;
+        gpt_neox: None or num_heads).
+      tie_embeddings: output embedding = token embedding (palm scales it by 1/sqrt(d)).
+      norm: "rms" or "layer"; norm_eps its epsilon; norm_bias a LayerNorm bias.
+      rope_base: RoPE theta; rotary_pct: fraction of head_dim that is rotated (gpt_neox).
+      qkv_bias: biases on the query/key/value projections; out_bias on the attention
+        output; mlp_bias on the MLP projections.
+      parallel_residual: gpt_neox `x + attn(ln1(x)) + mlp(ln2(x))`.
+      activation: MLP activation ("silu" = SwiGLU for palm/llama; gelu/gelu_tanh/relu for gpt_neox).
+      dtype: activation / compute dtype; param_dtype: parameter storage dtype.
+    """
+
+    vocab_size: int = 32_000
+    num_layers: int = 8
+    embed_dim: int = 1024  # Table A.3 "embedding size" = "hidden size"
+    num_heads: int = 4
+    head_dim: int = 256
+    mlp_dim: int = 4096
+    max_len: int = 2048
+    tie_embeddings: bool = True
+    norm: str = "rms"
+    rope_base: float = 10_000.0
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+    arch: str = "palm"
+    num_kv_heads: int | None = None
+    norm_eps: float = 1e-6
+    norm_bias: bool = False
+    rotary_pct: float = 1.0
+    qkv_bias: bool = False
+    out_bias: bool = False
+    mlp_bias: bool = False
+    parallel_residual: bool = False
+    activation: str = "silu"
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch must be one of {ARCHS}, got {self.arch!r}")
+        if self.norm not in NORM_TYPES:
+            raise ValueError(f"model.norm must be one of {NORM_TYPES}, got {self.norm!r}")
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"model.activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        for field in ("vocab_size", "num_layers", "embed_dim", "num_heads", "head_dim", "mlp_dim", "max_len"):
+            if getattr(self, field) <= 0:
+                raise ValueError(f"model.{field} must be positive, got {getattr(self, field)}")
+        if not 0.0 < self.rotary_pct <= 1.0:
+            raise ValueError(f"model.rotary_pct must be in (0, 1], got {self.rotary_pct}")
+        if self.rotary_dim % 2:
+            what = "model.head_dim must be even for RoPE" if self.rotary_pct == 1.0 else (
+                f"model.rotary_pct={self.rotary_pct} x model.head_dim={self.head_dim} must give an even rotary dim")
+            raise ValueError(f"{what}, got {self.rotary_dim}")
+        if self.norm_eps <= 0:
+            raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps}")
+        if self.norm_bias and self.norm != "layer":
+            raise ValueError("model.norm_bias needs model.norm='layer' (RMSNorm has no bias)")
+        kv = self.kv_heads
+        if kv <= 0 or self.num_heads % kv:
+            raise ValueError(f"model.num_kv_heads={self.num_kv_heads} must divide model.num_heads={self.num_heads}")
+        self._check_arch()
+
+    def _check_arch(self):
+        """Fields an architecture does not implement must keep their defaults (no silent ignoring)."""
+        if self.arch == "palm":
+            fixed = {"num_kv_heads": (None, 1), "rotary_pct": (1.0,), "qkv_bias": (False,), "out_bias": (False,),
+                     "mlp_bias": (False,), "parallel_residual": (False,), "activation": ("silu",), "norm_bias": (False,)}
+        elif self.arch == "llama":
+            fixed = {"norm": ("rms",), "rotary_pct": (1.0,), "parallel_residual": (False,), "activation": ("silu",)}
+        else:  # gpt_neox
+            fixed = {"norm": ("layer",), "num_kv_heads": (None, self.num_heads), "activation": ("gelu", "gelu_tanh", "relu")}
+        for field, allowed in fixed.items():
+            if getattr(self, field) not in allowed:
+                raise ValueError(f"model.{field}={getattr(self, field)!r} is not supported by model.arch={self.arch!r} "
+                                 f"(allowed: {', '.join(map(repr, allowed))})")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads with the architecture default resolved (palm: 1; others: num_heads)."""
+        if self.num_kv_heads is not None:
+            return self.num_kv_heads
+        return 1 if self.arch == "palm" else self.num_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated features per head: `int(head_dim * rotary_pct)` (HF GPT-NeoX's rule)."""
+        return int(self.head_dim * self.rotary_pct)
+
+
+def _model_class(arch: str):
+    if arch not in _ARCH_MODULES:
+        raise ValueError(f"model.arch must be one of {ARCHS}, got {arch!r}")
+    return importlib.import_module(_ARCH_MODULES[arch]).Transformer
+
+
+def make_model(cfg: LMConfig, seed: int = 0) -> nnx.Module:
+    """Initialises the `cfg.arch` model with `seed`."""
+    return _model_class(cfg.arch)(cfg, rngs=nnx.Rngs(params=seed))
+
+
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
+    """Functional form at the step boundary: `(graphdef, params)`."""
+    graphdef, params = nnx.split(model, nnx.Param)
+    return graphdef, params
+
+
+def apply(graphdef: nnx.GraphDef, params: Any, tokens: Int[Array, "b t"], tap: Tap | None = None
+          ) -> Float[Array, "b t v"]:
+    """Pure forward pass: logits for `tokens` under `params` (any architecture: the graphdef knows)."""
+    return nnx.merge(graphdef, params)(tokens, tap)
+
+
+def abstract_params(cfg: LMConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """Shapes of the parameters without allocating them (works for 8B configs)."""
+    graphdef, params = nnx.eval_shape(lambda: split_model(make_model(cfg)))
+    return graphdef, params
+
+
+def is_attributed(path: str) -> bool:
+    """Whether TrackStar attributes the parameter at `path`: all but the token embedding and
+    attention key biases (`EXCLUDED_SUFFIXES`); other biases and norm offsets are attributed."""
+    return path.split("/")[0] not in EXCLUDED_PARAMS and not path.endswith(EXCLUDED_SUFFIXES)
+
+
+def attributed_paths(params: Any) -> list[str]:
+    """Parameter paths that TrackStar attributes (`is_attributed`)."""
+    return [p for p in flat_params(params) if is_attributed(p)]
+
+
+def check_length(cfg: LMConfig, tokens: Int[Array, "b t"]) -> None:
+    """Raises if the sequence is longer than `model.max_len`."""
+    if tokens.shape[1] > cfg.max_len:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_len={cfg.max_len}")
+
+
+def embed_tokens(embed: Float[Array, "v d"], tokens: Int[Array, "b t"], dtype: str) -> Float[Array, "b t d"]:
+    """Token embedding lookup, cast to the compute dtype."""
+    return jnp.take(embed, tokens, axis=0).astype(dtype)
