@@ -67,18 +67,14 @@ def reference(smollm2_path):
 
 
 def _logits(loaded, ids: list[int]) -> np.ndarray:
-    """`[t, vocab]` logits of our model for one sequence.
+    """Last-layer logits `[t, v]` of one sequence from `from_hf_state_dict`'s `(LMConfig, params)`."""
+    import jax.numpy as jnp  # noqa: PLC0415
 
-    `from_hf_state_dict` may return the module or its `(graphdef, state)` split; the module is
-    called as every model in the project is: `model(tokens [b, t]) -> logits [b, t, v]`.
-    """
-    from flax import nnx
+    from trackstar_jax.models import lm  # noqa: PLC0415
 
-    model = nnx.merge(*loaded) if isinstance(loaded, tuple) else loaded
-    with jax.default_matmul_precision("highest"):
-        out = model(jax.numpy.asarray([ids], jax.numpy.int32))
-    out = out[0] if isinstance(out, tuple) else out
-    return np.asarray(out[0], np.float32)
+    cfg, params = loaded
+    graphdef, _ = lm.abstract_params(cfg)
+    return np.asarray(lm.apply(graphdef, params, jnp.asarray([ids], jnp.int32))[0], np.float32)
 
 
 @pytest.mark.parametrize("bos", [False, True])
