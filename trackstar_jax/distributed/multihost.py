@@ -26,7 +26,11 @@ import jax
 
 _KV_PREFIX = "trackstar_jax/sync"
 _POLL_S = 0.1
-_calls: dict[str, int] = {}  # name -> times synced: every process syncs the same sequence
+# name -> how many times this process has synced on it. Process-global on purpose: the
+# coordination service's key-value store is process-global too, and every process of a job
+# syncs the same sequence of names, so the n-th sync on a name has the same key everywhere
+# (a key is never reused, which the store requires). Only `sync` touches it.
+_calls: dict[str, int] = {}
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,

@@ -20,9 +20,8 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm
@@ -89,29 +88,9 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x, tap), tap)
 
 
-class Transformer(nnx.Module):
+class Transformer(lm.DecoderLM):
     """The GPT-NeoX LM. `__call__(tokens, tap=None) -> logits [B, T, vocab]` (float32)."""
 
-    def __init__(self, cfg: lm.LMConfig, *, rngs: nnx.Rngs):
-        if cfg.arch != "gpt_neox":
-            raise ValueError(f"gpt_neox.Transformer needs model.arch='gpt_neox', got {cfg.arch!r}")
-        self.cfg = cfg
-        emb_init = nnx.initializers.normal(stddev=1.0)
-        self.embed = nnx.Param(emb_init(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype)))
-        for i in range(cfg.num_layers):  # named attributes: string-only parameter paths
-            setattr(self, f"layer_{i}", DecoderLayer(cfg, f"layer_{i}", rngs=rngs))
-        self.final_norm = layers.Norm(cfg.embed_dim, "final_norm", cfg)
-        if not cfg.tie_embeddings:
-            self.unembed = layers.Linear(cfg.embed_dim, cfg.vocab_size, "unembed", cfg, rngs=rngs)
-
-    def __call__(self, tokens: Int[Array, "b t"], tap: layers.Tap | None = None) -> Float[Array, "b t v"]:
-        lm.check_length(self.cfg, tokens)
-        x = lm.embed_tokens(self.embed[...], tokens, self.cfg.dtype)
-        for i in range(self.cfg.num_layers):
-            x = getattr(self, f"layer_{i}")(x, tap)
-        x = self.final_norm(x, tap)
-        if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype))
-        else:
-            logits = self.unembed(x, tap)
-        return logits.astype(jnp.float32)
+    ARCH = "gpt_neox"
+    DECODER_LAYER = DecoderLayer
+    SCALE_TIED_LOGITS = False

@@ -71,12 +71,6 @@ def param_count(params: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
-def layer_index(path: str) -> int | None:
-    """Decoder layer number of a parameter path (`layer_3/...` -> 3); None outside layers."""
-    head = path.split("/", 1)[0]
-    return int(head[len("layer_"):]) if head.startswith("layer_") else None
-
-
 class Linear(nnx.Module):
     """Dense layer `y = x @ kernel (+ bias)`, kernel `[in, out]`, optional bias `[out]`."""
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,10 +32,11 @@ from jaxtyping import Array, Float, Int
 from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
     NORM_TYPES,
     PAD_ID,
+    Linear,
+    Norm,
     Tap,
     example_losses,
     flat_params,
-    layer_index,
     lm_targets,
     param_count,
     param_path_str,
@@ -201,3 +203,45 @@ def check_length(cfg: LMConfig, tokens: Int[Array, "b t"]) -> None:
 def embed_tokens(embed: Float[Array, "v d"], tokens: Int[Array, "b t"], dtype: str) -> Float[Array, "b t d"]:
     """Token embedding lookup, cast to the compute dtype."""
     return jnp.take(embed, tokens, axis=0).astype(dtype)
+
+
+class DecoderLM(nnx.Module):
+    """Embedding -> decoder layers -> final norm -> logits: the stack every architecture shares.
+
+    Subclasses name their `ARCH`, their `DECODER_LAYER` class `(cfg, path, *, rngs)`, and
+    whether tied logits are scaled by 1/sqrt(d) (`SCALE_TIED_LOGITS`: PaLM / T5X do, so logits
+    start O(1); Llama and GPT-NeoX do not). Layers are named attributes (`layer_0`, ...), not
+    a list, so that parameter paths contain only string keys (clean checkpoint paths).
+    `__call__(tokens, tap=None) -> logits [B, T, vocab]` (float32).
+    """
+
+    ARCH: str = ""
+    DECODER_LAYER: Any = None
+    SCALE_TIED_LOGITS: bool = False
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
+        if cfg.arch != self.ARCH:
+            raise ValueError(f"{type(self).__module__}.{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}")
+        self.cfg = cfg
+        # Imported models bring their own weights; this init matters only for pretraining.
+        emb_init = nnx.initializers.normal(stddev=1.0)
+        self.embed = nnx.Param(emb_init(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype)))
+        for i in range(cfg.num_layers):
+            setattr(self, f"layer_{i}", self.DECODER_LAYER(cfg, f"layer_{i}", rngs=rngs))
+        self.final_norm = Norm(cfg.embed_dim, "final_norm", cfg)
+        if not cfg.tie_embeddings:
+            self.unembed = Linear(cfg.embed_dim, cfg.vocab_size, "unembed", cfg, rngs=rngs)
+
+    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
+        check_length(self.cfg, tokens)
+        x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
+        for i in range(self.cfg.num_layers):
+            x = getattr(self, f"layer_{i}")(x, tap)
+        x = self.final_norm(x, tap)
+        if self.cfg.tie_embeddings:
+            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype))
+            if self.SCALE_TIED_LOGITS:
+                logits = logits / math.sqrt(self.cfg.embed_dim)
+        else:
+            logits = self.unembed(x, tap)
+        return logits.astype(jnp.float32)

@@ -12,12 +12,10 @@ dispatch on `model.arch` (`make_model`, `apply`, ...) are in `lm.py` and re-expo
 
 from __future__ import annotations
 
-import math
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm
@@ -30,7 +28,6 @@ from trackstar_jax.models.layers import (  # noqa: F401
     Tap,
     example_losses,
     flat_params,
-    layer_index,
     lm_targets,
     param_count,
     param_path_str,
@@ -97,30 +94,9 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.mlp_norm(x, tap), tap)
 
 
-class Transformer(nnx.Module):
-    """The language model. `__call__(tokens) -> logits [B, T, vocab]` (float32)."""
+class Transformer(lm.DecoderLM):
+    """The PaLM-style LM (§A.3). `__call__(tokens, tap=None) -> logits [B, T, vocab]` (float32)."""
 
-    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
-        self.cfg = cfg
-        emb_init = nnx.initializers.normal(stddev=1.0)
-        self.embed = nnx.Param(emb_init(rngs.params(), (cfg.vocab_size, cfg.embed_dim), jnp.dtype(cfg.param_dtype)))
-        # Layers are named attributes (`layer_0`, ...), not a list, so that parameter paths
-        # contain only string keys (clean checkpoint / tensorstore paths).
-        for i in range(cfg.num_layers):
-            setattr(self, f"layer_{i}", DecoderLayer(cfg, f"layer_{i}", rngs=rngs))
-        self.final_norm = Norm(cfg.embed_dim, "final_norm", cfg)
-        if not cfg.tie_embeddings:
-            self.unembed = Linear(cfg.embed_dim, cfg.vocab_size, "unembed", cfg, rngs=rngs)
-
-    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
-        lm.check_length(self.cfg, tokens)
-        x = lm.embed_tokens(self.embed[...], tokens, self.cfg.dtype)
-        for i in range(self.cfg.num_layers):
-            x = getattr(self, f"layer_{i}")(x, tap)
-        x = self.final_norm(x, tap)
-        if self.cfg.tie_embeddings:
-            # Tied output embedding, scaled by 1/sqrt(d) (T5X/PaLM) so logits start O(1).
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype)) / math.sqrt(self.cfg.embed_dim)
-        else:
-            logits = self.unembed(x, tap)
-        return logits.astype(jnp.float32)
+    ARCH = "palm"
+    DECODER_LAYER = DecoderLayer
+    SCALE_TIED_LOGITS = True
