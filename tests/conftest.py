@@ -46,3 +46,60 @@ def fast_compile():
     jax.config.update("jax_disable_most_optimizations", True)
     yield
     jax.config.update("jax_disable_most_optimizations", old)
+
+
+def tiny_run_config(*, num_facts: int, num_distractors: int, num_steps: int, chunk_rows: int, **overrides):
+    """experiments/tiny.py sized for a test module's run: a small embedded corpus, `num_steps`
+    of training with one log / eval / checkpoint at the end, no printed completions, and
+    `overrides` as dotted keys (e.g. `{"eval.max_new_tokens": 4}`)."""
+    from experiments import tiny
+
+    c = tiny.get_config()
+    c.data.embedded.num_facts = num_facts
+    c.data.embedded.num_distractors = num_distractors
+    c.train.num_steps = num_steps
+    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = num_steps
+    c.train.num_completions = 0
+    c.train.max_new_tokens = 2
+    c.index.chunk_rows = chunk_rows
+    for key, value in overrides.items():
+        section, field = key.split(".")
+        c[section][field] = value
+    return c
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """`tiny_run(config) -> workdir`: the one place tests train a run. Runs are cached per
+    config for the whole session, so modules asking for the same run share it."""
+    from trackstar_jax import config as config_lib
+    from trackstar_jax import training
+
+    runs: dict[str, pathlib.Path] = {}
+
+    def make(config) -> pathlib.Path:
+        settings = config_lib.from_configdict(config)
+        key = repr(config_lib.to_dict(settings))
+        if key not in runs:
+            workdir = tmp_path_factory.mktemp("run")
+            training.train(settings, workdir)
+            runs[key] = workdir
+        return runs[key]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """Cheaper XLA compiles and a module-local compilation cache (process-global flags, restored).
+
+    Use as `pytestmark = pytest.mark.usefixtures("compile_cache")` or an autouse wrapper.
+    """
+    keys = ("jax_disable_most_optimizations", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    old = {k: jax.config.values[k] for k in keys}
+    jax.config.update("jax_disable_most_optimizations", True)
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    yield
+    for k, v in old.items():
+        jax.config.update(k, v)

@@ -5,10 +5,10 @@ bytes, and a changed corpus / projection seed / model is refused."""
 import errno
 import json
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import tiny_run_config
 
 from trackstar_jax.training import checkpoint
 
@@ -16,46 +16,21 @@ from trackstar_jax import data as data
 
 from trackstar_jax import index
 from trackstar_jax.features import vectors
-from trackstar_jax import training
 from trackstar_jax.index import build
 from trackstar_jax import data as data_pkg
 from trackstar_jax import config as config_lib
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compile(tmp_path_factory):
-    """Cheaper XLA compiles, and a compilation cache shared by the builds of this module."""
-    old = (jax.config.values["jax_disable_most_optimizations"], jax.config.jax_compilation_cache_dir,
-           jax.config.jax_persistent_cache_min_compile_time_secs)
-    jax.config.update("jax_disable_most_optimizations", True)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old[0])
-    jax.config.update("jax_compilation_cache_dir", old[1])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", old[2])
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _config():
-    from experiments import tiny
-
-    c = tiny.get_config()
-    c.data.embedded.num_facts = 30
-    c.data.embedded.num_distractors = 40
-    c.train.num_steps = 3
-    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 3
-    c.train.num_completions = 0
-    c.train.max_new_tokens = 2
-    c.index.chunk_rows = 64
-    c.index.r_every_chunks = 1
-    return c
+    return tiny_run_config(num_facts=30, num_distractors=40, num_steps=3, chunk_rows=64, **{"index.r_every_chunks": 1})
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    training.train(config_lib.from_configdict(_config()), workdir)
-    return workdir
+def run_dir(tiny_run):
+    return tiny_run(_config())
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import pathlib
 import jax
 import numpy as np
 import pytest
+from conftest import tiny_run_config
 
 from trackstar_jax.training import checkpoint
 
@@ -27,7 +28,6 @@ from trackstar_jax.evaluation import results
 from trackstar_jax.evaluation import tailpatch
 
 from trackstar_jax.training import step as train
-from trackstar_jax import training
 from trackstar_jax import evaluation
 from trackstar_jax.evaluation import report
 from trackstar_jax import config as config_lib
@@ -38,41 +38,17 @@ METHODS = ("trex_gold", "bm25") + (("dense",) if embedding.is_available() else (
 REQUIRED = ("method", "mrr", "recall_at_10", "precision_at_10", "tailpatch_at_1", "tailpatch_at_10", "num_queries")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _fast_compile(tmp_path_factory):
-    """Cheaper XLA compiles and a module-local compilation cache (process-global flags, restored)."""
-    keys = ("jax_disable_most_optimizations", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: jax.config.values[k] for k in keys}
-    jax.config.update("jax_disable_most_optimizations", True)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    yield
-    for k, v in old.items():
-        jax.config.update(k, v)
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _config():
-    from experiments import tiny
-
-    c = tiny.get_config()
-    c.data.embedded.num_facts = 24
-    c.data.embedded.num_distractors = 30
-    c.train.num_steps = 10
-    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 10
-    c.train.num_completions = 0
-    c.train.max_new_tokens = 2
-    c.index.chunk_rows = 32
-    c.eval.methods = METHODS
-    c.eval.max_new_tokens = 4
-    c.eval.num_examples_shown = 2
-    c.tailpatch.batch_size = 8
-    return c
+    return tiny_run_config(num_facts=24, num_distractors=30, num_steps=10, chunk_rows=32, **{
+        "eval.methods": METHODS, "eval.max_new_tokens": 4, "eval.num_examples_shown": 2, "tailpatch.batch_size": 8})
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory):
-    workdir = tmp_path_factory.mktemp("run")
-    training.train(config_lib.from_configdict(_config()), workdir)
+def evaluated(tiny_run):
+    workdir = tiny_run(_config())
     table = evaluation.evaluate(config_lib.from_configdict(_config()), workdir)
     return workdir, table
 

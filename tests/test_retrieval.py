@@ -5,6 +5,7 @@ uneven row counts, k larger than a shard, real zarr indices, and bad input."""
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import tiny_run_config
 from jax.sharding import AxisType
 
 import jax
@@ -13,7 +14,6 @@ from trackstar_jax import index
 from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import topk as retrieval
 from trackstar_jax.distributed import sharding
-from trackstar_jax import training
 from trackstar_jax.index import build
 from trackstar_jax import evaluation
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -281,18 +281,9 @@ def test_reader_errors_propagate_from_the_prefetch_thread():
 
 
 def _e2e_config():
-    from experiments import tiny
-
-    c = tiny.get_config()
-    c.data.embedded.num_facts = 12
-    c.data.embedded.num_distractors = 30
-    c.train.num_steps = 100  # enough for the tiny model to complete its facts (checked below)
-    c.train.learning_rate = 0.02
-    c.train.warmup_steps = 20
-    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 100
-    c.train.num_completions = 0
-    c.train.max_new_tokens = 2
-    c.index.chunk_rows = 32
+    # 100 steps: enough for the tiny model to complete its facts (checked below).
+    c = tiny_run_config(num_facts=12, num_distractors=30, num_steps=100, chunk_rows=32,
+                        **{"train.learning_rate": 0.02, "train.warmup_steps": 20})
     c.eval.max_new_tokens = 4
     c.retrieval.read_chunk_rows = 40  # several chunks, the last one partial
     # tiny.py's d = 256 is too few dimensions for gradient cosines on this corpus: measured on
@@ -313,14 +304,13 @@ def _chance_mrr(n, g):
 
 
 @pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
+def trained_run(tiny_run):
     """A tiny run trained until it knows its facts, with its index (module-scoped: built once)."""
     old = jax.config.values["jax_disable_most_optimizations"]
     jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates here
     try:
-        workdir = tmp_path_factory.mktemp("run")
         c = _e2e_config()
-        training.train(config_lib.from_configdict(c), workdir)
+        workdir = tiny_run(c)
         build.build_index(config_lib.from_configdict(c), workdir)
         yield c, workdir
     finally:

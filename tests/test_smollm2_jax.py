@@ -7,7 +7,6 @@ the same token ids from our GGUF tokenizer; transformers' model is its own GGUF 
 
 from __future__ import annotations
 
-import jax
 import numpy as np
 import pytest
 
