@@ -46,20 +46,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trackstar_jax.features import grads
+from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import sharding
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.features import grads, vectors
 
 # "medium": the largest config that fits this benchmark's time budget on a 2-core CPU.
-
 from trackstar_jax.models import palm as model_lib
-from trackstar_jax.distributed import sharding
-
+from trackstar_jax.training import loop
+from trackstar_jax.training import step as step_lib
 from trackstar_jax.training import step as train
 
-from trackstar_jax.features import vectors
-from trackstar_jax.training import loop
-from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.training import step as step_lib
-from trackstar_jax import config as config_lib
 EXTRA_CONFIGS = {
     "medium": dict(base="small", model=dict(num_layers=8, embed_dim=512, num_heads=8, head_dim=64, mlp_dim=2048)),
 }
@@ -229,10 +226,9 @@ def bench_one(name: str, d: int, args) -> dict:
 
 def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
     """Fast path (rank-one V) vs exact reference (element-wise V) on a trained run's corpus rows."""
-    from trackstar_jax.training import checkpoint
     from trackstar_jax import data as data
-    from trackstar_jax.features import factored
-    from trackstar_jax.features import preconditioner
+    from trackstar_jax.features import factored, preconditioner
+    from trackstar_jax.training import checkpoint
 
     run = checkpoint.load_run(workdir)
     cfg = run.model_cfg

@@ -32,24 +32,17 @@ import numpy as np
 from absl import app, flags
 from ml_collections import config_flags
 
-from trackstar_jax.training import checkpoint
-
-from trackstar_jax import data as data
-
-from trackstar_jax import index
-
-from trackstar_jax.evaluation import metrics
-from trackstar_jax.evaluation import queries
-
-from trackstar_jax.distributed import sharding
-
-from trackstar_jax.features import vectors
-from trackstar_jax import training
-from trackstar_jax.index import build
-from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax import data as data_pkg
-from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax import config as config_lib
+from trackstar_jax import data as data
+from trackstar_jax import data as data_pkg
+from trackstar_jax import index, training
+from trackstar_jax.distributed import sharding
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import metrics, queries
+from trackstar_jax.features import vectors
+from trackstar_jax.index import build
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.training import checkpoint
 
 _CONFIG = config_flags.DEFINE_config_file("config", "experiments/tiny.py", "Experiment config.", lock_config=False)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained here if empty).")

@@ -54,6 +54,7 @@ import numpy as np
 from absl import app, flags
 
 from trackstar_jax.retrieval import topk as retrieval
+
 _N = flags.DEFINE_list("n", ["100000", "1000000"], "Index sizes (rows).")
 _D = flags.DEFINE_integer("d", 4096, "Vector dimension.")
 _QUERIES = flags.DEFINE_list("queries", ["1", "64", "1024"], "Query counts.")

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from trackstar_jax.evaluation import baselines
-from trackstar_jax.evaluation import queries
+from trackstar_jax.evaluation import baselines, queries
+
 PASSAGES = [
     "The cat sat on the mat.",
     "Allan Peiper was born in Alexandra, Victoria, Australia.",

@@ -10,16 +10,13 @@ import numpy as np
 import pytest
 from conftest import tiny_run_config
 
-from trackstar_jax.training import checkpoint
-
+from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-
+from trackstar_jax import data as data_pkg
 from trackstar_jax import index
 from trackstar_jax.features import vectors
 from trackstar_jax.index import build
-from trackstar_jax import data as data_pkg
-from trackstar_jax import config as config_lib
-
+from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
 

@@ -7,12 +7,12 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import skip_if_not_enough_devices
-from trackstar_jax.training import checkpoint
-from trackstar_jax.distributed import sharding
-from trackstar_jax.training import step as train
+
 from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import sharding
+from trackstar_jax.training import checkpoint
+from trackstar_jax.training import step as train
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,9 +6,10 @@ import json
 import numpy as np
 import pytest
 
+from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax.models import palm as model_lib
-from trackstar_jax import config as config_lib
+
 
 @pytest.fixture(scope="module")
 def embedded():
@@ -74,7 +75,7 @@ def test_embedded_gold_evidence_is_exact(embedded):
 
 def test_embedded_templates_end_before_the_object(embedded):
     assert len(embedded.templates) >= 6
-    for rel, tpls in embedded.templates.items():
+    for _rel, tpls in embedded.templates.items():
         assert len(tpls) >= 3 and len(set(tpls)) == len(tpls)
         for t in tpls:
             assert "[X]" in t and "[Y]" not in t and not t.endswith(" ")

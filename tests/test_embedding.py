@@ -8,14 +8,11 @@ import types
 import numpy as np
 import pytest
 
-from trackstar_jax.evaluation import baselines
-
-from trackstar_jax import data as data
-
-from trackstar_jax.evaluation import embedding
-from trackstar_jax import evaluation
-from trackstar_jax.evaluation import rows
 from trackstar_jax import config as config_lib
+from trackstar_jax import data as data
+from trackstar_jax import evaluation
+from trackstar_jax.evaluation import baselines, embedding, rows
+
 needs_model = pytest.mark.skipif(not embedding.is_available(), reason=f"model not installed: {embedding.INSTALL_COMMAND}")
 
 SENTENCES = [
@@ -190,7 +187,6 @@ def test_missing_model_names_the_pip_command(monkeypatch, tiny_config, tmp_path)
     with pytest.raises(embedding.MissingModelError, match="model package .* is not installed"):
         embedding.model_dir()
     from experiments import trex_table1
-
     from trackstar_jax.evaluation import stage as eval_stage
 
     # trex_table1 lists dense as optional: the stage leaves it out (logged) instead of failing.

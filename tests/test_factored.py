@@ -7,20 +7,14 @@ import numpy as np
 import optax
 import pytest
 
-from trackstar_jax.features import factored
+from trackstar_jax import config as config_lib
 
 # The same model and batch shapes as test_grads.py, so that eager primitive compiles are shared.
-
-from trackstar_jax.features import grads
-
-from trackstar_jax.models import palm as model_lib
-
+from trackstar_jax.features import factored, grads, vectors
 from trackstar_jax.features import preconditioner as pc
-
+from trackstar_jax.models import palm as model_lib
 from trackstar_jax.training import step as train
 
-from trackstar_jax.features import vectors
-from trackstar_jax import config as config_lib
 VOCAB, B, T = 97, 4, 12
 
 

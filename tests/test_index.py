@@ -17,9 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trackstar_jax.index import hessian
-
 from trackstar_jax import index
+from trackstar_jax.index import hessian
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DIM, BLOCKS = 64, 4  # 4 blocks of k² = 16 (k = 4)

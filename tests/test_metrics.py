@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from trackstar_jax.evaluation import metrics
+
+
 @pytest.mark.parametrize("flags, mrr, recall, precision", [
     # first entailing proponent at rank 3 (index 2); 2 of the first 10 entailing
     ([0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1], 1 / 3, 1.0, 0.2),

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax import config as config_lib
+from trackstar_jax.models import palm as model_lib
+
 SMALL = model_lib.LMConfig(vocab_size=50, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=12)
 
 

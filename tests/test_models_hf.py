@@ -14,8 +14,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
-from trackstar_jax.models import hf
-from trackstar_jax.models import lm
+from trackstar_jax.models import hf, lm
 
 VOCAB, T = 61, 11
 

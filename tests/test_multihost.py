@@ -18,14 +18,12 @@ import numpy as np
 import pytest
 from test_build_index import _config  # the small run of the index tests (30 facts, 3 steps)
 
+from trackstar_jax import config as config_lib
+from trackstar_jax import index, training
+from trackstar_jax.distributed import multihost
+from trackstar_jax.index import build
 from trackstar_jax.training import checkpoint
 
-from trackstar_jax import index
-
-from trackstar_jax.distributed import multihost
-from trackstar_jax import training
-from trackstar_jax.index import build
-from trackstar_jax import config as config_lib
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -75,7 +73,7 @@ def _launch(stage: str, workdir, *extra: str, num_processes: int = 2, per_proces
              for i in range(num_processes)]
     out = []
     try:
-        for i, p in enumerate(procs):
+        for _i, p in enumerate(procs):
             stdout, stderr = p.communicate(timeout=timeout_s)
             out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     except subprocess.TimeoutExpired:

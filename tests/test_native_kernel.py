@@ -11,8 +11,8 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-
 from test_retrieval import assert_exact, mesh_of, tied_data
+
 from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import topk as retrieval
 

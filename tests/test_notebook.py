@@ -16,21 +16,12 @@ import numpy as np
 import pytest
 from conftest import tiny_run_config
 
-from trackstar_jax.training import checkpoint
-
-from trackstar_jax import data as data
-
-from trackstar_jax.evaluation import embedding
-
-from trackstar_jax.evaluation import metrics
-from trackstar_jax.evaluation import results
-
-from trackstar_jax.evaluation import tailpatch
-
-from trackstar_jax.training import step as train
-from trackstar_jax import evaluation
-from trackstar_jax.evaluation import report
 from trackstar_jax import config as config_lib
+from trackstar_jax import data as data
+from trackstar_jax import evaluation
+from trackstar_jax.evaluation import embedding, metrics, report, results, tailpatch
+from trackstar_jax.training import checkpoint
+from trackstar_jax.training import step as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The dense row runs end to end here when its model package is installed (launch/_venv.sh does).

@@ -6,8 +6,9 @@ import numpy as np
 import optax
 import pytest
 
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax.features import preconditioner as pc
+from trackstar_jax.models import palm as model_lib
+
 # The shape regimes of style.md §4.4 (+ square and 1-D), under parameter-like paths.
 SHAPES = {
     "layer_0/mlp/up/kernel": (256, 130),

@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax.features import projection as proj
+from trackstar_jax.models import palm as model_lib
+
+
 def _tiny_shapes(tied=True, layers=4):
     cfg = model_lib.LMConfig(vocab_size=50, num_layers=layers, embed_dim=16, num_heads=2, head_dim=4,
                              mlp_dim=24, max_len=8, tie_embeddings=tied)

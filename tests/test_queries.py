@@ -6,9 +6,11 @@ import re
 
 import pytest
 
+from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax.evaluation import queries
-from trackstar_jax import config as config_lib
+
+
 def _fact(fid, subj, rel, obj, ev=(), oal=(), sal=()):
     return data.Fact(fact_id=fid, subject=subj, relation=rel, object=obj, object_aliases=tuple(oal) or (obj,),
                      subject_aliases=tuple(sal) or (subj,), evidence_ids=tuple(ev))

@@ -2,22 +2,20 @@
 score matrix (planted ties), over devices, mesh axis types, storage dtypes, formulations,
 uneven row counts, k larger than a shard, real zarr indices, and bad input."""
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tiny_run_config
+from conftest import skip_if_not_enough_devices, tiny_run_config
 from jax.sharding import AxisType
 
-import jax
-from conftest import skip_if_not_enough_devices
-from trackstar_jax import index
-from trackstar_jax.retrieval import native
-from trackstar_jax.retrieval import topk as retrieval
+from trackstar_jax import config as config_lib
+from trackstar_jax import evaluation, index
 from trackstar_jax.distributed import sharding
 from trackstar_jax.index import build
-from trackstar_jax import evaluation
+from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import stage as retrieval_stage
-from trackstar_jax import config as config_lib
+from trackstar_jax.retrieval import topk as retrieval
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
 

@@ -9,10 +9,11 @@ import optax
 import pytest
 
 from tests.conftest import skip_if_not_enough_devices
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import tailpatch
+from trackstar_jax.models import palm as model_lib
 from trackstar_jax.training import step as train
+
 T = 12
 CFG = model_lib.LMConfig(vocab_size=48, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=T)
 # min_dim 16: [16,32] / [48,16] kernels are factored, the [16,8] key/value kernels and the

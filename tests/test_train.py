@@ -7,18 +7,17 @@ import jax
 import numpy as np
 import optax
 import pytest
-
 from conftest import skip_if_not_enough_devices
-from trackstar_jax.training import checkpoint
-from trackstar_jax import data as data
-from trackstar_jax.models import generate
-from trackstar_jax.distributed import sharding
-from trackstar_jax.training import step as train
-from trackstar_jax import training
-from trackstar_jax.training import loop
-from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.training import step as step_lib
+
 from trackstar_jax import config as config_lib
+from trackstar_jax import data as data
+from trackstar_jax import training
+from trackstar_jax.distributed import sharding
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.models import generate
+from trackstar_jax.training import checkpoint, loop
+from trackstar_jax.training import step as step_lib
+from trackstar_jax.training import step as train
 
 
 def _config(tiny_config, steps):

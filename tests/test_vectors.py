@@ -5,15 +5,16 @@ import functools
 import jax
 import numpy as np
 import pytest
-
 from conftest import skip_if_not_enough_devices
-from trackstar_jax.models import palm as model_lib
+
+from trackstar_jax import config as config_lib
 
 # Same model / batch shapes as test_factored.py and test_grads.py.
 from trackstar_jax.distributed import sharding
-from trackstar_jax.training import step as train
 from trackstar_jax.features import vectors
-from trackstar_jax import config as config_lib
+from trackstar_jax.models import palm as model_lib
+from trackstar_jax.training import step as train
+
 VOCAB, B, T = 97, 8, 12
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-
 METHOD_KINDS = ("gold", "bm25", "dense", "gradient")
 
 

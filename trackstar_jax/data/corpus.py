@@ -32,10 +32,9 @@ import json
 import os
 import pathlib
 import tempfile
-
-import numpy as np
 from typing import Sequence
 
+import numpy as np
 
 SOURCES = ("embedded", "lama", "text", "jsonl", "seqio")
 CORPUS_FORMAT_VERSION = 1
@@ -283,7 +282,7 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
             raise ValueError(f"config.data.relations: no file for {missing} under {trex} (have {sorted(by_rel)})")
         by_rel = {r: by_rel[r] for r in wanted}
     streams = []
-    for rel, f in sorted(by_rel.items()):
+    for _rel, f in sorted(by_rel.items()):
         with _open_text(f) as fh:
             streams.append([(f"{f}:{ln}", line) for ln, line in enumerate(fh, 1) if line.strip()])
     ids: dict[str, int] = {}

@@ -11,7 +11,8 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DATA, FSDP, TENSOR = "data", "fsdp", "tensor"
 AXES = (DATA, FSDP, TENSOR)

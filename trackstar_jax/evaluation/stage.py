@@ -29,8 +29,7 @@ from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import queries as queries_lib
-from trackstar_jax.evaluation import query_set
-from trackstar_jax.evaluation import report
+from trackstar_jax.evaluation import query_set, report
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
 from trackstar_jax.models import palm as model_lib

@@ -36,10 +36,12 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax.models import palm as model_lib
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.models import palm as model_lib
 from trackstar_jax.training import step as train_lib
-def target_log_prob(params: Any, query: Mapping[str, Int[Array, "t"]], *, graphdef: nnx.GraphDef) -> Float[Array, ""]:
+
+
+def target_log_prob(params: Any, query: Mapping[str, Int[Array, " t"]], *, graphdef: nnx.GraphDef) -> Float[Array, ""]:
     """log p(target | prompt) of one query: the sum of its target tokens' log-probabilities.
 
     Args:
@@ -51,8 +53,8 @@ def target_log_prob(params: Any, query: Mapping[str, Int[Array, "t"]], *, graphd
     return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)[0]
 
 
-def tailpatch_step(params: Any, opt_state: Any, proponent: Mapping[str, Int[Array, "t"]],
-                   query: Mapping[str, Int[Array, "tq"]], *, graphdef: nnx.GraphDef,
+def tailpatch_step(params: Any, opt_state: Any, proponent: Mapping[str, Int[Array, " t"]],
+                   query: Mapping[str, Int[Array, " tq"]], *, graphdef: nnx.GraphDef,
                    opt: optax.GradientTransformation, lr_scale: float | Array = 1.0) -> Float[Array, ""]:
     """One pretraining step on `proponent`, then log p(query target) under the new parameters.
 
@@ -78,7 +80,7 @@ def tailpatch_step(params: Any, opt_state: Any, proponent: Mapping[str, Int[Arra
 
 def tailpatch_pairs(params: Any, opt_state: Any, proponents: Mapping[str, Int[Array, "p t"]],
                     queries: Mapping[str, Int[Array, "p tq"]], *, graphdef: nnx.GraphDef,
-                    opt: optax.GradientTransformation, lr_scale: float | Array = 1.0) -> dict[str, Float[Array, "p"]]:
+                    opt: optax.GradientTransformation, lr_scale: float | Array = 1.0) -> dict[str, Float[Array, " p"]]:
     """`tailpatch_step` vmapped over pairs (row i: proponent i patched, query i measured).
 
     Returns:

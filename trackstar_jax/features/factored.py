@@ -94,7 +94,7 @@ _capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
 
 
 @jax.custom_vjp
-def _capture_scale(y: Float[Array, "b t n"], xhat: Float[Array, "b t n"], p0: Float[Array, "k"],
+def _capture_scale(y: Float[Array, "b t n"], xhat: Float[Array, "b t n"], p0: Float[Array, " k"],
                    p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `p0 (P1' sum_t xhat_t * g_t)^T` to `z` (a norm scale)."""
     del xhat, p0, p1, z
@@ -118,7 +118,7 @@ _capture_scale.defvjp(_capture_scale_fwd, _capture_scale_bwd)
 
 
 @jax.custom_vjp
-def _capture_bias(y: Float[Array, "b t n"], p0: Float[Array, "k"], p1: Float[Array, "k n"],
+def _capture_bias(y: Float[Array, "b t n"], p0: Float[Array, " k"], p1: Float[Array, "k n"],
                   z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `p0 (P1' sum_t g_t)^T` to `z` (a bias: it multiplies 1)."""
     del p0, p1, z

@@ -34,15 +34,16 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax.models import lm as model_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
+from trackstar_jax.models import lm as model_lib
+
 OUTPUT_FNS = ("loss", "margin", "logit", "trak")
 ROLES = ("index", "query")
 
 
 def token_objective(logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"],
-                    output_fn: str = "loss", role: str = "index") -> Float[Array, "b"]:
+                    output_fn: str = "loss", role: str = "index") -> Float[Array, " b"]:
     """Per-example objective whose gradient is the (Q-weighted) output-function gradient.
 
     Args:

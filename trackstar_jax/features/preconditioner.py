@@ -38,6 +38,7 @@ from jaxtyping import Array, Float
 from optax._src.factorized import _factored_dims  # optax's own factoring rule (style.md §4.4)
 
 from trackstar_jax.models import lm as model_lib
+
 EPSILON = 1e-30  # optax.scale_by_factored_rms default epsilon
 ADAFACTOR_FIELDS = ("v_row", "v_col", "v")
 ADAM_FIELD = "nu"
@@ -91,7 +92,7 @@ def _floor(v: Array, path: str, what: str) -> Array:
     return jnp.maximum(v, EPSILON)
 
 
-def rank_one_factors(v: Float[Array, "m n"]) -> tuple[Float[Array, "m"], Float[Array, "n"]]:
+def rank_one_factors(v: Float[Array, "m n"]) -> tuple[Float[Array, " m"], Float[Array, " n"]]:
     """Adafactor-style rank-one factorisation of a full V: `1/sqrt(V) ~ a b^T`.
 
     `V ~ r c^T / mean(r)` with r the row means and c the column means of V (what Adafactor

@@ -28,12 +28,13 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
+from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import factored as factored_lib
 from trackstar_jax.features import grads as grads_lib
-from trackstar_jax.models import lm as model_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
-from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.models import lm as model_lib
+
 PATHS = ("fast", "reference")
 
 

@@ -6,9 +6,9 @@ See `store.py` for the on-disk layout and how R_train composes with resume and w
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import errno
 import hashlib
-import dataclasses
 import json
 import os
 import pathlib

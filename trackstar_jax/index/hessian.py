@@ -332,7 +332,7 @@ def finalize_queries(q_raw: Float[Array, "q d"], w: Float[Array, "b k2 k2"] | No
     return apply_blocks(w, finalize_rows(q_raw, w, unit_norm))
 
 
-def row_scale(rows: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, "n"]:
+def row_scale(rows: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, " n"]:
     """Per-row scale of on-the-fly scoring: `1/||W g||` (0 for all-zero rows; 1 without unit norm).
 
     `rows` are the dequantised stored rows (for int8, multiply the result by the int8 scale
@@ -344,7 +344,7 @@ def row_scale(rows: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit
     return jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
 
 
-def scores_on_the_fly(q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], scale: Float[Array, "n"]) -> Float[Array, "q n"]:
+def scores_on_the_fly(q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], scale: Float[Array, " n"]) -> Float[Array, "q n"]:
     """`(q' · row) * row_scale`: the streamed-retrieval form of Eq. 1 (reference for retrieval.py)."""
     s = jnp.einsum("qd,nd->qn", q_prime, jnp.asarray(rows, jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return s * scale[None, :]

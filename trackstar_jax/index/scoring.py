@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
-import dataclasses
 import os
 
 import jax
@@ -13,9 +13,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from trackstar_jax import files
-from trackstar_jax.index import hessian
-from trackstar_jax.index import builder
-from trackstar_jax.index import store
+from trackstar_jax.index import builder, hessian, store
 
 # ------------------------------------------------------------------------------------------
 # Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py)

@@ -55,6 +55,7 @@ from jaxtyping import Array, Float
 
 import trackstar_jax
 from trackstar_jax.index import hessian
+
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -288,7 +289,7 @@ def _open_arrays(path: pathlib.Path, manifest: Mapping[str, Any], *, create: boo
 # ------------------------------------------------------------------------------------------
 
 
-def quantize(rows: Float[Array, "n d"], dtype: str) -> tuple[Array, Float[Array, "n"] | None]:
+def quantize(rows: Float[Array, "n d"], dtype: str) -> tuple[Array, Float[Array, " n"] | None]:
     """float32 rows -> storage dtype (+ per-row scale for int8: absmax/127, round half to even)."""
     rows = jnp.asarray(rows, jnp.float32)
     if dtype == "int8":
@@ -298,7 +299,7 @@ def quantize(rows: Float[Array, "n d"], dtype: str) -> tuple[Array, Float[Array,
     return rows.astype(NP_DTYPES[dtype]), None
 
 
-def dequantize(stored: Array, scale: Float[Array, "n"] | None) -> Float[Array, "n d"]:
+def dequantize(stored: Array, scale: Float[Array, " n"] | None) -> Float[Array, "n d"]:
     """Storage dtype -> float32 (exact for bf16/f16; `q * scale` for int8)."""
     x = jnp.asarray(stored).astype(jnp.float32)
     return x if scale is None else x * jnp.asarray(scale, jnp.float32)[:, None]

@@ -16,9 +16,11 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from trackstar_jax.models import palm as model_lib
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id"))
-def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, "b"], *, graphdef: nnx.GraphDef,
-                     max_new_tokens: int, eos_id: int) -> tuple[Int[Array, "b t"], Int[Array, "b"]]:
+def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, " b"], *, graphdef: nnx.GraphDef,
+                     max_new_tokens: int, eos_id: int) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
     """Appends up to `max_new_tokens` argmax tokens after each row's first `lengths[b]` tokens.
 
     Rows are right-padded; causal attention means padding after position `lengths[b]-1`

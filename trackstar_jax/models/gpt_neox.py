@@ -23,8 +23,7 @@ import jax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax.models import layers
-from trackstar_jax.models import lm
+from trackstar_jax.models import layers, lm
 
 _ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),  # HF "gelu" is the exact erf form

@@ -179,7 +179,7 @@ def token_log_probs(logits: Float[Array, "b t v"], targets: Int[Array, "b t"]) -
     return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
 
 
-def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Array]) -> Float[Array, "b"]:
+def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Array]) -> Float[Array, " b"]:
     """Per-example loss summed over target tokens: `-sum_t mask_t log p(y_t)`."""
     inputs, targets, weights = lm_targets(batch)
     return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)

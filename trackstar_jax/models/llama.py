@@ -19,8 +19,7 @@ import jax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax.models import layers
-from trackstar_jax.models import lm
+from trackstar_jax.models import layers, lm
 
 
 class Attention(nnx.Module):

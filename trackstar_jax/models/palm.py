@@ -12,13 +12,12 @@ dispatch on `model.arch` (`make_model`, `apply`, ...) are in `lm.py` and re-expo
 
 from __future__ import annotations
 
-
 import jax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax.models import layers
-from trackstar_jax.models import lm
+from trackstar_jax.models import layers, lm
+
 # Older callers import the family's config, functions and shared layers from here.
 from trackstar_jax.models.layers import (  # noqa: F401
     NORM_TYPES,

@@ -28,8 +28,7 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
-from trackstar_jax.retrieval import records
-from trackstar_jax.retrieval import topk
+from trackstar_jax.retrieval import records, topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 

@@ -52,11 +52,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import native
+
 # Id of a row that does not exist (padding); larger than any real id, so it also loses ties.
 SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = store_lib.STORAGE_DTYPES
@@ -289,7 +291,7 @@ def _merge(carry: tuple[Array, ...], cand: tuple[Array, ...], k: int) -> tuple[A
     return tuple(out)
 
 
-def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, "m"] | None, base: Int[Array, ""],
+def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, " m"] | None, base: Int[Array, ""],
                  n_valid: Int[Array, ""], *, k: int, plan: Plan) -> tuple[Array, ...]:
     """Running top-k / bottom-k of one device's rows `[m, d]` (ids `base + local index`).
 
@@ -471,7 +473,7 @@ def _scalars(mesh: Mesh, offset: int, n_valid: int) -> tuple[jax.Array, jax.Arra
     return _put_replicated(mesh, np.int32(offset)), _put_replicated(mesh, np.int32(n_valid))
 
 
-def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array, "n"] | None = None,
+def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array, " n"] | None = None,
          mesh: Mesh | None = None, *, plan: Plan | None = None) -> TopK:
     """Exact top-k proponents and bottom-k opponents of every query over in-memory rows.
 
@@ -546,7 +548,7 @@ def _chunks(reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, me
 
 
 def stream_topk(queries: Float[Array, "q d"], reader: RowSource, k: int, chunk_rows: int, mesh: Mesh | None = None,
-                row_scale: Float[Array, "n"] | None = None, *, query_batch_size: int | None = None,
+                row_scale: Float[Array, " n"] | None = None, *, query_batch_size: int | None = None,
                 plan: Plan | None = None) -> TopK:
     """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
 

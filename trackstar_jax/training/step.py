@@ -20,6 +20,8 @@ from jaxtyping import Array, Float
 
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import palm as model_lib
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """Adafactor + schedule hyperparameters (hashable)."""
