@@ -1,6 +1,7 @@
 """index.py: zarr3 storage per dtype, manifest refusal, resumable/parallel builds (real subprocesses,
 SIGKILL), corruption and disk-full handling, R_train vs numpy, both finalisation paths."""
 
+import dataclasses
 import concurrent.futures
 import errno
 import json
@@ -445,3 +446,16 @@ def test_scoring_needs_a_complete_index(tmp_path):
         index.IndexBuilder(tmp_path / "ix", make_manifest()).build(_stop_at(6))
     with pytest.raises(index.IndexIncompleteError, match="no R_train yet"):
         index.prepare_scoring(index.open_index(tmp_path / "ix"), hessian.HessianConfig(mode="train"))
+
+
+def test_an_index_from_before_a_model_field_existed_still_opens(tmp_path):
+    """Manifests written before `LMConfig` gained fields (arch, num_kv_heads, ...) open when the
+    expected values are those fields' defaults; a non-default value is refused by name."""
+    from trackstar_jax.models import lm
+
+    cfg = dataclasses.asdict(lm.LMConfig())
+    old = {k: v for k, v in cfg.items() if k not in ("arch", "num_kv_heads", "norm_eps", "activation")}
+    index.check_manifest({"model": {"config": old}}, {"model": {"config": cfg}}, path="p", action="open")
+    with pytest.raises(index.IndexMismatchError, match="no field 'model.config.arch'"):
+        index.check_manifest({"model": {"config": old}}, {"model": {"config": {**cfg, "arch": "llama"}}},
+                             path="p", action="open")

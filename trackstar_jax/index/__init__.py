@@ -20,6 +20,7 @@ from trackstar_jax.index.store import (
     IndexStoreError,
     IndexWriteError,
     StorageConfig,
+    check_manifest,
     load_r_train,
     make_manifest,
     manifest_fingerprint,

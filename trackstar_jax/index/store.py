@@ -55,6 +55,7 @@ from jaxtyping import Array, Float
 
 import trackstar_jax
 from trackstar_jax.index import hessian
+from trackstar_jax.models import lm
 
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
@@ -193,11 +194,23 @@ def check_manifest(actual: Mapping[str, Any], expected: Mapping[str, Any], *, pa
         if key.split(".")[0] == _INFO:
             continue
         if key not in act:
+            if _added_with_default(key, exp[key]):
+                continue
             raise IndexMismatchError(f"refusing to {action} index {path}: its manifest has no field {key!r} (expected {exp[key]!r})")
         if act[key] != exp[key]:
             raise IndexMismatchError(
                 f"refusing to {action} index {path}: manifest field {key!r} is {act[key]!r} in the index "
                 f"but {exp[key]!r} was expected")
+
+
+def _added_with_default(key: str, expected: Any) -> bool:
+    """A model-config field added after an index was built (e.g. `arch`), expected at its
+    default: the index was made by a model with that default, so it still opens."""
+    if not key.startswith("model.config."):
+        return False
+    field = key.split(".", 2)[2]
+    defaults = {f.name: f.default for f in dataclasses.fields(lm.LMConfig)}
+    return field in defaults and json.loads(json.dumps(defaults[field])) == expected
 
 
 def _identity(manifest: Mapping[str, Any]) -> dict:
