@@ -1,8 +1,8 @@
 """index.py: zarr3 storage per dtype, manifest refusal, resumable/parallel builds (real subprocesses,
 SIGKILL), corruption and disk-full handling, R_train vs numpy, both finalisation paths."""
 
-import dataclasses
 import concurrent.futures
+import dataclasses
 import errno
 import json
 import os
