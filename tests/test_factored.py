@@ -184,7 +184,7 @@ def _arch_state(arch):
 def test_fast_equals_reference_on_imported_architectures(arch, correction):
     cfg, graphdef, state = _arch_state(arch)
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=correction, proj_seed=5)
-    plan = vectors.make_plan(state.params, cfg, vc)
+    plan = vectors.make_block_plan(state.params, cfg, vc)
     assert plan.entry("layer_1/attn/value/bias").side == 2 and plan.entry("layer_0/mlp/down/bias").side == 1
     assert "layer_0/attn/key/bias" not in plan.paths  # zero gradient where unrotated (lm.EXCLUDED_SUFFIXES)
     if arch == "gpt_neox":
