@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
 
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax import data
 from trackstar_jax.data import hf_tokenizer
 
 EDGE_CASES = [
@@ -105,9 +105,9 @@ def test_special_ids_come_from_the_metadata(ours, reference):
 
 
 def test_batches_start_with_bos(ours):
-    tokens, truncated = corpus_lib.encode_example(ours, "Paris is the capital of France.", 64)
+    tokens, truncated = data.encode_example(ours, "Paris is the capital of France.", 64)
     assert tokens[0] == ours.bos_id == 1 and tokens[-1] == ours.eos_id and not truncated
-    q = corpus_lib.encode_query(ours, "The capital of France is", " Paris", 64)
+    q = data.encode_query(ours, "The capital of France is", " Paris", 64)
     assert q["tokens"][0] == 1 and ours.decode(q["tokens"][q["loss_mask"] > 0]) == " Paris"
 
 

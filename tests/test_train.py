@@ -190,18 +190,22 @@ def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
     cfg = config_lib.from_configdict(tiny_config).model
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 1))
     prompts = [[2, 10, 11, 12], [2, 40], [2, 7, 7, 7, 7, 7, 7]]
-    got = generate.greedy_generate(graphdef, params, prompts, 5, cfg.max_len, eos_id=3)
     forward = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t))
-    for p, g in zip(prompts, got):
-        seq = list(p)
-        for _ in range(5):
-            buf = np.zeros((1, cfg.max_len), np.int32)  # one shape: one compile; causal, so
-            buf[0, : len(seq)] = seq  # the padding after the sequence cannot matter
-            nxt = int(np.argmax(np.asarray(forward(params, buf))[0, len(seq) - 1]))
-            seq.append(nxt)
-            if nxt == 3:
-                break
-        assert g == seq[len(p):]
+    # vocab_limit: ids the tokenizer does not have (a small corpus trains fewer pieces than
+    # the embedding has rows) are never generated.
+    for limit in (None, 37):
+        got = generate.greedy_generate(graphdef, params, prompts, 5, cfg.max_len, eos_id=3, vocab_limit=limit)
+        for p, g in zip(prompts, got):
+            seq = list(p)
+            for _ in range(5):
+                buf = np.zeros((1, cfg.max_len), np.int32)  # one shape: one compile; causal, so
+                buf[0, : len(seq)] = seq  # the padding after the sequence cannot matter
+                nxt = int(np.argmax(np.asarray(forward(params, buf))[0, len(seq) - 1][:limit]))
+                seq.append(nxt)
+                if nxt == 3:
+                    break
+            assert g == seq[len(p):]
+            assert limit is None or max(g) < limit
 
 
 def _fsdp_run(tiny_config, mesh_shape, steps=3):

@@ -18,14 +18,17 @@ from jaxtyping import Array, Int
 from trackstar_jax.models import palm as model_lib
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "vocab_limit"))
 def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, " b"], *, graphdef: nnx.GraphDef,
-                     max_new_tokens: int, eos_id: int) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
+                     max_new_tokens: int, eos_id: int, vocab_limit: int | None = None
+                     ) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
     """Appends up to `max_new_tokens` argmax tokens after each row's first `lengths[b]` tokens.
 
     Rows are right-padded; causal attention means padding after position `lengths[b]-1`
     never changes that position's logits. A row stops after emitting `eos_id` or when the
-    buffer `[b, t]` is full.
+    buffer `[b, t]` is full. Only ids below `vocab_limit` are chosen: the embedding table may
+    be larger than the tokenizer (a small corpus trains fewer pieces than `model.vocab_size`),
+    and an id the tokenizer does not have cannot be decoded.
 
     Returns:
       `(tokens [b, t], lengths [b])` with the new tokens written in place.
@@ -36,7 +39,8 @@ def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array,
     def body(_, carry):
         tokens, lengths, done = carry
         logits = model_lib.apply(graphdef, params, tokens)  # [b, t, v]
-        nxt = jnp.argmax(logits[rows, jnp.clip(lengths - 1, 0, t - 1)], axis=-1).astype(tokens.dtype)
+        last = logits[rows, jnp.clip(lengths - 1, 0, t - 1)]
+        nxt = jnp.argmax(last[:, :vocab_limit], axis=-1).astype(tokens.dtype)
         write = ~done & (lengths < t)
         tokens = tokens.at[rows, jnp.clip(lengths, 0, t - 1)].set(
             jnp.where(write, nxt, tokens[rows, jnp.clip(lengths, 0, t - 1)]))
@@ -49,7 +53,7 @@ def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array,
 
 
 def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    max_len: int, eos_id: int) -> list[list[int]]:
+                    max_len: int, eos_id: int, vocab_limit: int | None = None) -> list[list[int]]:
     """Greedy continuations (token ids, without the prompt; EOS kept if emitted).
 
     Args:
@@ -57,6 +61,7 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Seque
       max_new_tokens: tokens to generate at most.
       max_len: the model's maximum sequence length (the buffer is at most this long).
       eos_id: stop token.
+      vocab_limit: only ids below it are generated (the tokenizer's size).
     """
     if not prompts:
         return []
@@ -70,7 +75,7 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Seque
         buf[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompts], np.int32)
     out, new_len = jax.device_get(greedy_step_loop(params, jnp.asarray(buf), jnp.asarray(lengths), graphdef=graphdef,
-                                                   max_new_tokens=max_new_tokens, eos_id=eos_id))
+                                                   max_new_tokens=max_new_tokens, eos_id=eos_id, vocab_limit=vocab_limit))
     return [out[i, len(p): new_len[i]].tolist() for i, p in enumerate(prompts)]
 
 
@@ -78,7 +83,7 @@ def complete(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[st
              max_len: int) -> list[str]:
     """Greedy text completions of `prompts` (decoded up to the first EOS)."""
     ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
-    outs = greedy_generate(graphdef, params, ids, max_new_tokens, max_len, tok.eos_id)
+    outs = greedy_generate(graphdef, params, ids, max_new_tokens, max_len, tok.eos_id, vocab_limit=tok.vocab_size)
     texts = []
     for p, o in zip(ids, outs):
         if tok.eos_id in o:
