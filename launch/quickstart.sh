@@ -31,3 +31,5 @@ stage launch.train "$@"
 stage launch.evaluate --notrain --config.eval.methods='("trex_gold","bm25","dense","exp2","trackstar")' "$@"
 
 echo "[quickstart] all stages done in $((SECONDS - START)) s; results in $WORKDIR" >&2
+# The proponent explorer over this run (a local web app; Ctrl-C stops it):
+echo "[quickstart] explore proponents: $PY -m launch.serve --config=$CONFIG --workdir=$WORKDIR $* (then open http://127.0.0.1:8765/)" >&2

@@ -1,0 +1,141 @@
+"""The proponent explorer's HTTP API (Starlette) and its static page.
+
+Routes (JSON in and out; every refusal is a 4xx with `{"error": message}`, and the server
+keeps serving):
+
+- `GET /` : the page (`static/index.html`, plain JS).
+- `GET /api/methods` : the methods on offer (`Engine.describe`).
+- `POST /api/query` : `{"prompt", "target"?, "k", "method"}` -> `{"completion", "target",
+  "proponents": [{"example_id", "score", "text"}], "opponents", "method", "seconds", "record"}`.
+  No target: the model's greedy completion is the target ("debugging incorrect predictions").
+- `GET /api/file?path=<relative to the workdir>` : a retrieval jsonl as a JSON list.
+- `GET /api/eval` : `eval/table.json` and the evaluation's queries with each method's
+  first-gold rank (404 when the run has no evaluation).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from starlette import applications, concurrency, requests, responses, routing
+from starlette.staticfiles import StaticFiles
+
+from trackstar_jax.evaluation import results as results_lib
+from trackstar_jax.serving import engine as engine_lib
+
+STATIC_DIR = pathlib.Path(__file__).parent / "static"
+MAX_BODY_BYTES = 1 << 20  # a query is a few hundred bytes; refuse anything silly before parsing
+
+
+def _error(status: int, message: str) -> responses.JSONResponse:
+    return responses.JSONResponse({"error": message}, status_code=status)
+
+
+def resolve_inside(root: pathlib.Path, rel: str) -> pathlib.Path:
+    """`root / rel`, refused (PermissionError) unless it stays inside `root` after resolving
+    `..` and symlinks; an absolute `rel` is refused too."""
+    if not rel or pathlib.PurePosixPath(rel).is_absolute() or pathlib.PureWindowsPath(rel).is_absolute() or "\x00" in rel:
+        raise PermissionError(f"path {rel!r}: give a path relative to the workdir")
+    root = root.resolve()
+    path = (root / rel).resolve()
+    if path != root and root not in path.parents:
+        raise PermissionError(f"path {rel!r} leaves the workdir")
+    return path
+
+
+def read_jsonl(path: pathlib.Path, rel: str) -> list[dict]:
+    """A retrieval jsonl's records; ValueError naming the first malformed line."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{rel}:{n}: not JSON ({e.msg})") from e
+            if not isinstance(rec, dict) or not isinstance(rec.get("proponent_ids", []), list):
+                raise ValueError(f"{rel}:{n}: not a retrieval record (an object with a proponent_ids list)")
+            out.append(rec)
+    return out
+
+
+def eval_summary(workdir: pathlib.Path) -> dict:
+    """table.json + per query, each method's 0-based rank of its first gold passage (None: not retrieved)."""
+    res = results_lib.load_results(workdir)
+    qs = []
+    for i, q in enumerate(res.queries):
+        gold = set(int(g) for g in q.entailing_ids)
+        ranks = {}
+        for m, recs in res.retrievals.items():
+            ids = recs[i].get("proponent_ids", [])
+            ranks[m] = next((r for r, pid in enumerate(ids) if pid in gold), None)
+        qs.append({"query_id": q.query_id, "prompt": q.prompt, "target": q.target, "first_gold_rank": ranks})
+    return {"table": res.table, "queries": qs, "methods": res.methods}
+
+
+def make_app(engine: engine_lib.Engine) -> applications.Starlette:
+    """The Starlette app over a loaded engine."""
+
+    async def methods(request: requests.Request) -> responses.Response:
+        return responses.JSONResponse(engine.describe())
+
+    def run_query(body: dict) -> dict:
+        return engine.query(body.get("prompt"), body.get("target"), body.get("k", 10),
+                            body.get("method", engine.describe()["default"]))
+
+    async def query(request: requests.Request) -> responses.Response:
+        raw = await request.body()
+        if len(raw) > MAX_BODY_BYTES:
+            return _error(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+        try:
+            body = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            return _error(400, f"request body is not JSON: {e}")
+        if not isinstance(body, dict):
+            return _error(400, "request body must be a JSON object {prompt, target?, k, method}")
+        unknown = sorted(set(body) - {"prompt", "target", "k", "method"})
+        if unknown:
+            return _error(400, f"unknown fields {unknown}; expected prompt, target (optional), k, method")
+        try:
+            # Runs in a worker thread (the device work blocks); the engine's lock serializes queries.
+            out = await concurrency.run_in_threadpool(run_query, body)
+        except engine_lib.QueryError as e:
+            return _error(400, str(e))
+        return responses.JSONResponse(out)
+
+    async def file(request: requests.Request) -> responses.Response:
+        rel = request.query_params.get("path", "")
+        try:
+            path = resolve_inside(engine.workdir, rel)
+        except PermissionError as e:
+            return _error(403, str(e))
+        if path.suffix != ".jsonl":
+            return _error(400, f"path {rel!r}: only retrieval .jsonl files are served")
+        if not path.is_file():
+            return _error(404, f"path {rel!r}: no such file in the workdir")
+        try:
+            return responses.JSONResponse(read_jsonl(path, rel))
+        except (ValueError, UnicodeDecodeError) as e:
+            return _error(400, str(e))
+
+    async def evaluation(request: requests.Request) -> responses.Response:
+        try:
+            return responses.JSONResponse(eval_summary(engine.workdir))
+        except FileNotFoundError as e:
+            return _error(404, str(e))
+        except ValueError as e:
+            return _error(500, str(e))
+
+    async def index(request: requests.Request) -> responses.Response:
+        return responses.FileResponse(STATIC_DIR / "index.html")
+
+    return applications.Starlette(routes=[
+        routing.Route("/", index),
+        routing.Route("/api/methods", methods),
+        routing.Route("/api/query", query, methods=["POST"]),
+        routing.Route("/api/file", file),
+        routing.Route("/api/eval", evaluation),
+        routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+    ])

@@ -1,0 +1,232 @@
+"""The proponent explorer's loaded state and its one query: featurize + score + top-k.
+
+`Engine` loads the run (`training.checkpoint.load_run`) once, opens every gradient index
+of the workdir that matches the run (one per table row whose index exists), and keeps
+per row the featurizer and the scoring setup (R^{-1/2}, unit norm, row scales). A query
+runs the same steps as `retrieval.stage.retrieve_queries` for one `TextQuery` (same
+encoding, same padded batch, same `prepare_scoring`, same `stream_topk`), so its result
+equals that function's record. BM25 and the dense-embedding row (when its model is
+installed) rank by text, as the evaluation's `TextRetriever`.
+
+Queries are serialized by one lock: the device runs one query at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import threading
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import methods as methods_lib
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import embedding as embedding_lib
+from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import build as build_lib
+from trackstar_jax.index import scoring as scoring_lib
+from trackstar_jax.models import generate as generate_lib
+from trackstar_jax.retrieval import records
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.retrieval import topk
+from trackstar_jax.training import checkpoint as checkpoint_lib
+
+MAX_K = 1000  # the API's largest k (also bounded by the index size)
+
+
+class QueryError(ValueError):
+    """A query the server refuses (bad prompt / target / method / k); the message says why."""
+
+
+@dataclasses.dataclass
+class _GradientRow:
+    """One gradient row's loaded state (`scoring` is None for hessian mode "mixed": its R_eval
+    comes from the query itself, as in `retrieve_queries`, so it is prepared per query)."""
+
+    settings: config_lib.Settings
+    reader: Any
+    vec_fn: vectors_lib.VectorFn
+    scoring: scoring_lib.Scoring | None
+
+
+class Engine:
+    """A loaded run and its retrievers, answering one query at a time.
+
+    Args:
+      settings: the run's typed config (checked against the workdir).
+      workdir: the run directory (trained, with at least one index or none for text rows only).
+      mesh: device mesh (default: `settings.mesh.shape`).
+      dense: offer the dense-embedding row when its model is installed (its passage
+        embeddings are computed, or reused from `workdir/dense_embeddings/`, on first use).
+    """
+
+    def __init__(self, settings: config_lib.Settings, workdir: str | os.PathLike, *,
+                 mesh: jax.sharding.Mesh | None = None, dense: bool = True):
+        self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
+        self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
+        config_lib.check_matches_run(settings, self.workdir)
+        self.run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh)
+        self._lock = threading.Lock()
+        self._rows: dict[str, _GradientRow] = {}
+        self._vec_fns: dict[tuple, vectors_lib.VectorFn] = {}
+        self.skipped: dict[str, str] = {}  # method -> why it is not offered
+        for name, m in methods_lib.METHODS.items():
+            if m.kind == "gradient":
+                self._open_gradient_row(name, m)
+        self._text: dict[str, Any] = {}
+        self._text_kinds = ["bm25"] + (["dense"] if dense and embedding_lib.is_available() else [])
+        if "dense" not in self._text_kinds:
+            self.skipped["dense"] = "disabled" if not dense else f"model not installed ({embedding_lib.INSTALL_COMMAND})"
+
+    def _open_gradient_row(self, name: str, m: methods_lib.Method) -> None:
+        ms = rows_lib.method_settings(self.settings, m)
+        path = build_lib.index_dir(ms, self.workdir)
+        if not (path / "manifest.json").is_file():
+            self.skipped[name] = f"no index at {path}"
+            return
+        try:
+            reader = retrieval_stage.open_checked_index(self.run, ms, self.workdir)
+            key = (ms.vectors.output_fn, ms.vectors.correction, str(path))
+            if key not in self._vec_fns:
+                self._vec_fns[key] = vectors_lib.make_vector_fn(self.run.graphdef, self.run.model_cfg, ms.vectors,
+                                                                self.run.params, self.run.opt_state, mesh=self.mesh,
+                                                                role="query")
+            scoring = None if ms.hessian.mode == "mixed" else scoring_lib.prepare_scoring(reader, ms.hessian)
+        except Exception as e:  # noqa: BLE001 -- an unusable index is skipped, not fatal: say why
+            self.skipped[name] = f"{type(e).__name__}: {e}"
+            logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
+            return
+        self._rows[name] = _GradientRow(ms, reader, self._vec_fns[key], scoring)
+
+    # ------------------------------------------------------------------------------------
+    # What is offered
+    # ------------------------------------------------------------------------------------
+
+    @property
+    def methods(self) -> list[str]:
+        """Available method names: gradient rows with an index, then "bm25" (and "dense")."""
+        return list(self._rows) + self._text_kinds
+
+    def describe(self) -> dict:
+        """`GET /api/methods`: every available method with its label and settings."""
+        out = []
+        for name in self.methods:
+            m = methods_lib.METHODS[name]
+            entry = {"name": name, "kind": m.kind, "label": m.label}
+            if name in self._rows:
+                s = self._rows[name].settings
+                entry.update(index=str(self._rows[name].reader.path.relative_to(self.workdir)),
+                             output_fn=s.vectors.output_fn, correction=s.vectors.correction,
+                             hessian=s.hessian.mode, unit_norm=s.hessian.unit_norm)
+            out.append(entry)
+        default = "trackstar" if "trackstar" in self._rows else (self.methods[0] if self.methods else None)
+        return {"methods": out, "default": default, "skipped": self.skipped, "num_passages": self.num_passages,
+                "max_k": self.max_k, "max_len": self.run.model_cfg.max_len, "step": int(self.run.step)}
+
+    @property
+    def num_passages(self) -> int:
+        return len(self.run.corpus.texts)
+
+    @property
+    def max_k(self) -> int:
+        return min(MAX_K, self.num_passages)
+
+    # ------------------------------------------------------------------------------------
+    # Queries
+    # ------------------------------------------------------------------------------------
+
+    def complete(self, prompt: str) -> str:
+        """The model's greedy completion of `prompt`, as a target (" answer"), cut like the
+        evaluation's prediction-mode targets (`evaluation.queries.cut_completion`)."""
+        c = generate_lib.complete_batched(self.run.graphdef, self.run.params, self.run.tokenizer, [prompt],
+                                          self.settings.eval.max_new_tokens, self.run.model_cfg.max_len, batch_size=1)[0]
+        c = queries_lib.cut_completion(c)
+        return " " + c if c else ""
+
+    def check(self, prompt: Any, target: Any, k: Any, method: Any) -> tuple[str, str | None, int, str]:
+        """Validates a request's fields; raises QueryError naming the bad one."""
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise QueryError("prompt: must be a non-empty string")
+        if target is not None and not isinstance(target, str):
+            raise QueryError("target: must be a string (or absent for the model's own completion)")
+        if method not in self.methods:
+            why = f" ({self.skipped[method]})" if isinstance(method, str) and method in self.skipped else ""
+            raise QueryError(f"method: {method!r} is not available{why}; available: {self.methods}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= self.max_k:
+            raise QueryError(f"k: must be an integer in [1, {self.max_k}], got {k!r}")
+        tok, max_len = self.run.tokenizer, self.run.model_cfg.max_len
+        n = 1 + len(tok.encode(prompt))
+        if n >= max_len:
+            raise QueryError(f"prompt: {n} tokens (with BOS) leave no room for a target below model.max_len={max_len}")
+        if target is not None:
+            if not target.strip() or not tok.encode(target):
+                raise QueryError(f"target: {target!r} encodes to no tokens")
+            if n + len(tok.encode(target)) > max_len:
+                raise QueryError(f"prompt + target: {n + len(tok.encode(target))} tokens exceed model.max_len={max_len}")
+        return prompt, target, k, method
+
+    def query(self, prompt: Any, target: Any = None, k: Any = 10, method: Any = "trackstar",
+              example_id: Any = 0) -> dict:
+        """One query: `{"completion", "target", "proponents", "opponents", "method", "seconds", "record"}`.
+
+        `record` is the query's PAIR-code-schema line (as `retrieve_queries` writes it).
+
+        Raises:
+          QueryError: bad input (the message names the field).
+        """
+        prompt, target, k, method = self.check(prompt, target, k, method)
+        with self._lock:  # one query on the device at a time
+            t0 = time.perf_counter()
+            completion = None
+            if target is None:
+                completion = self.complete(prompt)
+                if not completion:
+                    raise QueryError("target: absent, and the model's completion of the prompt is empty; give a target")
+                target = completion
+                self.check(prompt, target, k, method)
+            q = retrieval_stage.TextQuery(example_id, prompt, target)
+            rec = self._gradient(q, k, method) if method in self._rows else self._text_query(q, k, method)
+            seconds = time.perf_counter() - t0
+        def items(kind):
+            return [{"example_id": i, "score": s, "text": t}
+                    for i, s, t in zip(rec.get(f"{kind}_ids", []), rec.get(f"{kind}_scores", []), rec.get(f"{kind}s", []))]
+        return {"completion": completion, "target": target, "proponents": items("proponent"),
+                "opponents": items("opponent"), "method": method, "seconds": seconds, "record": rec}
+
+    def _gradient(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
+        """`retrieve_queries` for one query, on the loaded index / featurizer / scoring."""
+        row, run = self._rows[method], self.run
+        try:
+            enc = data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
+        except ValueError as e:
+            raise QueryError(str(e)) from e
+        q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
+        scoring = row.scoring or scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
+        res = topk.stream_topk(scoring.finalize_queries(q_raw), row.reader, k, row.settings.retrieval.read_chunk_rows,
+                               mesh=self.mesh, row_scale=scoring.row_scale,
+                               query_batch_size=row.settings.retrieval.query_batch_size)
+        return records.pair_record(q.example_id, q.prompt, q.target, run.corpus.texts, res.top_ids[0],
+                                   res.top_scores[0], res.bottom_ids[0], res.bottom_scores[0])
+
+    def _text_query(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
+        """BM25 / dense ranking of prompt + target (the evaluation's `TextRetriever` query text)."""
+        if method not in self._text:
+            ev = self.settings.eval
+            if method == "bm25":
+                self._text[method] = baselines_lib.BM25(self.run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
+            else:
+                ctx = rows_lib.Context(self.settings, self.workdir, self.run, self.mesh)
+                self._text[method] = rows_lib.dense_index(ctx)
+        index = self._text[method]
+        kw = {"mesh": self.mesh} if method == "dense" else {}
+        scores, ids = index.topk([q.prompt + q.target], k, **kw)
+        return records.pair_record(q.example_id, q.prompt, q.target, self.run.corpus.texts, ids[0], scores[0])
