@@ -62,7 +62,7 @@ def draw_subset(num_examples: int, fraction: float, seed: int, i: int) -> np.nda
     Returns:
       bool `[num_examples]`.
     """
-    size = int(round(fraction * num_examples))
+    size = round(fraction * num_examples)
     if not 0 < size < num_examples:
         raise ValueError(f"validate.fraction={fraction} of {num_examples} examples gives an empty or full subset")
     rng = np.random.default_rng([int(seed), int(i)])
@@ -292,8 +292,9 @@ def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, proce
 
 def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
     """The LDS table: method, LDS [95% CI], M, alpha, queries (scored / left out)."""
-    lines = [f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
-             f"{num_queries} queries)", "",
+    title = (f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
+             f"{num_queries} queries)")
+    lines = [title, "",
              "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.", "",
              "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
              "|---|---|---|---|---|---|"]

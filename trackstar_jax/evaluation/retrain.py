@@ -124,7 +124,7 @@ def run_subset(settings: config_lib.Settings, workdir: str | pathlib.Path, i: in
         files.atomic_write(d / "mask.npy", files.npy_bytes(mask))
         files.atomic_write(d / "losses.npy", files.npy_bytes(losses))
         files.create_once(d / DONE_FILE, json.dumps({"subset": i, "num_examples": int(mask.sum()),
-                                                      "num_queries": int(len(losses)), "num_steps": num_steps}))
+                                                      "num_queries": len(losses), "num_steps": num_steps}))
     logging.info("validate: subset %d (%d examples) retrained %d steps; mean query loss %.4f", i, int(mask.sum()),
                  num_steps, float(losses.mean()))
     return True
