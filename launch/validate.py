@@ -32,7 +32,7 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     multihost.require_single_process("launch.validate")  # processes share subsets via the flags, not jax.distributed
-    from trackstar_jax.evaluation import lds  # noqa: PLC0415
+    from trackstar_jax.evaluation import lds
 
     logging.info("devices: %s", jax.devices())
     out = lds.validate(_config.settings(_CONFIG), _WORKDIR.value, process_index=_PROCESS_INDEX.value,

@@ -14,8 +14,7 @@ import scipy.stats
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import training
-from trackstar_jax.evaluation import lds
-from trackstar_jax.evaluation import retrain
+from trackstar_jax.evaluation import lds, retrain
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -128,7 +127,7 @@ def planted(tmp_path_factory):
 
 
 def test_retrains_every_subset_and_writes_the_table(planted):
-    settings, workdir, first = planted
+    _, workdir, first = planted
     assert first["trained"] == list(range(M)) and first["reused"] == [] and first["pending"] == 0
     for i in range(M):
         mask, losses = retrain.read_subset(workdir, i)
