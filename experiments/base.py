@@ -135,4 +135,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.tailpatch.top_ks = (1, 3, 5, 10)
     c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
     c.tailpatch.batch_size = 16  # (query, proponent) pairs per vmapped step (each holds a parameter copy)
+
+    # --- linear datamodeling score (launch.validate; TRAK, Park et al. 2023) ---
+    c.validate = ml_collections.ConfigDict()
+    c.validate.num_subsets = 50  # M subsets, each retrained from the run's init (TRAK: M >= 50)
+    c.validate.fraction = 0.5  # alpha: each subset holds round(alpha * N) training examples
+    c.validate.seed = 0  # subset i depends on (seed, i) only: raising M reuses the finished subsets
+    c.validate.num_steps = 0  # retraining steps per subset (0 = train.num_steps)
+    c.validate.methods = ("trackstar", "bm25")  # rows scored (names in methods.METHODS, e.g. "exp1", "trex_gold")
+    c.validate.num_queries = 0  # fact queries scored (sets eval.max_queries for this stage; 0 = eval.max_queries)
     return c

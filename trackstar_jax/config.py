@@ -200,6 +200,32 @@ class TailpatchSettings:
 
 
 @dataclasses.dataclass(frozen=True)
+class ValidateSettings:
+    """`config.validate`: the linear datamodeling score (TRAK, Park et al. 2023; see evaluation/lds.py)."""
+
+    num_subsets: int = 50  # M retrained subsets (TRAK uses M >= 50)
+    fraction: float = 0.5  # alpha: each subset holds round(alpha * N) of the N training examples
+    seed: int = 0  # subset i is drawn from (seed, i) alone, so a larger M reuses subsets 0..M-1
+    num_steps: int = 0  # retraining steps per subset (0 = train.num_steps)
+    methods: tuple[str, ...] = ("trackstar", "bm25")  # rows scored (names in methods.METHODS)
+    num_queries: int = 0  # queries (eval.max_queries for the LDS query set; 0 = eval.max_queries as set)
+
+    def __post_init__(self):
+        if self.num_subsets < 2:
+            raise ValueError(f"validate.num_subsets must be >= 2 (a correlation over subsets), got {self.num_subsets}")
+        if not 0.0 < self.fraction < 1.0:
+            raise ValueError(f"validate.fraction must be in (0, 1), got {self.fraction}")
+        if self.num_steps < 0 or self.num_queries < 0:
+            raise ValueError(f"validate.num_steps and validate.num_queries must be >= 0, got "
+                             f"{self.num_steps}, {self.num_queries}")
+        if not self.methods:
+            raise ValueError("validate.methods is empty: name at least one row (e.g. 'trackstar', 'bm25')")
+        for name in self.methods:
+            if name not in methods_lib.METHODS:
+                raise ValueError(f"validate.methods: unknown row {name!r} (known: {', '.join(methods_lib.METHODS)})")
+
+
+@dataclasses.dataclass(frozen=True)
 class Settings:
     """A whole experiment config, typed. Built by `from_configdict` / `load_run_settings`."""
 
@@ -214,6 +240,7 @@ class Settings:
     retrieval: RetrievalSettings = RetrievalSettings()
     eval: EvalSettings = EvalSettings()
     tailpatch: TailpatchSettings = TailpatchSettings()
+    validate: ValidateSettings = ValidateSettings()
     source: str = dataclasses.field(default="", compare=False)  # where it came from (for messages)
 
     def __post_init__(self):

@@ -161,13 +161,19 @@ def eval_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_
 
 
 def train_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, seed: int,
-                  start_step: int = 0) -> Iterator[dict[str, np.ndarray]]:
+                  start_step: int = 0, example_ids: Sequence[int] | None = None) -> Iterator[dict[str, np.ndarray]]:
     """Infinite shuffled batches (grain; reshuffled each epoch; seeded).
 
     Batch s is a pure function of (corpus, seed, s), so a run resumed at step s sees exactly
-    the batches it would have seen without the interruption.
+    the batches it would have seen without the interruption. `example_ids` restricts training
+    to those examples (the LDS's retrained subsets); rows keep their corpus example ids.
     """
-    ds = (grain.MapDataset.source(_Encoded(corpus.texts, list(range(len(corpus.examples))), tok, seq_len))
+    ids = list(range(len(corpus.examples))) if example_ids is None else [int(i) for i in example_ids]
+    if not ids or min(ids) < 0 or max(ids) >= len(corpus.examples):
+        raise ValueError(f"train_batches: example_ids must be non-empty ids in [0, {len(corpus.examples)}), "
+                         f"got {len(ids)} ids")
+    texts = corpus.texts if example_ids is None else [corpus.examples[i].text for i in ids]
+    ds = (grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len))
           .seed(seed).shuffle().repeat(None).batch(batch_size, drop_remainder=True, batch_fn=_stack))
     step = start_step
     while True:

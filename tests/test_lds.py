@@ -1,0 +1,173 @@
+"""The linear datamodeling score (evaluation.lds / evaluation.retrain, launch.validate).
+
+The math (ranks, Spearman, subset sums, constant queries) is checked against scipy / numpy
+on hand-made data. The planted case is a tiny embedded corpus in which each fact is stated by
+exactly ONE passage (phrasings_per_fact=1): an oracle attribution (the `trex_gold` row: score
+1 on that passage, 0 elsewhere) must get a clearly positive LDS, random attributions ~0.
+"""
+
+import json
+
+import numpy as np
+import pytest
+import scipy.stats
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import training
+from trackstar_jax.evaluation import lds, retrain
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+M = 6  # subsets retrained in the planted run
+
+
+# ---------------------------------------------------------------------------------------
+# Math against scipy / numpy
+# ---------------------------------------------------------------------------------------
+
+
+def test_rankdata_and_spearman_match_scipy_with_ties():
+    rng = np.random.default_rng(0)
+    for trial in range(20):
+        n = int(rng.integers(3, 30))
+        x = rng.integers(0, 5, n).astype(float)  # many ties
+        y = rng.normal(size=n) if trial % 2 else rng.integers(0, 3, n).astype(float)
+        np.testing.assert_allclose(lds.rankdata(x), scipy.stats.rankdata(x, method="average"))
+        want = scipy.stats.spearmanr(x, y).statistic
+        got = lds.spearman(x, y)
+        if np.isnan(want):
+            assert got is None
+        else:
+            assert got == pytest.approx(want, abs=1e-12)
+    assert lds.spearman(np.ones(5), np.arange(5.0)) is None  # constant side: undefined, not NaN
+    assert lds.spearman(np.arange(5.0), -np.arange(5.0)) == pytest.approx(-1.0)
+
+
+def test_subset_sums_match_a_loop():
+    rng = np.random.default_rng(1)
+    scores, masks = rng.normal(size=(4, 9)), rng.random((5, 9)) < 0.5
+    want = np.array([[scores[q, masks[j]].sum() for q in range(4)] for j in range(5)])
+    np.testing.assert_allclose(lds.subset_sums(scores, masks), want)
+
+
+def test_lds_sign_convention_and_constant_loss_query():
+    masks = np.array([[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 0, 1]], bool)
+    scores = np.array([[1.0, 0, 0, 0], [0, 0, 0, 1.0], [0.5, 0.1, 0, 0]])  # [Q=3, N=4]
+    # Query 0's loss drops when example 0 is present (a proponent); query 1's loss is constant;
+    # query 2's loss rises with example 0 (scores say it helps: a wrong prediction).
+    losses = np.stack([2.0 - masks[:, 0], np.full(5, 1.5), 1.0 + masks[:, 0] + 0.01 * masks[:, 1]], axis=1)
+    res = lds.lds(scores, masks, losses)
+    assert res.per_query[0] == pytest.approx(1.0)
+    assert res.per_query[1] is None and res.num_constant_loss == 1
+    assert res.per_query[2] == pytest.approx(scipy.stats.spearmanr(lds.subset_sums(scores, masks)[:, 2],
+                                                                  -losses[:, 2]).statistic)
+    assert res.num_queries == 2 and res.mean == pytest.approx((res.per_query[0] + res.per_query[2]) / 2)
+    assert all(v is not None and np.isfinite(v) for v in [res.mean, *res.ci])
+    json.dumps(res.to_dict(), allow_nan=False)  # no NaN anywhere in the output
+    zero = lds.lds(np.zeros((3, 4)), masks, losses)  # a method that predicts nothing: counted, not NaN
+    assert zero.mean is None and zero.num_constant_prediction == 2 and zero.num_queries == 0
+    with pytest.raises(ValueError, match="disagree"):
+        lds.lds(scores, masks, losses.T)
+
+
+def test_draw_subset_is_a_function_of_seed_and_index():
+    a = lds.draw_subset(101, 0.5, 3, 7)
+    assert a.dtype == bool and a.sum() == 50
+    np.testing.assert_array_equal(a, lds.draw_subset(101, 0.5, 3, 7))
+    assert not np.array_equal(a, lds.draw_subset(101, 0.5, 3, 8))
+    assert not np.array_equal(a, lds.draw_subset(101, 0.5, 4, 7))
+    with pytest.raises(ValueError, match="empty or full"):
+        lds.draw_subset(3, 0.1, 0, 0)
+
+
+def test_validate_settings_are_checked(tiny_config):
+    tiny_config.validate.fraction = 1.0
+    with pytest.raises(config_lib.ConfigError, match="validate.fraction"):
+        config_lib.from_configdict(tiny_config)
+    tiny_config.validate.fraction = 0.5
+    tiny_config.validate.methods = ("nope",)
+    with pytest.raises(config_lib.ConfigError, match="validate.methods"):
+        config_lib.from_configdict(tiny_config)
+
+
+# ---------------------------------------------------------------------------------------
+# The planted run: retraining, caching, refusals
+# ---------------------------------------------------------------------------------------
+
+
+def _planted_settings(tiny_config, **validate):
+    c = tiny_config
+    c.model.num_layers = 1
+    c.data.embedded.num_facts = 20
+    c.data.embedded.phrasings_per_fact = 1  # each fact stated by one passage alone
+    c.data.embedded.num_distractors = 20
+    c.train.num_steps = 100  # ~80 epochs of a 20-passage subset: the model memorises what it sees
+    c.train.warmup_steps = 20
+    c.train.log_every_steps = 50
+    c.train.eval_every_steps = 1000
+    c.train.checkpoint_every_steps = 1000
+    c.train.num_completions = 0
+    c.vectors.num_blocks = 1
+    c.validate.num_subsets = M
+    c.validate.methods = ("trex_gold", "bm25", "exp1")
+    for k, v in validate.items():
+        setattr(c.validate, k, v)
+    return config_lib.from_configdict(c, source="tests/test_lds.py")
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    from experiments import tiny
+
+    workdir = tmp_path_factory.mktemp("lds_run")
+    settings = _planted_settings(tiny.get_config())
+    training.train(settings, workdir)
+    first = lds.validate(settings, workdir)
+    return settings, workdir, first
+
+
+def test_retrains_every_subset_and_writes_the_table(planted):
+    _, workdir, first = planted
+    assert first["trained"] == list(range(M)) and first["reused"] == [] and first["pending"] == 0
+    for i in range(M):
+        mask, losses = retrain.read_subset(workdir, i)
+        np.testing.assert_array_equal(mask, lds.draw_subset(len(mask), 0.5, 0, i))
+        assert losses.shape == (20,) and np.isfinite(losses).all()
+    doc = json.loads((workdir / "eval" / "lds.json").read_text())
+    assert [r["method"] for r in doc["rows"]] == ["trex_gold", "bm25", "exp1"]
+    assert doc["num_subsets"] == M and doc["fraction"] == 0.5
+    md = (workdir / "eval" / "lds.md").read_text()
+    assert "| T-REx gold |" in md and f"| {M} | 0.5 |" in md
+
+
+def test_oracle_attribution_beats_random(planted):
+    _, workdir, first = planted
+    oracle = next(r for r in first["rows"] if r["method"] == "trex_gold")
+    masks = np.stack([retrain.read_subset(workdir, i)[0] for i in range(M)])
+    losses = np.stack([retrain.read_subset(workdir, i)[1] for i in range(M)])
+    rng = np.random.default_rng(0)
+    random = [lds.lds(rng.normal(size=(losses.shape[1], masks.shape[1])), masks, losses).mean for _ in range(20)]
+    # Random: per-query spearman over M=6 subsets has sd ~0.45; the mean over 20 queries and
+    # 20 draws is ~0 +- 0.03. The oracle is far above it (measured 0.80, random 0.03).
+    assert abs(np.mean(random)) < 0.1
+    assert oracle["lds"] > 0.3 and oracle["lds"] > np.mean(random) + 0.25
+    assert oracle["num_constant_loss"] == 0
+
+
+def test_rerun_reuses_subsets_and_gives_the_same_lds(planted):
+    settings, workdir, first = planted
+    again = lds.validate(settings, workdir)
+    assert again["trained"] == [] and again["reused"] == list(range(M))
+    assert again["rows"] == first["rows"]
+    half = lds.validate(settings, workdir, process_index=1, process_count=2)  # one process's share
+    assert half["reused"] == [1, 3, 5] and half["trained"] == []
+
+
+def test_a_different_config_is_refused_naming_the_field(planted, tiny_config):
+    _, workdir, _ = planted
+    with pytest.raises(config_lib.ConfigError, match="validate.fraction: saved 0.5, now 0.4"):
+        lds.validate(_planted_settings(tiny_config, fraction=0.4), workdir)
+    with pytest.raises(config_lib.ConfigError, match="validate.num_steps"):
+        lds.validate(_planted_settings(tiny_config, num_steps=50), workdir)
+    for i in range(M):
+        assert retrain.is_done(workdir, i)  # nothing was touched

@@ -1,0 +1,315 @@
+"""The linear datamodeling score (LDS; TRAK, Park et al. 2023, §2.2): `launch.validate`.
+
+An attribution method gives a score tau(z_q)_m for every training example m and query q.
+Its datamodel prediction for a training subset S is the sum of the scores of S's examples,
+
+    g(S, q) = sum_{m in S} tau(z_q)_m,
+
+and the LDS of the method is the Spearman rank correlation, over M random subsets S_1..S_M
+(each round(alpha * N) of the N examples), between these predictions and the model's actual
+behaviour after retraining on S_j, averaged over queries. The behaviour here is the query's
+loss (mean NLL of its target tokens). Sign convention (as TRAK's): a proponent's presence
+lowers the loss, so predictions are correlated with the NEGATIVE retrained loss; a perfect
+method scores +1, a random one ~0.
+
+A query whose retrained losses (or whose predictions) are the same on every subset has no
+rank correlation: it is counted and left out of the mean, never reported as NaN.
+Retraining is `evaluation.retrain`; outputs are `<eval dir>/lds.json` and `lds.md`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import time
+from typing import Sequence
+
+import numpy as np
+from absl import logging
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import files
+from trackstar_jax import methods as methods_lib
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.evaluation import query_set
+from trackstar_jax.evaluation import report as report_lib
+from trackstar_jax.evaluation import retrain as retrain_lib
+from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import build as build_lib
+from trackstar_jax.index import scoring as scoring_lib
+from trackstar_jax.index import store as store_lib
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.training import checkpoint as checkpoint_lib
+
+LDS_JSON, LDS_MD = "lds.json", "lds.md"
+
+# ---------------------------------------------------------------------------------------
+# The score itself (pure numpy)
+# ---------------------------------------------------------------------------------------
+
+
+def draw_subset(num_examples: int, fraction: float, seed: int, i: int) -> np.ndarray:
+    """Subset `i`: exactly round(fraction * N) examples, uniformly without replacement.
+
+    A function of (N, fraction, seed, i) only, so raising M keeps subsets 0..M-1.
+
+    Returns:
+      bool `[num_examples]`.
+    """
+    size = round(fraction * num_examples)
+    if not 0 < size < num_examples:
+        raise ValueError(f"validate.fraction={fraction} of {num_examples} examples gives an empty or full subset")
+    rng = np.random.default_rng([int(seed), int(i)])
+    mask = np.zeros(num_examples, bool)
+    mask[rng.choice(num_examples, size=size, replace=False)] = True
+    return mask
+
+
+def subset_sums(scores: np.ndarray, masks: np.ndarray) -> np.ndarray:
+    """Datamodel predictions g(S_j, q) = sum_{m in S_j} scores[q, m].
+
+    Args:
+      scores: float `[Q, N]` attribution scores.
+      masks: bool `[M, N]` subset membership.
+
+    Returns:
+      float64 `[M, Q]`.
+    """
+    return np.asarray(masks, np.float64) @ np.asarray(scores, np.float64).T
+
+
+def rankdata(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n with ties given their average rank (scipy's `rankdata(method="average")`)."""
+    x = np.asarray(x, np.float64)
+    order = np.argsort(x, kind="stable")
+    xs = x[order]
+    ranks = np.empty(len(x), np.float64)
+    starts = np.flatnonzero(np.r_[True, xs[1:] != xs[:-1]])
+    ends = np.r_[starts[1:], len(x)]
+    for s, e in zip(starts, ends):
+        ranks[order[s:e]] = (s + e + 1) / 2.0  # mean of ranks s+1 .. e
+    return ranks
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float | None:
+    """Spearman rank correlation (Pearson correlation of average ranks); None if either side is constant."""
+    rx, ry = rankdata(x), rankdata(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    if den == 0.0:
+        return None
+    return float(np.clip((rx * ry).sum() / den, -1.0, 1.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class LDS:
+    """One method's score: per-query correlations and their mean with a bootstrap interval."""
+
+    per_query: tuple[float | None, ...]  # None where undefined
+    mean: float | None
+    ci: tuple[float | None, float | None]
+    num_queries: int  # queries in the mean
+    num_constant_loss: int  # left out: retrained loss equal on every subset
+    num_constant_prediction: int  # left out: the method predicts the same sum for every subset
+
+    def to_dict(self) -> dict:
+        return {"lds": self.mean, "lds_ci": list(self.ci), "num_queries": self.num_queries,
+                "num_constant_loss": self.num_constant_loss, "num_constant_prediction": self.num_constant_prediction,
+                "per_query": list(self.per_query)}
+
+
+def lds(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray, *, seed: int = 0) -> LDS:
+    """Linear datamodeling score of one method.
+
+    Args:
+      scores: float `[Q, N]` attribution scores (higher = more helpful to the query).
+      masks: bool `[M, N]` retrained subsets.
+      losses: float `[M, Q]` each retrained model's loss on each query.
+      seed: bootstrap seed.
+
+    Returns:
+      `LDS`: per query spearman(g(S_j, q), -loss_j(q)) over j; the mean over queries where
+      both sides vary, with a 95% percentile-bootstrap interval.
+    """
+    scores, masks, losses = np.asarray(scores), np.asarray(masks, bool), np.asarray(losses, np.float64)
+    if masks.ndim != 2 or scores.ndim != 2 or losses.shape != (masks.shape[0], scores.shape[0]) \
+            or scores.shape[1] != masks.shape[1]:
+        raise ValueError(f"lds: scores {scores.shape} [Q, N], masks {masks.shape} [M, N] and losses {losses.shape} "
+                         "[M, Q] disagree")
+    pred = subset_sums(scores, masks)
+    per_query, const_loss, const_pred = [], 0, 0
+    for q in range(scores.shape[0]):
+        if np.ptp(losses[:, q]) == 0:
+            const_loss += 1
+            per_query.append(None)
+            continue
+        r = spearman(pred[:, q], -losses[:, q])
+        const_pred += r is None
+        per_query.append(r)
+    ci = metrics_lib.mean_ci([r for r in per_query if r is not None], seed=seed)
+    return LDS(tuple(per_query), ci.mean, (ci.lo, ci.hi), ci.n, const_loss, const_pred)
+
+
+# ---------------------------------------------------------------------------------------
+# Attribution scores of every (query, training example) pair
+# ---------------------------------------------------------------------------------------
+
+
+def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_set.EvalQueries) -> np.ndarray:
+    """A gradient row's full score matrix `[Q, N]`, exactly as retrieval scores it.
+
+    Builds (or reuses) the row's index, then score = (stored row · q') * row_scale (see
+    `index.scoring.Scoring`), over the whole index read at once (small corpora only).
+    """
+    settings = rows_lib.method_settings(ctx.settings, method)
+    build_lib.build_index(settings, ctx.workdir)
+    reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
+    vec_fn = vectors_lib.make_vector_fn(ctx.run.graphdef, ctx.run.model_cfg, settings.vectors, ctx.run.params,
+                                        ctx.run.opt_state, mesh=ctx.mesh, role="query")
+    q_raw = retrieval_stage.query_vectors(ctx.run, vec_fn, eq.encoded)
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
+    rows = reader.read_dequantized(0, reader.num_rows)
+    return (scoring.finalize_queries(q_raw) @ np.asarray(rows, np.float32).T) * scoring.row_scale[None, :]
+
+
+def method_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_set.EvalQueries) -> np.ndarray:
+    """Scores `[Q, N]` of any row: gold (1 on the fact's entailing passages), BM25, dense, gradient."""
+    n = len(ctx.run.corpus.examples)
+    texts = [q.prompt + q.target for q in eq.queries]
+    if method.kind == "gold":
+        out = np.zeros((len(eq.queries), n), np.float32)
+        for qi, q in enumerate(eq.queries):
+            out[qi, list(q.entailing_ids)] = 1.0
+        return out
+    if method.kind == "bm25":
+        ev = ctx.settings.eval
+        bm25 = baselines_lib.BM25(ctx.run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
+        return np.stack([bm25.scores(t) for t in texts])
+    if method.kind == "dense":
+        dense = rows_lib.dense_index(ctx)
+        return np.stack([dense.scores(t) for t in texts])
+    return gradient_scores(ctx, method, eq)
+
+
+# ---------------------------------------------------------------------------------------
+# The stage
+# ---------------------------------------------------------------------------------------
+
+
+def _manifest(settings: config_lib.Settings, run: checkpoint_lib.Run, eq: query_set.EvalQueries,
+              num_steps: int) -> dict:
+    """What the cached subsets depend on (flat keys; compared field by field on a rerun)."""
+    v = settings.validate
+    queries = [[q.prompt, q.target] for q in eq.queries]
+    out = {"corpus_fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples),
+           "run_step": run.step, "validate.fraction": v.fraction, "validate.seed": v.seed,
+           "validate.num_steps": num_steps, "queries_fingerprint": hashlib.sha256(json.dumps(queries).encode()).hexdigest(),
+           "num_queries": len(queries)}
+    for sec in ("seed", "model", "train"):
+        out.update(store_lib.flatten({sec: config_lib.to_dict(settings)[sec]}))
+    for k in config_lib.RESUMABLE_TRAIN_KEYS:  # cadences and completions do not change a retrained model
+        if k != "num_steps":
+            out.pop(f"train.{k}", None)
+    return json.loads(json.dumps(out))
+
+
+def check_manifest(workdir: pathlib.Path, want: dict) -> None:
+    """Writes `workdir/validate/manifest.json` once; a later run must match it.
+
+    Raises:
+      ConfigError: naming each differing field (remove the folder to start over).
+    """
+    path = workdir / retrain_lib.VALIDATE_DIR / retrain_lib.MANIFEST_FILE
+    if files.create_once(path, json.dumps(want, indent=1, sort_keys=True)):
+        return
+    saved = config_lib.read_json(path)
+    bad = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {want.get(k, '<absent>')!r}"
+           for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+    if bad:
+        raise config_lib.ConfigError(f"{path.parent} holds subsets retrained for another corpus or config: "
+                                     + "; ".join(bad) + f" (use another workdir or remove {path.parent})")
+
+
+def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, process_index: int | None = None,
+             process_count: int | None = None) -> dict:
+    """Stage: retrain this process's share of the M subsets; once all are done, score every row.
+
+    Args:
+      settings: the config (must describe the run in `workdir`).
+      process_index, process_count: split subsets i with i % count == index across processes.
+
+    Returns:
+      `{"trained": [...], "reused": [...], "pending": n}` plus, once every subset is done,
+      `"rows"` (the lds.json rows) and `"report"` (the lds.md path).
+    """
+    t0 = time.perf_counter()
+    workdir = pathlib.Path(workdir)
+    pi, pc = process_index or 0, process_count or 1
+    if not 0 <= pi < pc:
+        raise ValueError(f"--process_index={pi} must be in [0, --process_count={pc})")
+    config_lib.check_matches_run(settings, workdir, sections=config_lib.RUN_SECTIONS)
+    v = settings.validate
+    if v.num_queries:
+        settings = settings.replace({"eval.max_queries": v.num_queries})
+    num_steps = v.num_steps or settings.train.num_steps
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    eq = query_set.make_eval_queries(run, settings)
+    check_manifest(workdir, _manifest(settings, run, eq, num_steps))
+    n = len(run.corpus.examples)
+    masks = [draw_subset(n, v.fraction, v.seed, i) for i in range(v.num_subsets)]
+    trained, reused = [], []
+    for i in range(pi, v.num_subsets, pc):
+        did = retrain_lib.run_subset(settings, workdir, i, masks[i], run.corpus, run.tokenizer, eq.encoded, num_steps,
+                                     mesh)
+        (trained if did else reused).append(i)
+    pending = [i for i in range(v.num_subsets) if not retrain_lib.is_done(workdir, i)]
+    out = {"trained": trained, "reused": reused, "pending": len(pending)}
+    logging.info("validate: trained %d subsets, reused %d; %d of %d still pending", len(trained), len(reused),
+                 len(pending), v.num_subsets)
+    if pending:
+        return out
+    losses = np.stack([retrain_lib.read_subset(workdir, i)[1] for i in range(v.num_subsets)])
+    ctx = rows_lib.Context(settings, workdir, run, mesh)
+    rows = []
+    for name in v.methods:
+        m = methods_lib.method(name)
+        res = lds(method_scores(ctx, m, eq), np.stack(masks), losses, seed=settings.eval.bootstrap_seed)
+        rows.append({"method": name, "label": m.label, **res.to_dict()})
+        logging.info("validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries,
+                     res.num_constant_loss)
+    out_dir = report_lib.eval_dir(settings, workdir)
+    write_report(out_dir, rows, v, num_steps, len(eq.queries), seconds=time.perf_counter() - t0)
+    out.update(rows=rows, report=str(out_dir / LDS_MD))
+    return out
+
+
+def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
+    """The LDS table: method, LDS [95% CI], M, alpha, queries (scored / left out)."""
+    title = (f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
+             f"{num_queries} queries)")
+    lines = [title, "",
+             "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.", "",
+             "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["lds_ci"]
+        val = "n/a" if r["lds"] is None else f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
+        lines.append(f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
+                     f"{r['num_constant_loss']} / {r['num_constant_prediction']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out_dir: pathlib.Path, rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int,
+                 num_queries: int, seconds: float) -> None:
+    """`lds.json` (settings + rows with per-query values) and `lds.md`."""
+    doc = {"num_subsets": v.num_subsets, "fraction": v.fraction, "seed": v.seed, "num_steps": num_steps,
+           "num_queries": num_queries, "sign": "spearman(predicted sum, -loss)", "seconds": seconds, "rows": list(rows)}
+    files.atomic_write_json(out_dir / LDS_JSON, doc)
+    files.atomic_write(out_dir / LDS_MD, markdown(rows, v, num_steps, num_queries))
