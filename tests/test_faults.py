@@ -329,3 +329,11 @@ def test_two_writers_and_kill9_resume_byte_identical(work):
     assert summary["complete"] and summary["chunks_skipped"] >= 1
     assert _chunk_bytes(index) == _chunk_bytes(work / "index")
     np.testing.assert_array_equal(np.load(index / "r_train.npy"), np.load(work / "index" / "r_train.npy"))
+
+
+def test_config_flag_typo_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "launch.retrieve", "--config=experiments/tiny.py", "--workdir=/nonexistent",
+                          "--config.vectors.proj_sed=5"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert 'Did you mean "proj_seed"' in out.stderr and "--config.vectors.proj_sed=5" in out.stderr
