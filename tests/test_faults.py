@@ -251,6 +251,13 @@ def test_evaluate_rerun_follows_the_retrieve_rule(work):
     with pytest.raises(FileExistsError, match=r"retrieval\.overwrite=True"):
         evaluation.evaluate(s, work)
     assert (out / "retrievals" / "bm25.jsonl").exists()
+    # A finished evaluation with the same settings is only reported; other settings are refused by name.
+    table = {"rows": [], "settings": config_lib.to_dict(s)}
+    files.atomic_write_json(out / "table.json", table)
+    before = _snapshot(out)
+    assert evaluation.evaluate(s, work) == table and _snapshot(out) == before
+    with pytest.raises(FileExistsError, match=r"eval\.num_proponents: saved 10, now 12"):
+        evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
 
 
 # ---------------------------------------------------------------------------------------
