@@ -1,5 +1,7 @@
 """The launchers' one conversion: the `--config` flag's ConfigDict -> typed `Settings`."""
 
+import sys
+
 from absl import flags
 from ml_collections import config_flags
 
@@ -9,3 +11,17 @@ from trackstar_jax import config as config_lib
 def settings(holder: flags.FlagHolder) -> config_lib.Settings:
     """Typed settings of `--config` (errors name the key and the config file)."""
     return config_lib.from_configdict(holder.value, source=config_flags.get_config_filename(flags.FLAGS[holder.name]))
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a config-override typo (`--config.vectors.proj_sed=5`) reported
+    in one line instead of three chained tracebacks (`app.run(main, flags_parser=parse_flags)`)."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        sys.exit(f"FATAL Flags parsing error: {e}\nPass --helpshort or --helpfull to see help on flags.")
+    except (AttributeError, KeyError, TypeError, ValueError) as e:
+        msg = str(e).strip("'\"").replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
+        overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
+        sys.exit(f"FATAL config flag error: {msg} (in {overrides or 'the --config flags'}); see experiments/base.py "
+                 "for every key")

@@ -113,9 +113,14 @@ def test_run_config_guards_the_workdir(tiny_config, tmp_path):
     checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
     assert config_lib.load_run_settings(tmp_path).model.embed_dim == tiny_config.model.embed_dim
     tiny_config.train.num_steps = 5  # resumable key: allowed, recorded
-    tiny_config.vectors.proj_dim = 4  # a later stage's section: allowed
+    proj_dim = tiny_config.vectors.proj_dim
+    tiny_config.vectors.proj_dim = 4  # a later stage's section: allowed, never rewritten
     checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
-    assert json.loads((tmp_path / "config.json").read_text())["train"]["num_steps"] == 5
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["train"]["num_steps"] == 5 and saved["vectors"]["proj_dim"] == proj_dim
+    before = (tmp_path / "config.json").stat().st_mtime_ns
+    checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))  # same run: nothing written
+    assert (tmp_path / "config.json").stat().st_mtime_ns == before
     tiny_config.train.learning_rate = 0.5
     tiny_config.data.embedded.num_facts = 7
     with pytest.raises(ValueError, match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "

@@ -4,6 +4,7 @@ SIGKILL), corruption and disk-full handling, R_train vs numpy, both finalisation
 import concurrent.futures
 import dataclasses
 import errno
+import hashlib
 import json
 import os
 import pathlib
@@ -291,6 +292,12 @@ def test_verify_reports_incomplete_and_bad_r(tmp_path):
     index.IndexBuilder(path, make_manifest()).build(synthetic_rows)
     r = np.load(path / "r_train.npy")
     np.save(path / "r_train.npy", r * 1.001)
+    with pytest.raises(index.IndexCorruptError, match="r_train.npy does not match the sha256 recorded"):
+        index.verify_index(path)
+    # A wrong R_train with a matching checksum (e.g. a bug, not a damaged file): the recomputation catches it.
+    meta = json.loads((path / "r_train.json").read_text())
+    meta["sha256"] = hashlib.sha256((r * 1.001).tobytes()).hexdigest()
+    (path / "r_train.json").write_text(json.dumps(meta))
     with pytest.raises(index.IndexCorruptError, match="R_train differs from a recomputation"):
         index.verify_index(path)
 

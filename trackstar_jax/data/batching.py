@@ -11,6 +11,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import grain
 import numpy as np
 
+from trackstar_jax import files
 from trackstar_jax.data import corpus as corpus_lib
 from trackstar_jax.data import tokenizer as tokenizer_lib
 from trackstar_jax.models import palm as model_lib
@@ -40,13 +41,16 @@ def encode_query(tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len
       ValueError: the target encodes to nothing, or prompt + target exceeds `max_len`
         (the message names the query).
     """
-    name = f"query {query_id!r} " if query_id is not None else ""
+    # query_id may be a location ("queries.jsonl:2"); long prompts are cut in the message.
+    name = (query_id if isinstance(query_id, str) and ":" in query_id else f"query {query_id!r}") + " " \
+        if query_id is not None else ""
+    shown = f"({files.shorten(prompt)} -> {files.shorten(target, 40)})"
     p, t = tok.encode(prompt), tok.encode(target)
     if not t:
-        raise ValueError(f"{name}({prompt!r} -> {target!r}): the target encodes to no tokens")
+        raise ValueError(f"{name}{shown}: the target encodes to no tokens")
     tokens = [tok.bos_id] + p + t
     if len(tokens) > max_len:
-        raise ValueError(f"{name}({prompt!r} -> {target!r}): {len(tokens)} tokens exceed max_len={max_len}")
+        raise ValueError(f"{name}{shown}: {len(tokens)} tokens exceed max_len={max_len}")
     mask = [0] * (1 + len(p)) + [1] * len(t)
     return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 

@@ -25,9 +25,7 @@ PAD_ID padding at the end), `loss_mask [B, T]`, `example_id [B]` (-1 for padding
 from __future__ import annotations
 
 import dataclasses
-import gzip
 import hashlib
-import io
 import json
 import os
 import pathlib
@@ -35,6 +33,8 @@ import tempfile
 from typing import Sequence
 
 import numpy as np
+
+from trackstar_jax import files as files_lib
 
 SOURCES = ("embedded", "lama", "text", "jsonl", "seqio")
 CORPUS_FORMAT_VERSION = 1
@@ -220,12 +220,6 @@ def _check_passage(text: str, where: str) -> str:
     return text.strip()
 
 
-def _open_text(path: pathlib.Path) -> io.TextIOBase:
-    if path.suffix == ".gz":
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
-
-
 def _files(path: str, patterns: Sequence[str]) -> list[pathlib.Path]:
     p = pathlib.Path(path)
     if p.is_file():
@@ -244,23 +238,22 @@ def _read_text_files(cfg: DataConfig) -> list[str]:
     pats = ("*.jsonl", "*.jsonl.gz", "*.json") if is_jsonl else ("*.txt", "*.txt.gz")
     texts = []
     for f in _files(cfg.path, pats):
-        with _open_text(f) as fh:
-            for ln, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue  # blank lines separate passages / records
-                where = f"{f}:{ln}"
-                if is_jsonl:
-                    try:
-                        rec = json.loads(line)
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"invalid JSON at {where}: {e}") from None
-                    if not isinstance(rec, dict) or cfg.text_key not in rec:
-                        raise ValueError(f"record at {where} has no field config.data.text_key={cfg.text_key!r}")
-                    texts.append(_check_passage(rec[cfg.text_key], where))
-                else:
-                    texts.append(_check_passage(line, where))
-                if cfg.max_examples and len(texts) >= cfg.max_examples:
-                    return texts
+        for ln, line in files_lib.read_lines(f):
+            if not line.strip():
+                continue  # blank lines separate passages / records
+            where = f"{f}:{ln}"
+            if is_jsonl:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"invalid JSON at {where}: {e}") from None
+                if not isinstance(rec, dict) or cfg.text_key not in rec:
+                    raise ValueError(f"record at {where} has no field config.data.text_key={cfg.text_key!r}")
+                texts.append(_check_passage(rec[cfg.text_key], where))
+            else:
+                texts.append(_check_passage(line, where))
+            if cfg.max_examples and len(texts) >= cfg.max_examples:
+                return texts
     return texts
 
 
@@ -283,8 +276,7 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
         by_rel = {r: by_rel[r] for r in wanted}
     streams = []
     for _rel, f in sorted(by_rel.items()):
-        with _open_text(f) as fh:
-            streams.append([(f"{f}:{ln}", line) for ln, line in enumerate(fh, 1) if line.strip()])
+        streams.append([(f"{f}:{ln}", line) for ln, line in files_lib.read_lines(f) if line.strip()])
     ids: dict[str, int] = {}
     facts: list[Fact] = []
     for row in range(max((len(s) for s in streams), default=0)):
@@ -354,7 +346,7 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
     """
     d = pathlib.Path(directory)
     if (d / "meta.json").exists():
-        meta = json.loads((d / "meta.json").read_text())
+        meta = files_lib.read_json(d / "meta.json", "corpus metadata", "delete the run directory's corpus/ to rebuild it")
         if meta.get("fingerprint") != corpus.fingerprint:
             raise FileExistsError(f"{d} already holds a different corpus ({meta.get('name')}, fingerprint "
                                   f"{meta.get('fingerprint', '?')[:12]}) than {corpus.name} ({corpus.fingerprint[:12]})")
@@ -386,22 +378,23 @@ def load_corpus(directory: str | os.PathLike) -> Corpus:
     d = pathlib.Path(directory)
     if not (d / "meta.json").exists():
         raise FileNotFoundError(f"no corpus at {d} (expected {d / 'meta.json'})")
-    meta = json.loads((d / "meta.json").read_text())
+    fix = f"the run's corpus is damaged: restore {d} from a backup or re-create the run"
+    meta = files_lib.read_json(d / "meta.json", "corpus metadata", fix)
     texts = []
-    with open(d / "examples.jsonl", encoding="utf-8") as f:
-        for ln, line in enumerate(f, 1):
-            rec = json.loads(line)
-            if rec["example_id"] != len(texts):
-                raise ValueError(f"{d / 'examples.jsonl'}:{ln}: example_id {rec['example_id']}, expected {len(texts)}")
-            texts.append(rec["text"])
-    facts = []
-    with open(d / "facts.jsonl", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
+    for where, rec in files_lib.read_jsonl(d / "examples.jsonl"):
+        if not isinstance(rec, dict) or rec.get("example_id") != len(texts) or not isinstance(rec.get("text"), str):
+            raise files_lib.InputError(f"{where}: expected {{\"example_id\": {len(texts)}, \"text\": ...}}; {fix}")
+        texts.append(rec["text"])
+    facts, where = [], str(d / "facts.jsonl")
+    try:
+        for where, r in files_lib.read_jsonl(d / "facts.jsonl"):  # noqa: B007  (named in the error below)
             facts.append(Fact(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()}))
-    with open(d / "eval.jsonl", encoding="utf-8") as f:
-        eval_texts = [json.loads(line)["text"] for line in f]
-    corpus = make_corpus(meta["name"], texts, facts, json.loads((d / "templates.json").read_text()), eval_texts)
-    if corpus.fingerprint != meta["fingerprint"]:
-        raise ValueError(f"corpus at {d} was modified: fingerprint {corpus.fingerprint[:12]} != saved {meta['fingerprint'][:12]}")
+        eval_texts = [rec["text"] for where, rec in files_lib.read_jsonl(d / "eval.jsonl")]
+    except (TypeError, KeyError, AttributeError) as e:
+        raise files_lib.InputError(f"{where}: not a corpus record ({e}); {fix}") from None
+    corpus = make_corpus(meta["name"], texts, facts, files_lib.read_json(d / "templates.json", "corpus templates", fix),
+                         eval_texts)
+    if corpus.fingerprint != meta.get("fingerprint"):
+        raise files_lib.InputError(f"corpus at {d} was modified: fingerprint {corpus.fingerprint[:12]} != saved "
+                                   f"{str(meta.get('fingerprint'))[:12]} (in meta.json); {fix}")
     return corpus

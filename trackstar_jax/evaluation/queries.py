@@ -33,6 +33,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from trackstar_jax import files
 from trackstar_jax.data import answers
 from trackstar_jax.models import generate as generate_lib
 
@@ -260,11 +261,10 @@ def load_templates(lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path
     if not lama_file.is_file():
         raise FileNotFoundError(f"LAMA relation templates not found: {lama_file}")
     lama = {}
-    with open(lama_file) as f:
-        for line in f:
-            if line.strip():
-                row = json.loads(line)
-                lama[row["relation"]] = row["template"]
+    for where, row in files.read_jsonl(lama_file):
+        if not isinstance(row, dict) or not isinstance(row.get("relation"), str) or not isinstance(row.get("template"), str):
+            raise files.InputError(f"{where}: expected string fields 'relation' and 'template'")
+        lama[row["relation"]] = row["template"]
     pat_dir = None
     if pararel_dir is not None:
         pat_dir = pathlib.Path(pararel_dir)
@@ -277,12 +277,12 @@ def load_templates(lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path
         heads = [_template_head(lama[rel])]
         cands = []
         if pat_dir is not None and (pat_dir / f"{rel}.jsonl").is_file():
-            with open(pat_dir / f"{rel}.jsonl") as f:
-                for line in f:
-                    if line.strip():
-                        pattern = json.loads(line)["pattern"]
-                        if _ends_with_object(pattern) and "[X]" in pattern.split("[Y]", 1)[0]:
-                            cands.append(_template_head(pattern))
+            for where, row in files.read_jsonl(pat_dir / f"{rel}.jsonl"):
+                pattern = row.get("pattern") if isinstance(row, dict) else None
+                if not isinstance(pattern, str):
+                    raise files.InputError(f"{where}: expected a string field 'pattern'")
+                if _ends_with_object(pattern) and "[X]" in pattern.split("[Y]", 1)[0]:
+                    cands.append(_template_head(pattern))
         cands = _dedupe_templates(cands, exclude=heads)
         v1 = next((c for c in cands if c.startswith("[X]")), cands[0] if cands else None)
         rest = [c for c in cands if c != v1]
@@ -576,10 +576,11 @@ def load_queries(path: str | pathlib.Path) -> list[Query]:
     """Reads `save_queries` output."""
     out = []
     fields = {f.name: f.type for f in dataclasses.fields(Query)}
-    with open(path) as f:
-        for line in f:
-            row = json.loads(line)
+    for where, row in files.read_jsonl(path):
+        try:
             out.append(Query(**{k: tuple(v) if isinstance(v, list) else v for k, v in row.items() if k in fields}))
+        except (TypeError, AttributeError) as e:
+            raise files.InputError(f"{where}: not a saved query ({e})") from None
     return out
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import json
 import pathlib
 import re
 from typing import Sequence
 
+from trackstar_jax import files
 from trackstar_jax.evaluation import queries as queries_lib
 
 EVAL_DIR = "eval"
@@ -67,12 +67,11 @@ def load_results(workdir: str | pathlib.Path, name: str = EVAL_DIR) -> Results:
     qs = queries_lib.load_queries(path / "queries.jsonl")
     retrievals = {}
     for f in sorted((path / "retrievals").glob("*.jsonl")):
-        with open(f) as fh:
-            rows = [json.loads(line) for line in fh]
+        rows = [row for _, row in files.read_jsonl(f)]
         if len(rows) != len(qs):
             raise ValueError(f"{f} has {len(rows)} rows but the query set has {len(qs)}: mixed evaluation runs?")
         retrievals[f.stem] = rows
-    return Results(qs, retrievals, json.loads((path / "table.json").read_text()), path)
+    return Results(qs, retrievals, files.read_json(path / "table.json", "evaluation table", "rerun `python -m launch.evaluate` with --config.retrieval.overwrite=True"), path)
 
 
 def proponent_rows(results: Results, query_id: int, method: str, kind: str = "proponents", k: int = 10) -> list[dict]:

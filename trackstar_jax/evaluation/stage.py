@@ -83,14 +83,44 @@ def tailpatch_all(run: checkpoint_lib.Run, eq: query_set.EvalQueries, retrieved:
     return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
 
 
+def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | None:
+    """The previous evaluation in `out_dir` if it was made with these settings (it is only
+    reported); None when there is none or `retrieval.overwrite` is set.
+
+    Same rule as `launch.retrieve`: finished outputs are replaced only with
+    `--config.retrieval.overwrite=True`; a changed config is refused, naming the fields.
+
+    Raises:
+      FileExistsError: `out_dir` holds an evaluation made with other settings.
+    """
+    table_path = out_dir / "table.json"
+    previous = sorted((out_dir / "retrievals").glob("*.jsonl")) + [f for f in (table_path,) if f.exists()]
+    if not previous or settings.retrieval.overwrite:
+        return None
+    how = ("set --config.retrieval.overwrite=True to replace it, or --config.eval.output_dir=<another folder> to "
+           "keep both")
+    if not table_path.exists():
+        raise FileExistsError(f"{out_dir} holds an unfinished or foreign evaluation ({previous[0].name}): {how}")
+    table = files.read_json(table_path, "evaluation table", how)
+    now = config_lib.to_dict(settings.replace({"retrieval.overwrite": False}))
+    saved = table.get("settings")
+    bad = ["(table.json records no settings)"] if saved is None else config_lib.mismatches(
+        saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
+    if bad:
+        raise FileExistsError(f"{out_dir} already holds an evaluation made with other settings ({'; '.join(bad[:8])}): "
+                              f"{how}")
+    logging.info("eval: %s is already evaluated with these settings; reporting it unchanged", out_dir)
+    return table
+
+
 def _prepare(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[rows_lib.Context, pathlib.Path]:
+    out_dir = report.eval_dir(settings, workdir)
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
-    out_dir = report.eval_dir(settings, workdir)
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
     stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
-    if stale:  # a previous evaluation's rows would not match this query set
+    if stale:  # overwrite: a previous evaluation's rows would not match this query set
         logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
         for f in stale:
             f.unlink()
@@ -123,6 +153,9 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     logs.quiet_library_logs()
     methods = check_methods(settings)
     ev, tp = settings.eval, settings.tailpatch
+    done = _finished(settings, report.eval_dir(settings, workdir))
+    if done is not None:
+        return done
     ctx, out_dir = _prepare(settings, workdir)
     run = ctx.run
     eq = _queries(ctx, out_dir)
@@ -161,6 +194,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
                       "seconds": tailpatch_seconds},
         "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
         "seconds": time.perf_counter() - t0,
+        "settings": config_lib.to_dict(settings.replace({"retrieval.overwrite": False})),
     }
     files.atomic_write_json(out_dir / "table.json", table)
     files.atomic_write(out_dir / "table.md", report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks,

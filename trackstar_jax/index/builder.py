@@ -6,18 +6,22 @@ See `store.py` for the on-disk layout and how R_train composes with resume and w
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import pathlib
+import socket
 import time
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 
 from trackstar_jax import files
 from trackstar_jax.index import store
@@ -96,13 +100,45 @@ class IndexBuilder:
         (p / "r_train").mkdir(exist_ok=True)
         part = json.dumps({"process_count": self.process_count}).encode()
         files.create_once(p / "progress" / "partition.json", part)
-        started = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+        started = store.read_partition(p)
         if started != self.process_count:
             raise store.IndexMismatchError(f"refusing to resume index {p}: it was started with process_count={started}, "
                                      f"not {self.process_count} (R_train partial sums are per process range)")
         self._vectors, self._scale = store._open_arrays(p, self.manifest, create=True)
 
     # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
+
+    @contextlib.contextmanager
+    def _writer_lock(self):
+        """Holds `progress/writer-<i>-of-<n>.lock` (fcntl) for the build: a second process that
+        would write the same chunks is refused, naming the holder (pid and host). The kernel
+        drops the lock when its holder dies (kill -9 included), so a resume never waits."""
+        lock = self.path / "progress" / f"writer-{self.process_index:04d}-of-{self.process_count:04d}.lock"
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
+                raise store.IndexWriteError(
+                    f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
+                    f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first") from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _chunk_files(self, c: int) -> list[pathlib.Path]:
+        """The files holding chunk `c` (zarr3 default chunk keys: `c/<row chunk>/<col chunk>`)."""
+        out = [self.path / "vectors" / "c" / str(c) / "0"]
+        if self.dtype == "int8":
+            out.append(self.path / "row_scale" / "c" / str(c))
+        return out
+
+    def _missing_chunks(self, complete: frozenset[int]) -> list[int]:
+        """Chunks of this writer marked complete whose files are gone (a stat per chunk)."""
+        return [c for c in self.chunks if c in complete and not all(f.exists() for f in self._chunk_files(c))]
 
     def chunk_rows_range(self, c: int) -> tuple[int, int]:
         return c * self.chunk_rows, min((c + 1) * self.chunk_rows, self.num_rows)
@@ -162,9 +198,23 @@ class IndexBuilder:
             intact, and calling `build` again resumes.
           ValueError: rows_fn returned the wrong shape or non-finite values (names the rows).
         """
+        with self._writer_lock():
+            return self._build(rows_fn, progress, finalize_when_done)
+
+    def _build(self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None,
+               finalize_when_done: bool) -> BuildStats:
         stats = BuildStats()
         t_start = time.perf_counter()
         complete = store._complete_chunks(self.path, self.num_chunks)
+        missing = self._missing_chunks(complete)
+        if missing:
+            # Rows are a deterministic function of the run, so rewriting a lost chunk restores
+            # its bytes; R_train (already summed over it) stays valid.
+            logging.warning("index %s: chunk(s) %s are marked complete but their files are missing; rewriting them",
+                            self.path, missing[:20])
+            for c in missing:
+                self._marker(c).unlink(missing_ok=True)
+            complete = complete - frozenset(missing)
         parts = self._part_files()
         upto = max((u for u in parts if self.chunks.start <= u <= self.chunks.stop), default=self.chunks.start)
         running = np.load(parts[upto], allow_pickle=False) if upto in parts else None
@@ -312,7 +362,7 @@ def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
     num_chunks = -(-num_rows // chunk_rows)
     if len(store._complete_chunks(p, num_chunks)) < num_chunks:
         return False
-    pcount = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+    pcount = store.read_partition(p)
     parts = {}
     for f in (p / "r_train").iterdir():
         m = store._PART_RE.match(f.name)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import os
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -45,16 +47,38 @@ def compute_row_scale(reader: store.IndexReader, whitening: hessian.Whitening, *
     h.update(b"none" if whitening.matrix is None else np.ascontiguousarray(whitening.matrix).tobytes())
     f = reader.path / "scoring" / f"{h.hexdigest()[:32]}.npy"
     if cache and f.exists():
-        out = np.load(f, allow_pickle=False)
-        if out.shape == (reader.num_rows,):
-            return out
+        return _load_cached_scale(f, reader.num_rows)
     w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
     out = np.empty(reader.num_rows, np.float32)
     for start, rows, scale in reader.iter_blocks():
         out[start:start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
     if cache:
         f.parent.mkdir(exist_ok=True)
-        files.atomic_write(f, files.npy_bytes(out))
+        data = files.npy_bytes(out)
+        # The checksum first: a cache file without its checksum beside it is never trusted.
+        files.atomic_write(f.with_suffix(".sha256"), files.sha256_bytes(data))
+        files.atomic_write(f, data)
+    return out
+
+
+def _load_cached_scale(f: pathlib.Path, num_rows: int) -> np.ndarray:
+    """A cached row-scale file, checked against the sha256 written beside it.
+
+    Raises:
+      store.IndexCorruptError: damaged, unchecked or of the wrong shape (names the file;
+        deleting it makes the next retrieval recompute it).
+    """
+    fix = f"delete {f} (and {f.with_suffix('.sha256').name}) and it is recomputed"
+    data = f.read_bytes()
+    sums = f.with_suffix(".sha256")
+    if not sums.exists():
+        raise store.IndexCorruptError(f"cached row scales {f} have no checksum file {sums.name}; {fix}")
+    if files.sha256_bytes(data) != sums.read_text().strip():
+        raise store.IndexCorruptError(f"cached row scales {f} do not match their sha256 (the file was damaged); {fix}")
+    out = np.load(io.BytesIO(data), allow_pickle=False)
+    if out.shape != (num_rows,) or out.dtype != np.float32:
+        raise store.IndexCorruptError(f"cached row scales {f} have shape {out.shape} {out.dtype}, expected "
+                                      f"({num_rows},) float32; {fix}")
     return out
 
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -54,6 +55,7 @@ import tensorstore as ts
 from jaxtyping import Array, Float
 
 import trackstar_jax
+from trackstar_jax import files
 from trackstar_jax.index import hessian
 from trackstar_jax.models import lm
 
@@ -190,17 +192,31 @@ def check_manifest(actual: Mapping[str, Any], expected: Mapping[str, Any], *, pa
     """
     exp = flatten(json.loads(json.dumps(dict(expected))))
     act = flatten(actual)
-    for key in sorted(exp):
+    diffs = []
+    for key in sorted(exp, key=_report_order):
         if key.split(".")[0] == _INFO:
             continue
         if key not in act:
             if _added_with_default(key, exp[key]):
                 continue
-            raise IndexMismatchError(f"refusing to {action} index {path}: its manifest has no field {key!r} (expected {exp[key]!r})")
-        if act[key] != exp[key]:
-            raise IndexMismatchError(
-                f"refusing to {action} index {path}: manifest field {key!r} is {act[key]!r} in the index "
-                f"but {exp[key]!r} was expected")
+            diffs.append(f"its manifest has no field {key!r} (expected {exp[key]!r})")
+        elif act[key] != exp[key]:
+            diffs.append(f"manifest field {key!r} is {act[key]!r} in the index but {exp[key]!r} was expected")
+    if diffs:
+        more = f" (and {len(diffs) - 1} more: " + "; ".join(diffs[1:6]) + ")" if len(diffs) > 1 else ""
+        raise IndexMismatchError(f"refusing to {action} index {path}: {diffs[0]}{more}")
+
+
+# Fields derived from others: a mismatch names the setting the user changed first
+# (vectors.proj_dim before vectors.block_dim; vectors.correction before the model
+# fingerprint, which covers the optimizer state only with the correction on).
+_DERIVED = ("vectors.dim", "vectors.block_dim", "vectors.num_blocks_total", "model.fingerprint", "storage.num_rows")
+_SECTION_ORDER = ("vectors", "storage", "corpus", "model")
+
+
+def _report_order(key: str) -> tuple:
+    sec = key.split(".")[0]
+    return (key in _DERIVED, _SECTION_ORDER.index(sec) if sec in _SECTION_ORDER else len(_SECTION_ORDER), key)
 
 
 def _added_with_default(key: str, expected: Any) -> bool:
@@ -248,9 +264,13 @@ def read_manifest(path: str | os.PathLike) -> dict:
     p = pathlib.Path(path) / "manifest.json"
     if not p.exists():
         raise FileNotFoundError(f"{path} is not a trackstar index (no manifest.json)")
-    m = json.loads(p.read_text())
-    if m.get("format") != FORMAT:
-        raise IndexMismatchError(f"index {path}: format {m.get('format')!r} is not {FORMAT!r}")
+    try:
+        m = files.read_json(p, "index manifest", "the index cannot be trusted: delete the index folder and rebuild it")
+    except files.InputError as e:
+        raise IndexCorruptError(str(e)) from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        got = m.get("format") if isinstance(m, dict) else type(m).__name__
+        raise IndexMismatchError(f"index {path}: format {got!r} is not {FORMAT!r}")
     return m
 
 
@@ -490,12 +510,34 @@ def load_r_train(path: str | os.PathLike) -> hessian.RStats | None:
     p = pathlib.Path(path)
     if not (p / "r_train.json").exists():
         return None
-    meta = json.loads((p / "r_train.json").read_text())
-    total = np.load(p / "r_train.npy", allow_pickle=False)
-    if list(total.shape) != meta["shape"]:
-        raise IndexCorruptError(f"index {p}: r_train.npy has shape {list(total.shape)}, r_train.json says {meta['shape']}")
+    fix = f"delete {p / 'r_train.npy'} and {p / 'r_train.json'} and {p / 'COMPLETE'}, then rerun build_index to re-derive it"
+    try:
+        meta = files.read_json(p / "r_train.json", "R_train record", fix)
+    except files.InputError as e:
+        raise IndexCorruptError(str(e)) from None
+    data = (p / "r_train.npy").read_bytes()
+    want = meta.get("sha256") if isinstance(meta, dict) else None
+    try:
+        total = np.load(io.BytesIO(data), allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise IndexCorruptError(f"index {p}: r_train.npy cannot be read ({e}); {fix}") from None
+    # r_train.json records the sha256 of the array's bytes (written by builder.finalize).
+    if want is not None and hashlib.sha256(np.ascontiguousarray(total).tobytes()).hexdigest() != want:
+        raise IndexCorruptError(f"index {p}: r_train.npy does not match the sha256 recorded in r_train.json "
+                                f"(the file was damaged); {fix}")
+    if list(total.shape) != meta.get("shape"):
+        raise IndexCorruptError(f"index {p}: r_train.npy has shape {list(total.shape)}, r_train.json says {meta.get('shape')}")
     return hessian.RStats(total, int(meta["count"]))
 
+
+def read_partition(path: pathlib.Path) -> int:
+    """`process_count` recorded in `<index>/progress/partition.json` (named error if damaged)."""
+    f = pathlib.Path(path) / "progress" / "partition.json"
+    try:
+        rec = files.read_json(f, "index partition record", "delete the index folder and rebuild it")
+        return int(rec["process_count"])
+    except (files.InputError, KeyError, TypeError, ValueError) as e:
+        raise IndexCorruptError(str(e) if isinstance(e, files.InputError) else f"{f}: no process_count ({e})") from None
 
 
 def process_chunk_range(num_chunks: int, r_every_chunks: int, process_index: int, process_count: int) -> range:
@@ -544,7 +586,7 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
     r_every = reader.manifest["storage"]["r_every_chunks"]
     pcount = 1
     if (p / "progress" / "partition.json").exists():
-        pcount = json.loads((p / "progress" / "partition.json").read_text())["process_count"]
+        pcount = read_partition(p)
     ranges = [process_chunk_range(reader.num_chunks, r_every, i, pcount) for i in range(pcount)]
     for c in sorted(reader.complete_chunks):
         lo, hi = reader.chunk_range(c)
@@ -573,8 +615,12 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
     report = {"path": str(p), "num_rows": reader.num_rows, "dim": reader.dim, "dtype": reader.dtype_name,
               "chunks": reader.num_chunks, "complete_chunks": len(reader.complete_chunks),
               "bytes_on_disk": _du(p / "vectors") + (_du(p / "row_scale") if reader.dtype_name == "int8" else 0)}
-    r = load_r_train(p) if reader.is_complete else None
-    if reader.is_complete and r is None:
+    try:
+        r = load_r_train(p) if reader.is_complete else None
+    except IndexCorruptError as e:
+        problems.append(str(e))
+        r = None
+    if reader.is_complete and r is None and not any("r_train" in x for x in problems):
         problems.append("all chunks complete but R_train is missing (run index.finalize)")
     if r is not None:
         if not np.isfinite(r.total).all():

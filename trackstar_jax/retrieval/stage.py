@@ -49,6 +49,7 @@ class TextQuery:
     target: str
     extra: tuple[tuple[str, Any], ...] = ()
     gold: tuple[int, ...] | None = None
+    where: str = ""  # "file:line" of a query read from a file (for error messages)
 
 
 def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
@@ -58,17 +59,14 @@ def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
       ValueError: a malformed line (names the file and line).
     """
     out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e})") from e
-            if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "target")):
-                raise ValueError(f"{path}:{n}: expected an object with string fields 'prompt' and 'target'")
-            out.append(TextQuery(rec.get("example_id", len(out)), rec["prompt"], rec["target"]))
+    for where, rec in files.read_jsonl(path):
+        if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "target")):
+            raise ValueError(f"{where}: expected an object with string fields 'prompt' and 'target'")
+        if not rec["prompt"].strip():
+            raise ValueError(f"{where}: the prompt is empty (a query needs a prompt before its target)")
+        if not rec["target"].strip():
+            raise ValueError(f"{where}: the target is empty (the query's loss is on the target tokens)")
+        out.append(TextQuery(rec.get("example_id", len(out)), rec["prompt"], rec["target"], where=where))
     return out
 
 
@@ -93,7 +91,13 @@ def open_checked_index(run: checkpoint_lib.Run, settings: config_lib.Settings, w
     if not (path / "manifest.json").exists():
         raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
     num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
-    return store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, num_blocks_total * block_dim))
+    reader = store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, num_blocks_total * block_dim))
+    if reader.dtype_name != settings.index.dtype:  # storage is not part of the identity, but the user asked for it
+        raise store_lib.IndexMismatchError(
+            f"config.index.dtype={settings.index.dtype!r}, but the index at {path} stores {reader.dtype_name!r}: pass "
+            f"--config.index.dtype={reader.dtype_name} to use it, or build a {settings.index.dtype} index under another "
+            "--config.index.dir")
+    return reader
 
 
 def retrieve_queries(run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike,
@@ -123,8 +127,8 @@ def retrieve_queries(run: checkpoint_lib.Run, settings: config_lib.Settings, wor
     if not queries:
         return [], info
     t0 = time.perf_counter()
-    encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
-               for q in queries]
+    encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len,
+                                     query_id=q.where or q.example_id) for q in queries]
     vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state,
                                         mesh=mesh, role="query")
     q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])

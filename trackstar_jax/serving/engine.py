@@ -27,17 +27,16 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import rows as rows_lib
-from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.models import generate as generate_lib
-from trackstar_jax.retrieval import records
+from trackstar_jax.retrieval import records, topk
 from trackstar_jax.retrieval import stage as retrieval_stage
-from trackstar_jax.retrieval import topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
 MAX_K = 1000  # the API's largest k (also bounded by the index size)

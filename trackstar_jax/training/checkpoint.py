@@ -39,10 +39,18 @@ TOKENIZER_FILE = "tokenizer.model"
 
 
 def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, write: bool = True) -> None:
-    """Writes `workdir/config.json`, or checks an existing one against `settings`.
+    """Creates `workdir/config.json` once, or checks an existing one against `settings`.
 
-    An existing run directory is reused only for the same run: `seed`, `model`, `data` and
-    the optimizer/batch keys of `train` must agree (the resumable train keys are updated).
+    One rule for the run directory: what is there is never rewritten by a rerun.
+
+    - `seed`, `model`, `data` and the optimizer/batch keys of `train` define the run: a
+      difference is refused, naming each field.
+    - The resumable train keys (`config.RESUMABLE_TRAIN_KEYS`, e.g. a longer `num_steps`)
+      are recorded: only the `train` section is updated, and only when they changed.
+    - Later stages' sections (vectors, index, eval, ...) are kept as first recorded: one
+      trained run serves every table row, and each later stage takes its own settings from
+      its flags. A difference is logged (naming the fields), never written.
+
     With `write=False` (the non-primary processes of a multi-host run) it only checks.
 
     Raises:
@@ -50,13 +58,24 @@ def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, w
     """
     path = pathlib.Path(workdir) / config_lib.CONFIG_FILE
     new = config_lib.to_dict(settings)
-    if path.exists():
-        bad = config_lib.mismatches(config_lib.read_json(path), new)
-        if bad:
-            raise config_lib.ConfigError(f"{path} belongs to a different run; refusing to reuse the workdir. "
-                                         "Differences: " + "; ".join(bad))
-    if write:
-        files.atomic_write(path, json.dumps(new, indent=1, sort_keys=True))
+    if not path.exists():
+        if write:
+            files.create_once(path, json.dumps(new, indent=1, sort_keys=True))
+        return
+    saved = config_lib.read_json(path)
+    bad = config_lib.mismatches(saved, new)
+    if bad:
+        raise config_lib.ConfigError(f"{path} belongs to a different run; refusing to reuse the workdir. "
+                                     "Differences: " + "; ".join(bad))
+    later = [s for s in config_lib.to_dict(config_lib.Settings()) if s not in config_lib.RUN_SECTIONS + ("train", "mesh")]
+    kept = config_lib.mismatches(saved, new, sections=later, ignore=())
+    if kept:
+        logging.warning("%s keeps the later-stage settings it was created with (this stage does not use them; later "
+                        "stages take theirs from their own flags): %s", path, "; ".join(kept))
+    resumed = config_lib.mismatches(saved, new, sections=("train",), ignore=())
+    if resumed and write:
+        logging.info("%s: recording the changed resumable train keys: %s", path, "; ".join(resumed))
+        files.atomic_write(path, json.dumps({**saved, "train": new["train"]}, indent=1, sort_keys=True))
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
@@ -77,6 +96,15 @@ def abstract_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformat
         sh = state_shardings(state, mesh)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
     return graphdef, state
+
+
+def nonfinite_leaves(tree: Any) -> list[str]:
+    """Paths (e.g. `params/blocks/0/attn/q/kernel`) of floating leaves holding NaN or inf."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    floats = [(p, x) for p, x in leaves if jnp.issubdtype(getattr(x, "dtype", None) or jnp.int32, jnp.inexact)]
+    ok = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
+    return ["/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p)
+            for (p, _), good in zip(floats, ok) if not good]
 
 
 class CheckpointManager:
@@ -107,6 +135,11 @@ class CheckpointManager:
           ValueError: a checkpoint at the same or a newer step already exists.
         """
         step = int(jax.device_get(state.step))
+        bad = nonfinite_leaves({"params": state.params, "opt_state": state.opt_state})
+        if bad:  # the logging hook may not have seen this step: never save a NaN state
+            raise FloatingPointError(f"refusing to save step {step} in {self.directory}: non-finite values in "
+                                     f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} (training diverged; "
+                                     "lower train.learning_rate or resume from an earlier checkpoint)")
         latest = self.latest_step()
         if latest is not None and step <= latest:
             raise ValueError(f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
@@ -141,7 +174,13 @@ class CheckpointManager:
             if bad:
                 raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
-        return step, out["state"]
+        state = out["state"]
+        bad = nonfinite_leaves({"params": state.params, "opt_state": state.opt_state})
+        if bad:
+            raise FloatingPointError(f"checkpoint {self.directory}/{step} holds non-finite values in "
+                                     f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; it cannot be resumed or "
+                                     "attributed (delete that step's folder to fall back to an earlier checkpoint)")
+        return step, state
 
     def restore_latest(self, abstract_state: train_lib.TrainState, expect_config: Any = None,
                        sections: Sequence[str] = ("model",), ignore: Sequence[str] = ()) -> tuple[int, train_lib.TrainState]:
@@ -203,7 +242,9 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
         raise FileNotFoundError(f"no checkpoints at {workdir / CHECKPOINT_DIR} (run `python -m launch.train` first)")
     mngr = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=None)
     try:
-        step, state = mngr.restore(step, target, expect_config=settings)
+        # All run-defining fields: a damaged config.json that still parses is refused here.
+        step, state = mngr.restore(step, target, expect_config=settings, sections=config_lib.RUN_SECTIONS + ("train",),
+                                   ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS))
     finally:
         mngr.close()
     logging.info("loaded run %s at step %d", workdir, step)

@@ -1,0 +1,343 @@
+"""Faults: every damaged file or malformed input gives an error naming it, never a changed result.
+
+One tiny run (trained a few steps, indexed, one retrieval) is made per module; each test
+damages a copy of it. Also: reruns write nothing, a NaN checkpoint is neither saved nor
+resumed, two writers of one index are refused (the second names the first's pid), and a
+`kill -9` of `python -m launch.build_index` mid-way resumes to byte-identical vectors.
+"""
+
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import evaluation, files, training
+from trackstar_jax.evaluation import results as results_lib
+from trackstar_jax.index import build, store
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.training import checkpoint
+from trackstar_jax.training import step as step_lib
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# The run's settings as flags: the subprocess build gets exactly the in-process config.
+OVERRIDES = {
+    "data.embedded.num_facts": 30, "data.embedded.num_distractors": 40,
+    "train.num_steps": 3, "train.log_every_steps": 3, "train.eval_every_steps": 3, "train.checkpoint_every_steps": 3,
+    "train.num_completions": 0, "train.max_new_tokens": 2, "train.max_fact_prompts": 4,
+    "vectors.batch_size": 8, "index.chunk_rows": 4, "index.r_every_chunks": 1,
+}
+QUERIES = [{"prompt": "The capital of France is", "target": " Paris"}, {"prompt": "Ann Lee was born in", "target": " Rome"}]
+
+
+def _settings(**more) -> config_lib.Settings:
+    from experiments import tiny
+
+    c = tiny.get_config()
+    return config_lib.from_configdict(c).replace({**OVERRIDES, **more})
+
+
+def _write_queries(path: pathlib.Path, rows: list) -> pathlib.Path:
+    path.write_bytes(b"".join((r if isinstance(r, bytes) else json.dumps(r).encode()) + b"\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    """Trained, indexed (bfloat16, chunks of 4 rows) and retrieved once (scoring cache written)."""
+    workdir = tmp_path_factory.mktemp("run")
+    training.train(_settings(), workdir)
+    build.build_index(_settings(), workdir)
+    q = _write_queries(workdir / "queries.jsonl", QUERIES)
+    retrieval_stage.retrieve(_settings(**{"retrieval.queries": str(q)}), workdir)
+    return workdir
+
+
+@pytest.fixture
+def work(run_dir, tmp_path):
+    """A copy of the run to damage."""
+    dst = tmp_path / "run"
+    shutil.copytree(run_dir, dst, symlinks=True)
+    return dst
+
+
+def _retrieve(workdir, **more):
+    s = _settings(**{"retrieval.queries": str(workdir / "queries.jsonl"), "retrieval.overwrite": True, **more})
+    return retrieval_stage.retrieve(s, workdir)
+
+
+def _flip(path: pathlib.Path, offset: int | None = None, bit: int = 0) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 1 << bit
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: pathlib.Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _snapshot(workdir: pathlib.Path) -> dict:
+    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(workdir.rglob("*"))
+            if p.is_file() and "checkpoints" not in p.parts and p.name != "metrics.jsonl"}
+
+
+# ---------------------------------------------------------------------------------------
+# Reruns write nothing
+# ---------------------------------------------------------------------------------------
+
+
+def test_finished_train_rerun_writes_nothing_and_refuses_a_changed_run(work):
+    before = _snapshot(work)
+    training.train(_settings(**{"vectors.proj_seed": 5}), work)  # a later stage's key: kept as recorded, logged
+    assert _snapshot(work) == before
+    with pytest.raises(config_lib.ConfigError, match=r"model\.embed_dim: saved \d+, now 48"):
+        training.train(_settings(**{"model.embed_dim": 48}), work)
+
+
+# ---------------------------------------------------------------------------------------
+# Damaged run files
+# ---------------------------------------------------------------------------------------
+
+
+def test_damaged_config_json(work):
+    cfg = work / "config.json"
+    text = cfg.read_text()
+    saved = json.loads(text)
+    # A flip that still parses but changes the run (train.learning_rate 0.01 -> 0.03).
+    lr = f'"learning_rate": {saved["train"]["learning_rate"]}'
+    assert lr in text
+    cfg.write_text(text.replace(lr, lr.replace("0.01", "0.03")))
+    with pytest.raises(ValueError, match=r"train\.learning_rate: saved 0\.01, now 0\.03"):
+        checkpoint.load_run(work)
+    cfg.write_text(text)
+    _truncate(cfg)
+    with pytest.raises(config_lib.ConfigError, match=r"config\.json is not valid JSON"):
+        checkpoint.load_run(work)
+
+
+def test_damaged_index_manifest(work):
+    _truncate(work / "index" / "manifest.json")
+    with pytest.raises(store.IndexCorruptError, match=r"index manifest .*manifest\.json is damaged"):
+        _retrieve(work)
+    with pytest.raises(store.IndexCorruptError, match=r"manifest\.json is damaged"):
+        store.verify_index(work / "index")
+
+
+def test_damaged_vector_chunk(work):
+    _flip(work / "index" / "vectors" / "c" / "2" / "0")
+    with pytest.raises(store.IndexCorruptError, match=r"chunk 2, rows \[8, 12\)"):
+        _retrieve(work)
+
+
+def test_damaged_r_train(work):
+    _flip(work / "index" / "r_train.npy", offset=-8)
+    with pytest.raises(store.IndexCorruptError, match=r"r_train\.npy does not match the sha256 .*rerun build_index"):
+        _retrieve(work)
+    with pytest.raises(store.IndexCorruptError, match=r"failed verification:\n.*r_train\.npy does not match the sha256"):
+        store.verify_index(work / "index", recompute_r=False)
+
+
+def test_damaged_scoring_cache(work):
+    (cache,) = (work / "index" / "scoring").glob("*.npy")
+    _flip(cache, offset=-4)
+    with pytest.raises(store.IndexCorruptError, match=rf"{cache.name} do not match their sha256.*delete"):
+        _retrieve(work)
+    cache.unlink()  # deleting it recomputes it: the same scores as before
+    got = [json.loads(x) for x in (work / "retrieval" / "queries.jsonl").read_text().splitlines()]
+    _retrieve(work)
+    again = [json.loads(x) for x in (work / "retrieval" / "queries.jsonl").read_text().splitlines()]
+    assert [r["proponent_scores"] for r in got] == [r["proponent_scores"] for r in again]
+
+
+def test_damaged_corpus(work):
+    ex = work / "corpus" / "examples.jsonl"
+    text = ex.read_bytes()
+    start = text.index(b'"text": "') + 9
+    letter = next(i for i in range(start, len(text)) if chr(text[i]).isalpha())
+    _flip(ex, offset=letter, bit=5)  # a letter of a passage changes case: still valid JSON
+    with pytest.raises(files.InputError, match=r"corpus at .* was modified"):
+        checkpoint.load_run(work)
+    ex.write_bytes(text[: len(text) // 2])
+    with pytest.raises(files.InputError, match=rf"{ex}:\d+: not valid JSON"):
+        checkpoint.load_run(work)
+    ex.write_bytes(text.replace(b'"text": "', b'"text": "\xff', 1))
+    with pytest.raises(files.InputError, match=rf"{ex}:1: not valid UTF-8"):
+        checkpoint.load_run(work)
+
+
+def test_damaged_evaluation_retrievals(tmp_path):
+    d = tmp_path / "eval"
+    (d / "retrievals").mkdir(parents=True)
+    (d / "queries.jsonl").write_text("")
+    (d / "table.json").write_text('{"rows": [')
+    (d / "retrievals" / "bm25.jsonl").write_bytes(b'{"a": 1}\n{"a": \xff}\n')
+    with pytest.raises(files.InputError, match=r"bm25\.jsonl:2: not valid UTF-8"):
+        results_lib.load_results(tmp_path)
+    (d / "retrievals" / "bm25.jsonl").unlink()
+    with pytest.raises(files.InputError, match=r"table\.json is damaged"):
+        results_lib.load_results(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------
+# Malformed inputs
+# ---------------------------------------------------------------------------------------
+
+
+def test_malformed_query_files(tmp_path):
+    q = tmp_path / "q.jsonl"
+    _write_queries(q, [QUERIES[0], b'{"prompt": "Caf\xe9", "target": " x"}'])
+    with pytest.raises(files.InputError, match=rf"{q}:2: not valid UTF-8"):
+        retrieval_stage.load_text_queries(q)
+    _write_queries(q, [QUERIES[0], {"prompt": " ", "target": " Paris"}])
+    with pytest.raises(ValueError, match=rf"{q}:2: the prompt is empty"):
+        retrieval_stage.load_text_queries(q)
+    _write_queries(q, [QUERIES[0], b'{"prompt": "x", "target'])
+    with pytest.raises(files.InputError, match=rf"{q}:2: not valid JSON"):
+        retrieval_stage.load_text_queries(q)
+
+
+def test_long_prompt_names_file_line_and_is_cut(run_dir, tmp_path):
+    q = _write_queries(tmp_path / "long.jsonl", [QUERIES[0], {"prompt": "word " * 1000, "target": " Paris"}])
+    with pytest.raises(ValueError) as e:
+        _retrieve(run_dir, **{"retrieval.queries": str(q), "retrieval.output": "long"})
+    msg = str(e.value)
+    assert f"{q}:2 " in msg and "exceed max_len" in msg and "(5000 characters)" in msg and len(msg) < 600
+
+
+def test_malformed_text_corpus(tmp_path):
+    f = tmp_path / "c.txt"
+    f.write_bytes(b"first passage\nsecond \xc3\x28 passage\n")
+    cfg = config_lib.section("data", {"source": "text", "path": str(f)})
+    with pytest.raises(files.InputError, match=rf"{f}:2: not valid UTF-8"):
+        data_lib.build_corpus(cfg)
+    j = tmp_path / "c.jsonl"
+    j.write_bytes(b'{"text": "ok"}\n\n{"text": "\xff"}\n')
+    with pytest.raises(files.InputError, match=rf"{j}:3: not valid UTF-8"):
+        data_lib.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(j)}))
+
+
+def test_retrieve_refuses_other_vector_and_storage_settings(run_dir):
+    with pytest.raises(store.IndexMismatchError, match=r"config\.index\.dtype='float32'.*stores 'bfloat16'"):
+        _retrieve(run_dir, **{"index.dtype": "float32", "retrieval.output": "x"})
+    with pytest.raises(store.IndexMismatchError, match=r"refusing to open .*: manifest field 'vectors\.proj_dim'"):
+        _retrieve(run_dir, **{"vectors.proj_dim": 4, "retrieval.output": "x"})
+    with pytest.raises(store.IndexMismatchError, match=r"refusing to open .*: manifest field 'vectors\.correction'"):
+        _retrieve(run_dir, **{"vectors.correction": False, "retrieval.output": "x"})
+
+
+def test_evaluate_rerun_follows_the_retrieve_rule(work):
+    s = _settings(**{"eval.methods": ("bm25",)})
+    out = work / "eval"
+    (out / "retrievals").mkdir(parents=True)
+    (out / "retrievals" / "bm25.jsonl").write_text("{}\n")
+    with pytest.raises(FileExistsError, match=r"retrieval\.overwrite=True"):
+        evaluation.evaluate(s, work)
+    assert (out / "retrievals" / "bm25.jsonl").exists()
+    # A finished evaluation with the same settings is only reported; other settings are refused by name.
+    table = {"rows": [], "settings": config_lib.to_dict(s)}
+    files.atomic_write_json(out / "table.json", table)
+    before = _snapshot(out)
+    assert evaluation.evaluate(s, work) == table and _snapshot(out) == before
+    with pytest.raises(FileExistsError, match=r"eval\.num_proponents: saved 10, now 12"):
+        evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
+
+
+# ---------------------------------------------------------------------------------------
+# NaN checkpoints
+# ---------------------------------------------------------------------------------------
+
+
+def test_nan_checkpoint_is_neither_saved_nor_resumed(work):
+    s = _settings()
+    mngr = checkpoint.CheckpointManager(work / "checkpoints", max_to_keep=None)
+    _, target = checkpoint.abstract_state(s.model, step_lib.make_optimizer(s.train.optimizer))
+    step, state = mngr.restore_latest(target)
+    key_path, _ = jax.tree_util.tree_leaves_with_path(state.params)[0]
+    bad = jax.tree_util.tree_map_with_path(
+        lambda p, v: v.at[(0,) * v.ndim].set(jnp.nan) if p == key_path else v, state.params)
+    (path,) = [p.removeprefix("params/") for p in checkpoint.nonfinite_leaves({"params": bad})]
+    nan_state = state.replace(params=bad, step=jnp.asarray(step + 1, jnp.int32))
+    with pytest.raises(FloatingPointError, match=rf"refusing to save step {step + 1}.*params/{path}"):
+        mngr.save(nan_state, s)
+    # Written past the check (as a crashed older version might have): never resumed.
+    mngr._mngr.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(nan_state),
+                                                      config=ocp.args.JsonSave(config_lib.to_dict(s))))
+    mngr.close()
+    with pytest.raises(FloatingPointError, match=rf"checkpoint .*/{step + 1} holds non-finite values in params/{path}"):
+        training.train(_settings(**{"train.num_steps": step + 3}), work)
+    with pytest.raises(FloatingPointError, match=r"non-finite"):
+        checkpoint.load_run(work)
+
+
+# ---------------------------------------------------------------------------------------
+# Index builds: lost chunks, two writers, kill -9
+# ---------------------------------------------------------------------------------------
+
+
+def _chunk_bytes(index: pathlib.Path) -> dict:
+    return {str(p.relative_to(index)): p.read_bytes() for p in sorted((index / "vectors").rglob("*")) if p.is_file()}
+
+
+def test_lost_chunk_of_a_finished_index_is_rewritten(work):
+    ref = _chunk_bytes(work / "index")
+    (work / "index" / "vectors" / "c" / "3" / "0").unlink()
+    with pytest.raises(store.IndexCorruptError, match=r"chunk 3, rows \[12, 16\)"):
+        _retrieve(work)
+    build.build_index(_settings(), work)
+    assert _chunk_bytes(work / "index") == ref
+    store.verify_index(work / "index")
+
+
+def test_two_writers_and_kill9_resume_byte_identical(work):
+    flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + ["--config.index.dir=index_kill"]
+    # The same devices (conftest's XLA_FLAGS) and compile flags as this process, so the same bits.
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "JAX_DISABLE_MOST_OPTIMIZATIONS": str(jax.config.read("jax_disable_most_optimizations"))}
+    proc = subprocess.Popen([sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py",
+                             f"--workdir={work}", *flags], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    index = work / "index_kill"
+    try:
+        deadline = time.time() + 240
+        while not list((index / "progress").glob("chunk_*.done")):
+            if proc.poll() is not None:
+                pytest.fail(f"build_index exited early ({proc.returncode}): {proc.stderr.read().decode()[-2000:]}")
+            assert time.time() < deadline, "build_index wrote no chunk in time"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGSTOP)  # frozen mid-build, holding its writer lock
+        assert not (index / "COMPLETE").exists()
+        with pytest.raises(store.IndexWriteError, match=rf"another build is writing .*pid {proc.pid} on host"):
+            build.build_index(_settings(**{"index.dir": "index_kill"}), work)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    summary = build.build_index(_settings(**{"index.dir": "index_kill"}), work)
+    assert summary["complete"] and summary["chunks_skipped"] >= 1
+    assert _chunk_bytes(index) == _chunk_bytes(work / "index")
+    np.testing.assert_array_equal(np.load(index / "r_train.npy"), np.load(work / "index" / "r_train.npy"))
+
+
+def test_config_flag_typo_is_one_line():
+    out = subprocess.run([sys.executable, "-m", "launch.retrieve", "--config=experiments/tiny.py", "--workdir=/nonexistent",
+                          "--config.vectors.proj_sed=5"], cwd=REPO, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert 'Did you mean "proj_seed"' in out.stderr and "--config.vectors.proj_sed=5" in out.stderr
