@@ -56,7 +56,7 @@ def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, s
         del model_cfg["source"]
     model = {"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree), "config": model_cfg}
     if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
-        model["second_moment"] = dict(run.opt_state_info)
+        model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
     return store_lib.make_manifest(
         num_rows=len(run.corpus.examples), dim=dim, num_blocks_total=num_blocks_total, storage=storage,
         model=model,
