@@ -28,6 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.norm = "rms"  # "rms" or "layer" (LayerNorm without bias)
     c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
     c.model.param_dtype = "float32"
+    c.model.source = ""  # "" = pretrain (launch.train); HF folder | .gguf file | "smollm2": launch.import_model fills the shapes
 
     # --- data ---
     c.data = ml_collections.ConfigDict()
@@ -79,6 +80,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.vectors.correction = True  # divide by sqrt(V) from the optimizer state
     c.vectors.path = "fast"  # "fast" (factored; rank-one V where optax kept a full v) | "reference" (vmap(grad), exact V)
     c.vectors.batch_size = 32  # examples per featurize step (global)
+    c.vectors.estimate_v_examples = 256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
+    c.vectors.estimate_v_seed = 0  # seed of that sample
 
     # --- Hessian approximation R and normalisation (§3, §A.1.3) ---
     c.hessian = ml_collections.ConfigDict()

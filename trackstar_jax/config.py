@@ -406,14 +406,57 @@ def mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS 
     return out
 
 
+# `config.model` fields that stay the user's choice for an imported model (`model.source` set);
+# every other model field (arch and shapes) comes from the imported checkpoint.
+IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "max_len")
+
+
+def resolve_imported_model(user: model_lib.LMConfig, imported: model_lib.LMConfig, source: str = ""
+                           ) -> model_lib.LMConfig:
+    """The model section of a run imported from `user.source`: `imported`'s arch and shapes,
+    with the user's `source`, `dtype`, `param_dtype` and `max_len`.
+
+    A user field left at its default (experiments/base.py) is filled from the import; one set
+    to anything else must equal the imported value. `max_len` may be shorter than the
+    imported model's (its `max_position_embeddings`), never longer.
+
+    Raises:
+      ConfigError: a field that disagrees with the import (names it, both values and `source`).
+    """
+    where = f" (in {source})" if source else ""
+    default = model_lib.LMConfig()
+    bad = []
+    for f in dataclasses.fields(model_lib.LMConfig):
+        mine, theirs = getattr(user, f.name), getattr(imported, f.name)
+        if f.name in IMPORT_USER_FIELDS or mine == getattr(default, f.name) or mine == theirs:
+            continue
+        bad.append(f"model.{f.name}={mine!r} but the imported model has {theirs!r}")
+    if user.max_len > imported.max_len:
+        bad.append(f"model.max_len={user.max_len} exceeds the imported model's {imported.max_len} positions")
+    if bad:
+        raise ConfigError(f"config.model disagrees with the model at model.source={user.source!r}{where}: "
+                          + "; ".join(bad) + " (leave these keys at their defaults or set the imported values)")
+    return dataclasses.replace(imported, **{k: getattr(user, k) for k in IMPORT_USER_FIELDS})
+
+
 def check_matches_run(settings: Settings, workdir: str | os.PathLike, sections: Sequence[str] = RUN_SECTIONS) -> None:
     """Refuses a stage whose config disagrees with the run's `config.json` in `sections`.
+
+    For an imported run (`model.source` set) the config's model section is first resolved
+    against the run's (`resolve_imported_model`), so an experiment file that leaves the
+    shapes at their defaults matches the run `launch.import_model` wrote.
 
     Raises:
       ConfigError: naming each differing field, the run's config.json and the config's file.
     """
     path = pathlib.Path(workdir) / CONFIG_FILE
-    bad = mismatches(read_json(path), settings, sections=sections, ignore=())
+    saved = read_json(path)
+    if settings.model.source:
+        saved_model = from_dict({"model": saved.get("model", {})}, source=str(path)).model
+        if saved_model.source == settings.model.source:
+            settings = dataclasses.replace(
+                settings, model=resolve_imported_model(settings.model, saved_model, settings.source))
+    bad = mismatches(saved, settings, sections=sections, ignore=())
     if bad:
         src = f" ({settings.source})" if settings.source else ""
         raise ConfigError(f"the config{src} disagrees with the run in {workdir} (its {CONFIG_FILE}): " + "; ".join(bad))

@@ -50,6 +50,9 @@ class VectorConfig:
       correction: divide by sqrt(V) from the optimizer state.
       path: "fast" (factored) or "reference" (vmap(grad), materialised).
       batch_size: examples per featurize step (global; used by the pipeline).
+      estimate_v_examples: corpus examples whose per-example gradients estimate V for an
+        imported model, which ships no optimizer state (`features.second_moment`; 0 = none).
+      estimate_v_seed: seed of that sample.
     """
 
     output_fn: str = "loss"
@@ -59,8 +62,12 @@ class VectorConfig:
     correction: bool = True
     path: str = "fast"
     batch_size: int = 32
+    estimate_v_examples: int = 256
+    estimate_v_seed: int = 0
 
     def __post_init__(self):
+        if self.estimate_v_examples < 0:
+            raise ValueError(f"vectors.estimate_v_examples must be >= 0, got {self.estimate_v_examples}")
         if self.output_fn not in grads_lib.OUTPUT_FNS:
             raise ValueError(f"vectors.output_fn must be one of {grads_lib.OUTPUT_FNS}, got {self.output_fn!r}")
         if self.path not in PATHS:

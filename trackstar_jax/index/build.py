@@ -50,10 +50,16 @@ def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, s
     num_blocks_total, _ = vectors_lib.block_layout(vec_cfg)
     vec = dataclasses.asdict(vec_cfg)
     del vec["batch_size"]  # recorded under featurizer
+    del vec["estimate_v_examples"], vec["estimate_v_seed"]  # import-time keys: the run's own record is below
+    model_cfg = dataclasses.asdict(run.model_cfg)
+    if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
+        del model_cfg["source"]
+    model = {"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree), "config": model_cfg}
+    if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
+        model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
     return store_lib.make_manifest(
         num_rows=len(run.corpus.examples), dim=dim, num_blocks_total=num_blocks_total, storage=storage,
-        model={"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree),
-               "config": dataclasses.asdict(run.model_cfg)},
+        model=model,
         vectors=vec,
         corpus={"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)},
         featurizer={"batch_size": int(vec_cfg.batch_size), "max_len": int(run.model_cfg.max_len),

@@ -77,6 +77,9 @@ class LMConfig:
       parallel_residual: gpt_neox `x + attn(ln1(x)) + mlp(ln2(x))`.
       activation: MLP activation ("silu" = SwiGLU for palm/llama; gelu/gelu_tanh/relu for gpt_neox).
       dtype: activation / compute dtype; param_dtype: parameter storage dtype.
+      source: where the weights come from: "" (pretrained by `launch.train`), a Hugging Face
+        folder, a `.gguf` file, or "smollm2" (see `training.importer`). Not an architecture
+        field: `launch.import_model` fills the others from the source.
     """
 
     vocab_size: int = 32_000
@@ -101,6 +104,7 @@ class LMConfig:
     mlp_bias: bool = False
     parallel_residual: bool = False
     activation: str = "silu"
+    source: str = ""
 
     def __post_init__(self):
         if self.arch not in ARCHS:

@@ -5,8 +5,10 @@ A checkpoint holds params, the FULL optimizer state (Adafactor's factored second
 step, and the resolved config of the run. Restores go into an abstract, sharded target
 (`jax.eval_shape` + shardings), so arrays come back already placed on the mesh.
 
-Run directory (`workdir/`): `config.json` (resolved config), `corpus/` (id -> text),
-`tokenizer.model`, `checkpoints/<step>/{state,config}`. `load_run(workdir)` gives later
+Run directory (`workdir/`): `config.json` (resolved config), `corpus/` (id -> text), the
+tokenizer (`tokenizer.model`, SentencePiece, for a pretrained run; `tokenizer/tokenizer.json`,
+Hugging Face, for an imported one), `checkpoints/<step>/{state,config}`, and for an imported
+run `opt_state.json` (how its optimizer state was estimated). `load_run(workdir)` gives later
 stages everything they need in one call.
 """
 
@@ -35,7 +37,35 @@ from trackstar_jax.training import step as train_lib
 
 CHECKPOINT_DIR = "checkpoints"
 CORPUS_DIR = "corpus"
-TOKENIZER_FILE = "tokenizer.model"
+TOKENIZER_FILE = "tokenizer.model"  # SentencePiece (pretrained runs)
+HF_TOKENIZER_DIR = "tokenizer"  # Hugging Face tokenizer.json folder (imported runs)
+OPT_STATE_INFO_FILE = "opt_state.json"  # imported runs: where opt_state's second moments came from
+
+
+def load_run_tokenizer(workdir: str | os.PathLike) -> Any:
+    """The run's tokenizer, by what the run directory holds: `tokenizer/tokenizer.json`
+    (Hugging Face, imported runs) or `tokenizer.model` (SentencePiece).
+
+    Raises:
+      FileNotFoundError: neither is there (names both paths).
+    """
+    workdir = pathlib.Path(workdir)
+    hf_dir = workdir / HF_TOKENIZER_DIR
+    if (hf_dir / "tokenizer.json").is_file():
+        from trackstar_jax.data import hf_tokenizer  # noqa: PLC0415  (needs the optional `tokenizers`)
+
+        return hf_tokenizer.HFTokenizer.from_pretrained_dir(hf_dir)
+    sp = workdir / TOKENIZER_FILE
+    if sp.is_file():
+        return data_lib.load_tokenizer(sp)
+    raise FileNotFoundError(f"no tokenizer in {workdir}: expected {sp} (launch.train) or {hf_dir / 'tokenizer.json'} "
+                            "(launch.import_model)")
+
+
+def read_opt_state_info(workdir: str | os.PathLike) -> dict | None:
+    """`opt_state.json` of an imported run (None for a pretrained run, whose state is the optimizer's)."""
+    path = pathlib.Path(workdir) / OPT_STATE_INFO_FILE
+    return config_lib.read_json(path) if path.exists() else None
 
 
 def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, write: bool = True) -> None:
@@ -212,11 +242,12 @@ class Run:
     model_cfg: model_lib.LMConfig
     graphdef: nnx.GraphDef
     params: Any  # pure nested dict
-    opt_state: Any  # optax Adafactor chain state (v_row / v_col / v)
+    opt_state: Any  # optax Adafactor chain state (v_row / v_col / v); None: imported without an estimate
     step: int
-    tokenizer: data_lib.Tokenizer
+    tokenizer: data_lib.Tokenizer  # or data.hf_tokenizer.HFTokenizer (same interface)
     corpus: data_lib.Corpus
     workdir: pathlib.Path | None = None
+    opt_state_info: dict | None = None  # imported runs: how V was estimated (opt_state.json)
 
 
 def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | None = None) -> Run:
@@ -248,6 +279,10 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
     finally:
         mngr.close()
     logging.info("loaded run %s at step %d", workdir, step)
-    return Run(settings=settings, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=state.opt_state,
-               step=int(step), tokenizer=data_lib.load_tokenizer(workdir / TOKENIZER_FILE),
-               corpus=data_lib.load_corpus(workdir / CORPUS_DIR), workdir=workdir)
+    info = read_opt_state_info(workdir)
+    # An import without an estimate holds optax's zero state: no V to correct with (the
+    # correction then refuses, naming vectors.correction / vectors.estimate_v_examples).
+    opt_state = None if info is not None and info.get("kind") == "none" else state.opt_state
+    return Run(settings=settings, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=opt_state,
+               step=int(step), tokenizer=load_run_tokenizer(workdir), corpus=data_lib.load_corpus(workdir / CORPUS_DIR),
+               workdir=workdir, opt_state_info=info)

