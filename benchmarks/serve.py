@@ -65,7 +65,7 @@ def main(argv):
     out = {"workdir": str(workdir), "num_passages": len(texts), "n": _N.value, "k": _K.value,
            "device": str(jax.devices()[0]), "num_devices": jax.device_count(), "methods": {}}
     for method in [m for m in _METHODS.value if m in engine.methods]:
-        def ask(p, t):
+        def ask(p, t, method=method):
             r = client.post("/api/query", json={"prompt": p, "target": t, "k": _K.value, "method": method})
             assert r.status_code == 200, r.text
         for p, t in queries[: _N.value]:  # warm-up: one compile per distinct padded length

@@ -19,13 +19,13 @@ tokenizers = pytest.importorskip("tokenizers", reason="the imported tokenizer ne
 
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import data as data_lib  # noqa: E402
+from trackstar_jax import training  # noqa: E402
 from trackstar_jax.data import hf_tokenizer  # noqa: E402
 from trackstar_jax.index import build, store  # noqa: E402
 from trackstar_jax.models import hf as hf_lib  # noqa: E402
 from trackstar_jax.models import lm  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
 from trackstar_jax.training import checkpoint, importer  # noqa: E402
-from trackstar_jax import training  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 

@@ -26,7 +26,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
 
 from trackstar_jax import config as config_lib
