@@ -201,10 +201,11 @@ class IndexBuilder:
         with self._writer_lock():
             return self._build(rows_fn, progress, finalize_when_done)
 
-    def _build(self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None,
-               finalize_when_done: bool) -> BuildStats:
-        stats = BuildStats()
-        t_start = time.perf_counter()
+    def _resume_point(self) -> tuple[frozenset[int], int, np.ndarray]:
+        """`(complete chunks, chunk up to which R_train is summed, that running sum)`.
+
+        Chunks marked complete whose files are gone are unmarked (and so rewritten).
+        """
         complete = store._complete_chunks(self.path, self.num_chunks)
         missing = self._missing_chunks(complete)
         if missing:
@@ -223,58 +224,19 @@ class IndexBuilder:
             raise store.IndexCorruptError(f"index {self.path}: R_train running sum {parts[upto].name} has shape {running.shape}")
         if running is None:
             running = np.zeros((self.num_blocks_total, k2, k2), np.float64)
+        return complete, upto, running
+
+    def _build(self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None,
+               finalize_when_done: bool) -> BuildStats:
+        """The build's steps: what is already done (`_resume_point`), then per chunk either a
+        read-back for R_train or featurize + quantise + write (`_ChunkWriter`), with the R_train
+        running sum saved at every segment end (`_save_running`)."""
+        stats = BuildStats()
+        t_start = time.perf_counter()
+        complete, upto, running = self._resume_point()
         seg_acc = None
-        # A background thread waits for each chunk's commit and then writes its marker, so the
-        # build loop only blocks when more than `max_writes_in_flight` chunks are unfinished.
-        committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-commit")
-        in_flight: list[tuple[int, concurrent.futures.Future]] = []  # in chunk order
+        writer = _ChunkWriter(self, stats)
         pending = None  # (chunk, lo, hi, stored, scale, bad) computed but not yet on the host
-
-        def commit(c: int, futs: list) -> None:
-            for f in futs:
-                f.result()
-            lo, hi = self.chunk_rows_range(c)
-            files.atomic_write(self._marker(c), json.dumps({"rows": [lo, hi]}).encode())
-
-        def finish_writes(block_all: bool) -> None:
-            """Collects finished chunks (oldest first); re-raises the first failed write."""
-            t0 = time.perf_counter()
-            failure = None
-            while in_flight and (block_all or failure is not None or len(in_flight) > self.max_writes_in_flight
-                                 or in_flight[0][1].done()):
-                c, fut = in_flight.pop(0)
-                lo, hi = self.chunk_rows_range(c)
-                try:
-                    fut.result()
-                except Exception as e:  # noqa: BLE001 - re-raised below with the row range
-                    failure = failure or (c, lo, hi, e)
-                    continue
-                stats.chunks_written += 1
-                stats.rows_written += hi - lo
-            stats.write_seconds += time.perf_counter() - t0
-            if failure is not None:
-                raise store.IndexWriteError(self._write_failure(*failure)) from failure[3]
-
-        def flush(item) -> None:
-            c, lo, hi, stored, scale, bad = item
-            bad = np.asarray(bad)[: hi - lo]
-            if bad.any():
-                rows = (lo + np.flatnonzero(bad)).tolist()
-                raise ValueError(f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
-                                 f"NaN/inf from the featurizer or overflow of storage dtype {self.dtype})")
-            stored_h = np.asarray(stored)[: hi - lo]
-            scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
-            t0 = time.perf_counter()
-            try:
-                futs = self._write_rows(lo, hi, stored_h, scale_h)
-            except Exception as e:  # noqa: BLE001
-                stats.write_seconds += time.perf_counter() - t0
-                finish_writes(block_all=True)
-                raise store.IndexWriteError(self._write_failure(c, lo, hi, e)) from e
-            in_flight.append((c, committer.submit(commit, c, futs)))
-            stats.write_seconds += time.perf_counter() - t0
-            finish_writes(block_all=False)
-
         try:
             for c in self.chunks:
                 lo, hi = self.chunk_rows_range(c)
@@ -296,14 +258,14 @@ class IndexBuilder:
                         part = self._partial(stored, scale)
                         seg_acc = part if seg_acc is None else seg_acc + part
                     if pending is not None:
-                        flush(pending)  # chunk c is queued on the device while c-1 goes to disk
+                        writer.flush(pending)  # chunk c is queued on the device while c-1 goes to disk
                     pending = (c, lo, hi, stored, scale, bad)
                 seg_end = (c + 1 - self.chunks.start) % self.r_every == 0 or c + 1 == self.chunks.stop
                 if seg_end and c >= upto:
                     if pending is not None:
-                        flush(pending)
+                        writer.flush(pending)
                         pending = None
-                    finish_writes(block_all=True)
+                    writer.finish(block_all=True)
                     t0 = time.perf_counter()
                     running = running + np.asarray(seg_acc, np.float64)
                     seg_acc = None
@@ -313,17 +275,17 @@ class IndexBuilder:
                 if progress is not None:
                     progress(c + 1 - self.chunks.start, len(self.chunks))
             if pending is not None:
-                flush(pending)
-            finish_writes(block_all=True)
+                writer.flush(pending)
+            writer.finish(block_all=True)
         except BaseException:
             # Let writes that were already submitted land and be marked, so progress is kept.
             try:
-                finish_writes(block_all=True)
+                writer.finish(block_all=True)
             except store.IndexWriteError:
                 pass
             raise
         finally:
-            committer.shutdown(wait=True)
+            writer.close()
         if finalize_when_done:
             stats.finalized = finalize(self.path, finalized_by=f"writer {self.process_index} of {self.process_count}")
         stats.seconds = time.perf_counter() - t_start
@@ -344,6 +306,70 @@ class IndexBuilder:
         return (f"index {self.path}: writing chunk {c}, rows [{lo}, {hi}) failed ({why}: {e}); chunks with "
                 f"markers in progress/ are complete and intact; fix the cause and run the build again to resume")
 
+
+
+class _ChunkWriter:
+    """Writes quantised chunks to disk while the next one is computed.
+
+    `flush` checks a chunk, submits its writes, and hands the commit (wait for the writes, then
+    the completion marker) to one background thread, so the build loop blocks only when more
+    than `max_writes_in_flight` chunks are unfinished; `finish` collects finished chunks in
+    order and re-raises the first failed write with its row range.
+    """
+
+    def __init__(self, builder: IndexBuilder, stats: BuildStats):
+        self.b, self.stats = builder, stats
+        self.committer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-commit")
+        self.in_flight: list[tuple[int, concurrent.futures.Future]] = []  # in chunk order
+
+    def _commit(self, c: int, futs: list) -> None:
+        for f in futs:
+            f.result()
+        lo, hi = self.b.chunk_rows_range(c)
+        files.atomic_write(self.b._marker(c), json.dumps({"rows": [lo, hi]}).encode())
+
+    def finish(self, block_all: bool) -> None:
+        """Collects finished chunks (oldest first); re-raises the first failed write."""
+        t0 = time.perf_counter()
+        failure = None
+        while self.in_flight and (block_all or failure is not None or len(self.in_flight) > self.b.max_writes_in_flight
+                                  or self.in_flight[0][1].done()):
+            c, fut = self.in_flight.pop(0)
+            lo, hi = self.b.chunk_rows_range(c)
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001 - re-raised below with the row range
+                failure = failure or (c, lo, hi, e)
+                continue
+            self.stats.chunks_written += 1
+            self.stats.rows_written += hi - lo
+        self.stats.write_seconds += time.perf_counter() - t0
+        if failure is not None:
+            raise store.IndexWriteError(self.b._write_failure(*failure)) from failure[3]
+
+    def flush(self, item: tuple) -> None:
+        """Checks one computed chunk `(c, lo, hi, stored, scale, bad)` and submits its writes."""
+        c, lo, hi, stored, scale, bad = item
+        bad = np.asarray(bad)[: hi - lo]
+        if bad.any():
+            rows = (lo + np.flatnonzero(bad)).tolist()
+            raise ValueError(f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
+                             f"NaN/inf from the featurizer or overflow of storage dtype {self.b.dtype})")
+        stored_h = np.asarray(stored)[: hi - lo]
+        scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
+        t0 = time.perf_counter()
+        try:
+            futs = self.b._write_rows(lo, hi, stored_h, scale_h)
+        except Exception as e:  # noqa: BLE001
+            self.stats.write_seconds += time.perf_counter() - t0
+            self.finish(block_all=True)
+            raise store.IndexWriteError(self.b._write_failure(c, lo, hi, e)) from e
+        self.in_flight.append((c, self.committer.submit(self._commit, c, futs)))
+        self.stats.write_seconds += time.perf_counter() - t0
+        self.finish(block_all=False)
+
+    def close(self) -> None:
+        self.committer.shutdown(wait=True)
 
 def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
     """If every chunk is complete, sums the processes' R_train running sums into r_train.npy and
