@@ -154,7 +154,9 @@ def bench_one(name: str, d: int, args) -> dict:
     step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
     train_c = step.lower(state, batch).compile()
     train_peak = _peak(train_c)
-    train_2x = _peak(step.lower(state, sharding_lib.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile())
+    train_2x = _peak(
+        step.lower(state, sharding_lib.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile()
+    )
     state, _ = train_c(state, batch)
     params = jax.tree.map(jnp.copy, state.params)  # the timed train steps donate `state`
     opt_state = jax.tree.map(jnp.copy, state.opt_state)
@@ -162,11 +164,21 @@ def bench_one(name: str, d: int, args) -> dict:
 
     nb = _num_blocks(d, int(config.vectors.num_blocks), model_cfg.num_layers)
     k = vectors.projection_dim_for(d, nb)
-    row = {"config": name, "d": d, "num_blocks": nb, "k": k, "batch": b, "seq_len": t,
-           "params": model_lib.param_count(params),
-           "attributed_params": model_lib.param_count({p: x for p, x in model_lib.flat_params(params).items()
-                                                       if p in model_lib.attributed_paths(params)}),
-           "train_tokens_per_s": b * t / train_s, "train_peak_bytes": train_peak, "train_peak_bytes_2x_batch": train_2x}
+    row = {
+        "config": name,
+        "d": d,
+        "num_blocks": nb,
+        "k": k,
+        "batch": b,
+        "seq_len": t,
+        "params": model_lib.param_count(params),
+        "attributed_params": model_lib.param_count(
+            {p: x for p, x in model_lib.flat_params(params).items() if p in model_lib.attributed_paths(params)}
+        ),
+        "train_tokens_per_s": b * t / train_s,
+        "train_peak_bytes": train_peak,
+        "train_peak_bytes_2x_batch": train_2x,
+    }
 
     features = {}
     for path in ("fast", "reference"):
@@ -178,8 +190,9 @@ def bench_one(name: str, d: int, args) -> dict:
         compiled = jitted.lower(params, precond, vb).compile()
         host2 = _batch(2 * b, t, model_cfg.vocab_size)
         row[f"{path}_peak_bytes"] = _peak(compiled)
-        row[f"{path}_peak_bytes_2x_batch"] = _peak(jitted.lower(
-            params, precond, {k_: jnp.asarray(host2[k_]) for k_ in ("tokens", "loss_mask")}).compile())
+        row[f"{path}_peak_bytes_2x_batch"] = _peak(
+            jitted.lower(params, precond, {k_: jnp.asarray(host2[k_]) for k_ in ("tokens", "loss_mask")}).compile()
+        )
         secs = _time(compiled, (params, precond, vb), args.steps if path == "fast" else max(1, args.steps // 2))
         row[f"{path}_tokens_per_s"] = b * t / secs
         features[path] = np.asarray(compiled(params, precond, vb)[0])
@@ -196,8 +209,11 @@ def bench_one(name: str, d: int, args) -> dict:
     trak_batch = {"tokens": jnp.asarray(host["tokens"][:tb]), "loss_mask": jnp.asarray(host["loss_mask"][:tb])}
     per_chunk_s = []
     for n_chunks in sorted({max(1, timed_chunks // 2), timed_chunks}):
-        fn = jax.jit(functools.partial(trak_style_vectors, graphdef=graphdef, plan=plan, d=d,
-                                       chunk=args.trak_chunk, num_chunks=n_chunks))
+        fn = jax.jit(
+            functools.partial(
+                trak_style_vectors, graphdef=graphdef, plan=plan, d=d, chunk=args.trak_chunk, num_chunks=n_chunks
+            )
+        )
         c = fn.lower(params, trak_batch).compile()
         per_chunk_s.append((n_chunks, _time(c, (params, trak_batch), 1)))
     if len(per_chunk_s) == 2 and timed_chunks < total_chunks:  # linear fit: fixed grad cost + per-chunk cost
@@ -206,8 +222,14 @@ def bench_one(name: str, d: int, args) -> dict:
         trak_s = s2 + slope * (total_chunks - n2)
     else:
         trak_s = per_chunk_s[-1][1]
-    row.update({"trak_batch": tb, "trak_chunks_timed": timed_chunks, "trak_chunks_total": total_chunks,
-                "trak_tokens_per_s": tb * t / trak_s})
+    row.update(
+        {
+            "trak_batch": tb,
+            "trak_chunks_timed": timed_chunks,
+            "trak_chunks_total": total_chunks,
+            "trak_tokens_per_s": tb * t / trak_s,
+        }
+    )
 
     # Memory per extra example (slope between batch b and 2b) next to the size of one
     # example's full gradient: the fast path's slope is activations (T x widths, T x vocab)
@@ -259,14 +281,22 @@ def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
     tf, te = top10(fu), top10(eu)
     overlap = np.mean([len(set(a) & set(b_)) / 10 for a, b_ in zip(tf, te)])
     factor_err = preconditioner.rank_one_error(exact)
-    return {"bench": "rank_one_v", "workdir": str(workdir), "step": run.step, "rows": int(f.shape[0]), "d": d,
-            "min_dim_size_to_factor": int(run.config.train.min_dim_size_to_factor),
-            "non_rank_one_params": sorted(factor_err), "factor_rel_err_mean": float(np.mean(list(factor_err.values()) or [0])),
-            "fast_vs_exact_rel_err": float(np.linalg.norm(f - e) / np.linalg.norm(e)),
-            "fast_vs_exact_cos_mean": float(cos.mean()), "fast_vs_exact_cos_min": float(cos.min()),
-            "top10_overlap_fast_vs_exact": float(overlap),
-            "fast_vs_reference_same_rank1_rel_err": float(np.linalg.norm(f - r1) / np.linalg.norm(r1)),
-            "device": f"{jax.devices()[0].platform}"}
+    return {
+        "bench": "rank_one_v",
+        "workdir": str(workdir),
+        "step": run.step,
+        "rows": int(f.shape[0]),
+        "d": d,
+        "min_dim_size_to_factor": int(run.config.train.min_dim_size_to_factor),
+        "non_rank_one_params": sorted(factor_err),
+        "factor_rel_err_mean": float(np.mean(list(factor_err.values()) or [0])),
+        "fast_vs_exact_rel_err": float(np.linalg.norm(f - e) / np.linalg.norm(e)),
+        "fast_vs_exact_cos_mean": float(cos.mean()),
+        "fast_vs_exact_cos_min": float(cos.min()),
+        "top10_overlap_fast_vs_exact": float(overlap),
+        "fast_vs_reference_same_rank1_rel_err": float(np.linalg.norm(f - r1) / np.linalg.norm(r1)),
+        "device": f"{jax.devices()[0].platform}",
+    }
 
 
 def main() -> None:

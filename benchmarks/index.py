@@ -73,7 +73,9 @@ def _warm_up(run, vec_fn, mesh) -> list[int]:
         tokens[:, 0] = run.tokenizer.bos_id
         mask = np.ones((bs, n), np.int32)
         mask[:, 0] = 0
-        vecs, _ = vec_fn.jitted(run.params, vec_fn.precond, sharding_lib.device_batch({"tokens": tokens, "loss_mask": mask}, mesh))
+        vecs, _ = vec_fn.jitted(
+            run.params, vec_fn.precond, sharding_lib.device_batch({"tokens": tokens, "loss_mask": mask}, mesh)
+        )
         vecs.block_until_ready()
     return buckets
 
@@ -103,42 +105,74 @@ def main(argv):
     if not (workdir / checkpoint.CHECKPOINT_DIR).is_dir():
         t0 = time.perf_counter()
         training.train(config_lib.from_configdict(config), workdir)
-        _emit({"kind": "train", "seconds": time.perf_counter() - t0, "steps": int(config.train.num_steps), "device": _device()})
+        _emit(
+            {
+                "kind": "train",
+                "seconds": time.perf_counter() - t0,
+                "steps": int(config.train.num_steps),
+                "device": _device(),
+            }
+        )
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
     run = checkpoint.load_run(workdir, mesh=mesh)
     vec_cfg = config_lib.from_configdict(config).vectors
-    vec_fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index")
+    vec_fn = vectors.make_vector_fn(
+        run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
+    )
     corpus_name = run.corpus.name
     t0 = time.perf_counter()
     buckets = _warm_up(run, vec_fn, mesh)
     warm_s = time.perf_counter() - t0
     readers = {}
     for dtype in _DTYPES.value:
-        storage = index.StorageConfig(dtype=dtype, chunk_rows=int(config.index.chunk_rows),
-                                      r_every_chunks=int(config.index.get("r_every_chunks", 0)))
+        storage = index.StorageConfig(
+            dtype=dtype,
+            chunk_rows=int(config.index.chunk_rows),
+            r_every_chunks=int(config.index.get("r_every_chunks", 0)),
+        )
         path = workdir / f"bench_index_{dtype}"
         shutil.rmtree(path, ignore_errors=True)
         manifest = build.index_manifest(run, vec_cfg, storage, vec_fn.dim)
         builder = index.IndexBuilder(path, manifest)
-        index.store._quantize_step(np.zeros((builder.chunk_rows, vec_fn.dim), np.float32), dtype=dtype)  # compile outside timing
+        index.store._quantize_step(
+            np.zeros((builder.chunk_rows, vec_fn.dim), np.float32), dtype=dtype
+        )  # compile outside timing
         counters = {"tokens": 0, "truncated": 0}
         stats = builder.build(build.make_rows_fn(run, vec_fn, mesh, counters))
         assert stats.finalized and stats.rows_written == builder.num_rows
         on_disk = index.store._du(path / "vectors") + index.store._du(path / "row_scale")
-        _emit({"kind": "build", "corpus": corpus_name, "examples": builder.num_rows, "tokens": counters["tokens"],
-               "truncated": counters["truncated"], "seconds": stats.seconds,
-               "examples_per_s": builder.num_rows / stats.seconds, "tokens_per_s": counters["tokens"] / stats.seconds,
-               "write_seconds": stats.write_seconds, "write_fraction": stats.write_fraction,
-               "bytes_per_example": on_disk / builder.num_rows, "payload_bytes_per_example":
-               vec_fn.dim * index.NP_DTYPES[dtype].itemsize + (4 if dtype == "int8" else 0),
-               "dtype": dtype, "dim": vec_fn.dim, "chunk_rows": builder.chunk_rows, "batch_size": vec_cfg.batch_size,
-               "length_buckets": buckets, "compile_seconds_excluded": warm_s,
-               "model_params": int(sum(x.size for x in jax.tree.leaves(run.params))), "device": _device()})
+        _emit(
+            {
+                "kind": "build",
+                "corpus": corpus_name,
+                "examples": builder.num_rows,
+                "tokens": counters["tokens"],
+                "truncated": counters["truncated"],
+                "seconds": stats.seconds,
+                "examples_per_s": builder.num_rows / stats.seconds,
+                "tokens_per_s": counters["tokens"] / stats.seconds,
+                "write_seconds": stats.write_seconds,
+                "write_fraction": stats.write_fraction,
+                "bytes_per_example": on_disk / builder.num_rows,
+                "payload_bytes_per_example": vec_fn.dim * index.NP_DTYPES[dtype].itemsize
+                + (4 if dtype == "int8" else 0),
+                "dtype": dtype,
+                "dim": vec_fn.dim,
+                "chunk_rows": builder.chunk_rows,
+                "batch_size": vec_cfg.batch_size,
+                "length_buckets": buckets,
+                "compile_seconds_excluded": warm_s,
+                "model_params": int(sum(x.size for x in jax.tree.leaves(run.params))),
+                "device": _device(),
+            }
+        )
         readers[dtype] = index.open_index(path)
 
     if _MRR.value:
         kept, encoded = _queries(run, config)
-        qfn = vectors.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="query")
+        qfn = vectors.make_vector_fn(
+            run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="query"
+        )
         q_raw = retrieval_stage.query_vectors(run, qfn, encoded, mesh)
         hcfg = config_lib.from_configdict(config).hessian
         results = {}
@@ -148,14 +182,31 @@ def main(argv):
             scores = (scoring.finalize_queries(q_raw) @ rows.T) * scoring.row_scale[None, :]
             order = np.lexsort((np.broadcast_to(np.arange(reader.num_rows), scores.shape), -scores), axis=1)[:, :10]
             per_q = [metrics.query_metrics(order[i].tolist(), q.entailing_ids) for i, q in enumerate(kept)]
-            results[dtype] = (order, float(np.mean([m["mrr"] for m in per_q])),
-                              float(np.mean([m["recall_at_10"] for m in per_q])), scoring.whitening.describe())
+            results[dtype] = (
+                order,
+                float(np.mean([m["mrr"] for m in per_q])),
+                float(np.mean([m["recall_at_10"] for m in per_q])),
+                scoring.whitening.describe(),
+            )
         base = results.get("float32")
         for dtype, (order, mrr, rec, whit) in results.items():
-            overlap = None if base is None else float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(order, base[0])]))
-            _emit({"kind": "mrr", "corpus": corpus_name, "dtype": dtype, "queries": len(kept), "mrr": mrr,
-                   "recall_at_10": rec, "mrr_delta_vs_float32": None if base is None else mrr - base[1],
-                   "top10_overlap_vs_float32": overlap, "hessian": whit, "device": _device()})
+            overlap = (
+                None if base is None else float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(order, base[0])]))
+            )
+            _emit(
+                {
+                    "kind": "mrr",
+                    "corpus": corpus_name,
+                    "dtype": dtype,
+                    "queries": len(kept),
+                    "mrr": mrr,
+                    "recall_at_10": rec,
+                    "mrr_delta_vs_float32": None if base is None else mrr - base[1],
+                    "top10_overlap_vs_float32": overlap,
+                    "hessian": whit,
+                    "device": _device(),
+                }
+            )
     if not _KEEP.value:
         for dtype in readers:
             shutil.rmtree(workdir / f"bench_index_{dtype}", ignore_errors=True)

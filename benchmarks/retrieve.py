@@ -70,9 +70,12 @@ _PLAN_BLOCK = flags.DEFINE_integer("plan_block_rows", 0, "Plan override: kernel 
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 120.0, "Skip a method's repeats once one run exceeds this.")
 _SEED = flags.DEFINE_integer("seed", 0, "Data seed.")
 _RESIDENT = flags.DEFINE_enum(
-    "resident", "auto", ["auto", "true", "false"],
+    "resident",
+    "auto",
+    ["auto", "true", "false"],
     "Rows live in device memory (one [n, d] device array; auto: on GPU/TPU) instead of being "
-    "streamed from host memory chunk by chunk (auto: on CPU, where host memory is device memory).")
+    "streamed from host memory chunk by chunk (auto: on CPU, where host memory is device memory).",
+)
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -100,7 +103,7 @@ class PoolReader:
         b, off = divmod(start, self.block)
         if off + (stop - start) > self.block:
             raise ValueError("reads must stay inside one pool block (use chunk_rows = block_rows)")
-        return self.pool[b % len(self.pool)][off: off + stop - start], None
+        return self.pool[b % len(self.pool)][off : off + stop - start], None
 
 
 def _aligned_empty(shape, dtype) -> np.ndarray:
@@ -121,7 +124,7 @@ def _make_pool(n: int, d: int, dtype, rng) -> tuple[list[np.ndarray], list[np.nd
     for _ in range(count):
         x = _aligned_empty((block, d), dtype)
         for i in range(0, block, 8192):  # generate in slices (bounded float32 temporaries)
-            x[i: i + 8192] = rng.standard_normal((min(8192, block - i), d), dtype=np.float32).astype(dtype)
+            x[i : i + 8192] = rng.standard_normal((min(8192, block - i), d), dtype=np.float32).astype(dtype)
         pool.append(x)
         x32 = x if dtype == np.float32 else None
         if "faiss" in methods:
@@ -129,7 +132,7 @@ def _make_pool(n: int, d: int, dtype, rng) -> tuple[list[np.ndarray], list[np.nd
 
             ix = faiss.IndexFlatIP(d)
             for i in range(0, block, 8192):
-                ix.add(np.ascontiguousarray(x[i: i + 8192], np.float32))
+                ix.add(np.ascontiguousarray(x[i : i + 8192], np.float32))
             indexes.append(ix)
             x32 = faiss.rev_swig_ptr(ix.get_xb(), block * d).reshape(block, d)  # numpy view of faiss' copy
         elif "numpy" in methods and x32 is None:
@@ -179,7 +182,7 @@ def _torch_topk(q: np.ndarray, rows, k: int, block: int = 65536):
     qt = torch.as_tensor(q, device=rows.device)
     best_s = best_i = low_s = low_i = None
     for start in range(0, rows.shape[0], block):
-        s = qt @ rows[start: start + block].float().T
+        s = qt @ rows[start : start + block].float().T
         ts, ti = torch.topk(s, k, dim=1)
         bs, bi = torch.topk(-s, k, dim=1)
         ti, bi = ti + start, bi + start
@@ -223,8 +226,11 @@ def main(argv):
             total = jax.jit(lambda x: jnp.sum(x, dtype=jnp.float32))
             if resident:
                 full = _resident_rows(pool, n)
-                raw_full = full if dtype == np.float32 else jax.jit(
-                    lambda x: jax.lax.bitcast_convert_type(x.reshape(n, d // 2, 2), jnp.float32))(full)
+                raw_full = (
+                    full
+                    if dtype == np.float32
+                    else jax.jit(lambda x: jax.lax.bitcast_convert_type(x.reshape(n, d // 2, 2), jnp.float32))(full)
+                )
                 total(full).block_until_ready()
                 total(raw_full).block_until_ready()
 
@@ -261,12 +267,25 @@ def main(argv):
 
             for nq in [int(x) for x in _QUERIES.value]:
                 q = rng.standard_normal((nq, d), dtype=np.float32)
-                rec = {"n": n, "d": d, "queries": nq, "dtype": dtype_name, "k": k, "distinct_rows": block * len(pool),
-                       "device": dev, "resident": resident, "loadavg_1m_before": os.getloadavg()[0]}
+                rec = {
+                    "n": n,
+                    "d": d,
+                    "queries": nq,
+                    "dtype": dtype_name,
+                    "k": k,
+                    "distinct_rows": block * len(pool),
+                    "device": dev,
+                    "resident": resident,
+                    "loadavg_1m_before": os.getloadavg()[0],
+                }
                 plan = retrieval.make_score_plan(
-                    nq, d, dtype, block_rows=_PLAN_BLOCK.value or None,
+                    nq,
+                    d,
+                    dtype,
+                    block_rows=_PLAN_BLOCK.value or None,
                     query_major=None if _QUERY_MAJOR.value == "auto" else _QUERY_MAJOR.value == "true",
-                    upcast=None if _UPCAST.value == "auto" else _UPCAST.value)
+                    upcast=None if _UPCAST.value == "auto" else _UPCAST.value,
+                )
                 rec["plan"] = {"block_rows": plan.block_rows, "query_major": plan.query_major, "upcast": plan.upcast}
                 ours = faiss_res = torch_res = None
                 budget = _MAX_SECONDS.value
@@ -276,7 +295,9 @@ def main(argv):
                     retrieval.topk(q, full, k, plan=plan)  # compile
                 elif "ours" in methods:
                     runs["ours"] = lambda: retrieval.stream_topk(q, reader, k, block, query_batch_size=nq, plan=plan)
-                    retrieval.stream_topk(q, PoolReader(pool, block), k, block, query_batch_size=nq, plan=plan)  # compile
+                    retrieval.stream_topk(
+                        q, PoolReader(pool, block), k, block, query_batch_size=nq, plan=plan
+                    )  # compile
                 if torch_rows is not None:
                     runs["torch"] = lambda: _torch_topk(q, torch_rows, k)
                     _torch_topk(q, torch_rows, k)  # warm-up (cuBLAS handles, kernels)
@@ -323,12 +344,18 @@ def main(argv):
                 if "ours_dots_per_s" in rec and "torch_dots_per_s" in rec:
                     rec["ours_over_torch"] = rec["ours_dots_per_s"] / rec["torch_dots_per_s"]
                 if ours is not None and torch_res is not None:
-                    rec["max_abs_score_diff_vs_torch"] = float(max(np.abs(ours.top_scores - torch_res[0]).max(),
-                                                               np.abs(ours.bottom_scores - torch_res[2]).max()))
+                    rec["max_abs_score_diff_vs_torch"] = float(
+                        max(
+                            np.abs(ours.top_scores - torch_res[0]).max(),
+                            np.abs(ours.bottom_scores - torch_res[2]).max(),
+                        )
+                    )
                     rec["top_id_agreement_vs_torch"] = float(np.mean(ours.top_ids == torch_res[1]))
                 if ours is not None and faiss_res is not None:
                     # same top-k scores as faiss (ids can differ only at float near-ties)
-                    rec["max_abs_score_diff_vs_faiss"] = float(np.abs(np.sort(ours.top_scores, 1) - np.sort(faiss_res[0], 1)).max())
+                    rec["max_abs_score_diff_vs_faiss"] = float(
+                        np.abs(np.sort(ours.top_scores, 1) - np.sort(faiss_res[0], 1)).max()
+                    )
                     rec["top_id_agreement_vs_faiss"] = float(np.mean(ours.top_ids == faiss_res[1]))
                 rec["loadavg_1m_after"] = os.getloadavg()[0]
                 print(json.dumps(rec), flush=True)

@@ -62,12 +62,21 @@ def main(argv):
         words = t.rstrip(". ").split(" ")
         if len(words) > 1:
             queries.append((" ".join(words[:-1]), " " + words[-1]))
-    out = {"workdir": str(workdir), "num_passages": len(texts), "n": _N.value, "k": _K.value,
-           "device": str(jax.devices()[0]), "num_devices": jax.device_count(), "methods": {}}
+    out = {
+        "workdir": str(workdir),
+        "num_passages": len(texts),
+        "n": _N.value,
+        "k": _K.value,
+        "device": str(jax.devices()[0]),
+        "num_devices": jax.device_count(),
+        "methods": {},
+    }
     for method in [m for m in _METHODS.value if m in engine.methods]:
+
         def ask(p, t, method=method):
             r = client.post("/api/query", json={"prompt": p, "target": t, "k": _K.value, "method": method})
             assert r.status_code == 200, r.text
+
         for p, t in queries[: _N.value]:  # warm-up: one compile per distinct padded length
             ask(p, t)
         lat = []
@@ -77,8 +86,12 @@ def main(argv):
             ask(p, t)
             lat.append(time.perf_counter() - t0)
         lat = np.asarray(lat)
-        out["methods"][method] = {"p50_s": float(np.percentile(lat, 50)), "p95_s": float(np.percentile(lat, 95)),
-                                  "mean_s": float(lat.mean()), "max_s": float(lat.max())}
+        out["methods"][method] = {
+            "p50_s": float(np.percentile(lat, 50)),
+            "p95_s": float(np.percentile(lat, 95)),
+            "mean_s": float(lat.mean()),
+            "max_s": float(lat.max()),
+        }
     print(json.dumps(out))
 
 

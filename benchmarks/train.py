@@ -36,8 +36,11 @@ def _throughput(name: str, steps: int) -> dict:
     graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
     b, t = int(config.train.global_batch_size), model_cfg.max_len
     rng = np.random.default_rng(0)
-    batch = {"tokens": rng.integers(4, model_cfg.vocab_size, (b, t)).astype(np.int32),
-             "loss_mask": np.ones((b, t), np.int32), "example_id": np.arange(b, dtype=np.int32)}
+    batch = {
+        "tokens": rng.integers(4, model_cfg.vocab_size, (b, t)).astype(np.int32),
+        "loss_mask": np.ones((b, t), np.int32),
+        "example_id": np.arange(b, dtype=np.int32),
+    }
     batch["tokens"][:, 0] = 2  # BOS
     batch["loss_mask"][:, 0] = 0
     batch = sharding_lib.device_batch(batch, mesh)
@@ -53,9 +56,18 @@ def _throughput(name: str, steps: int) -> dict:
         state, m = compiled(state, batch)
     jax.block_until_ready((state, m))
     dt = (time.perf_counter() - t0) / steps
-    return {"bench": "train_throughput", "config": name, "params": model.param_count(state.params), "batch": b,
-            "seq_len": t, "steps": steps, "step_time_s": round(dt, 5), "tokens_per_sec": round(b * t / dt, 1),
-            "compile_s": round(compile_s, 2), "final_loss": round(float(m["loss"]), 4)}
+    return {
+        "bench": "train_throughput",
+        "config": name,
+        "params": model.param_count(state.params),
+        "batch": b,
+        "seq_len": t,
+        "steps": steps,
+        "step_time_s": round(dt, 5),
+        "tokens_per_sec": round(b * t / dt, 1),
+        "compile_s": round(compile_s, 2),
+        "final_loss": round(float(m["loss"]), 4),
+    }
 
 
 def main() -> None:
@@ -63,19 +75,37 @@ def main() -> None:
     parser.add_argument("--steps_tiny", type=int, default=50)
     parser.add_argument("--steps_small", type=int, default=10)
     args = parser.parse_args()
-    env = {"backend": jax.default_backend(), "devices": jax.device_count(), "cpus": os.cpu_count(),
-           "loadavg_1m": round(os.getloadavg()[0], 2)}
+    env = {
+        "backend": jax.default_backend(),
+        "devices": jax.device_count(),
+        "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
     for name, steps in (("tiny", args.steps_tiny), ("small", args.steps_small)):
         print(json.dumps({**_throughput(name, steps), **env}), flush=True)
-    exps = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
-                  if p.stem != "__init__")
+    exps = sorted(
+        p.stem
+        for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
+        if p.stem != "__init__"
+    )
     for name in exps:
         cfg = config_lib.from_configdict(importlib.import_module(f"experiments.{name}").get_config()).model
         _, params = model.abstract_params(cfg)
         embed = cfg.vocab_size * cfg.embed_dim
-        print(json.dumps({"bench": "param_count", "config": name, "params": model.param_count(params),
-                          "params_without_embedding": model.param_count(params) - embed,
-                          "layers": cfg.num_layers, "embed_dim": cfg.embed_dim, "vocab": cfg.vocab_size}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "bench": "param_count",
+                    "config": name,
+                    "params": model.param_count(params),
+                    "params_without_embedding": model.param_count(params) - embed,
+                    "layers": cfg.num_layers,
+                    "embed_dim": cfg.embed_dim,
+                    "vocab": cfg.vocab_size,
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

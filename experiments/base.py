@@ -28,7 +28,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.model.norm = "rms"  # "rms" or "layer" (LayerNorm without bias)
     c.model.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
     c.model.param_dtype = "float32"
-    c.model.source = ""  # "" = pretrain (launch.train); HF folder | .gguf file | "smollm2": launch.import_model fills the shapes
+    c.model.source = (
+        ""  # "" = pretrain (launch.train); HF folder | .gguf file | "smollm2": launch.import_model fills the shapes
+    )
 
     # --- data ---
     c.data = ml_collections.ConfigDict()
@@ -78,9 +80,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.vectors.proj_dim = 64  # k per side: d = 2 * num_blocks * k^2 (paper: 8 * 2 * 64^2 = 2^16)
     c.vectors.proj_seed = 0  # one seed; each matrix's key is derived from its parameter path
     c.vectors.correction = True  # divide by sqrt(V) from the optimizer state
-    c.vectors.path = "fast"  # "fast" (factored; rank-one V where optax kept a full v) | "reference" (vmap(grad), exact V)
+    c.vectors.path = (
+        "fast"  # "fast" (factored; rank-one V where optax kept a full v) | "reference" (vmap(grad), exact V)
+    )
     c.vectors.batch_size = 32  # examples per featurize step (global)
-    c.vectors.estimate_v_examples = 256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
+    c.vectors.estimate_v_examples = (
+        256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
+    )
     c.vectors.estimate_v_seed = 0  # seed of that sample
 
     # --- Hessian approximation R and normalisation (§3, §A.1.3) ---

@@ -20,8 +20,7 @@ from experiments import base
 
 # The paper drops ambiguous relation types (§A.4) incl. instance_of (P31) and has_part (P527).
 CPU_RELATIONS = "P19,P20,P101,P103,P106,P264,P364,P413"
-GPU_RELATIONS = ("P19,P20,P101,P103,P106,P108,P127,P136,P140,P176,P178,P264,P364,P39,P407,P413,P449,P463,"
-                 "P495,P1303")
+GPU_RELATIONS = "P19,P20,P101,P103,P106,P108,P127,P136,P140,P176,P178,P264,P364,P39,P407,P413,P449,P463,P495,P1303"
 ALL_METHODS = ("trex_gold", "bm25", "dense", "trak", "exp1", "exp2", "exp3", "exp4", "exp5", "trackstar")
 
 

@@ -23,5 +23,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     except (AttributeError, KeyError, TypeError, ValueError) as e:
         msg = str(e).strip("'\"").replace("\\'", "'").replace("\\n", " ").replace("\n", " ")
         overrides = " ".join(a for a in argv[1:] if a.startswith("--config."))
-        sys.exit(f"FATAL config flag error: {msg} (in {overrides or 'the --config flags'}); see experiments/base.py "
-                 "for every key")
+        sys.exit(
+            f"FATAL config flag error: {msg} (in {overrides or 'the --config flags'}); see experiments/base.py "
+            "for every key"
+        )

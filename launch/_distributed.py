@@ -14,13 +14,19 @@ from absl import flags, logging
 from trackstar_jax.distributed import multihost
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Multi-host: one JAX process per host (jax.distributed).")
-_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "With --distributed: host:port of process 0 "
-                                   "(not needed on a TPU pod, SLURM or Open MPI).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address",
+    None,
+    "With --distributed: host:port of process 0 (not needed on a TPU pod, SLURM or Open MPI).",
+)
 _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "With --distributed: number of processes.")
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "With --distributed: this process's id in [0, num_processes).")
-_TIMEOUT = flags.DEFINE_integer("distributed_timeout_s", 300, "With --distributed: seconds to wait for the coordinator.")
-_HEARTBEAT = flags.DEFINE_integer("heartbeat_timeout_s", 100, "With --distributed: a process silent this long "
-                                  "counts as dead and ends the job.")
+_TIMEOUT = flags.DEFINE_integer(
+    "distributed_timeout_s", 300, "With --distributed: seconds to wait for the coordinator."
+)
+_HEARTBEAT = flags.DEFINE_integer(
+    "heartbeat_timeout_s", 100, "With --distributed: a process silent this long counts as dead and ends the job."
+)
 
 
 def initialize() -> bool:
@@ -29,15 +35,23 @@ def initialize() -> bool:
     Raises:
       app.UsageError-like ValueError: --coordinator_address etc. without --distributed.
     """
-    explicit = {"--coordinator_address": _COORDINATOR.value, "--num_processes": _NUM_PROCESSES.value,
-                "--process_id": _PROCESS_ID.value}
+    explicit = {
+        "--coordinator_address": _COORDINATOR.value,
+        "--num_processes": _NUM_PROCESSES.value,
+        "--process_id": _PROCESS_ID.value,
+    }
     if not _DISTRIBUTED.value:
         given = [k for k, v in explicit.items() if v is not None]
         if given:
             raise ValueError(f"{', '.join(given)} given without --distributed")
         return False
-    multihost.initialize(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value,
-                         timeout_s=_TIMEOUT.value, heartbeat_timeout_s=_HEARTBEAT.value)
+    multihost.initialize(
+        _COORDINATOR.value,
+        _NUM_PROCESSES.value,
+        _PROCESS_ID.value,
+        timeout_s=_TIMEOUT.value,
+        heartbeat_timeout_s=_HEARTBEAT.value,
+    )
     return True
 
 

@@ -22,10 +22,14 @@ from launch import _config, _distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by launch.train.")
-_PROCESS_INDEX = flags.DEFINE_integer("process_index", None, "This writer's index in [0, process_count) "
-                                      "(default 0; under --distributed: jax.process_index()).")
-_PROCESS_COUNT = flags.DEFINE_integer("process_count", None, "Number of writer processes "
-                                      "(default 1; under --distributed: jax.process_count()).")
+_PROCESS_INDEX = flags.DEFINE_integer(
+    "process_index",
+    None,
+    "This writer's index in [0, process_count) (default 0; under --distributed: jax.process_index()).",
+)
+_PROCESS_COUNT = flags.DEFINE_integer(
+    "process_count", None, "Number of writer processes (default 1; under --distributed: jax.process_count())."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -36,8 +40,14 @@ def main(argv):
     from trackstar_jax import index  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, local devices: %s", jax.process_index(), jax.process_count(), jax.local_devices())
-    summary = _distributed.run(lambda: index.build_index(
-        _config.settings(_CONFIG), _WORKDIR.value, process_index=_PROCESS_INDEX.value, process_count=_PROCESS_COUNT.value))
+    summary = _distributed.run(
+        lambda: index.build_index(
+            _config.settings(_CONFIG),
+            _WORKDIR.value,
+            process_index=_PROCESS_INDEX.value,
+            process_count=_PROCESS_COUNT.value,
+        )
+    )
     print(json.dumps(summary))
 
 

@@ -34,8 +34,10 @@ def main(argv):
     table = evaluation.evaluate(settings, _WORKDIR.value)
     out = report.eval_dir(settings, _WORKDIR.value)
     print((out / "table.md").read_text())
-    print(f"wrote {out / 'table.json'} ({len(table['rows'])} rows, "
-          f"{table['num_queries']} queries, {table['seconds']:.0f}s)")
+    print(
+        f"wrote {out / 'table.json'} ({len(table['rows'])} rows, "
+        f"{table['num_queries']} queries, {table['seconds']:.0f}s)"
+    )
 
 
 if __name__ == "__main__":

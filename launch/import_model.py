@@ -27,8 +27,10 @@ def main(argv):
 
     summary = importer.import_model(_config.settings(_CONFIG), _WORKDIR.value)
     m, v = summary["model"], summary["second_moment"]
-    print(f"imported {summary['path']}: {m['arch']}, {summary['num_params']} parameters, "
-          f"{m['num_layers']} layers x {m['embed_dim']}, vocab {m['vocab_size']} (tokenizer {summary['tokenizer_vocab_size']})")
+    print(
+        f"imported {summary['path']}: {m['arch']}, {summary['num_params']} parameters, "
+        f"{m['num_layers']} layers x {m['embed_dim']}, vocab {m['vocab_size']} (tokenizer {summary['tokenizer_vocab_size']})"
+    )
     print(f"corpus: {summary['num_examples']} examples; V: {json.dumps(v)}")
     print(f"wall time {summary['wall_seconds']:.1f} s")
 

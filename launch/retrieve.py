@@ -23,7 +23,9 @@ from trackstar_jax import evaluation
 from trackstar_jax.distributed import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index)."
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 

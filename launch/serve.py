@@ -14,7 +14,9 @@ from launch import _config
 from trackstar_jax.distributed import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
-_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Run directory (trained by launch.train, indexed by launch.build_index)."
+)
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Address to bind (anything but loopback exposes the run).")
 _PORT = flags.DEFINE_integer("port", 8765, "Port to bind.")
 flags.mark_flags_as_required(["config", "workdir"])
@@ -32,8 +34,11 @@ def main(argv):
 
     multihost.require_single_process("launch.serve")
     if _HOST.value not in LOOPBACK:
-        logging.warning("serve: binding %s: the explorer has no authentication; anyone who can reach this "
-                        "address can query the model and read the workdir's retrieval files", _HOST.value)
+        logging.warning(
+            "serve: binding %s: the explorer has no authentication; anyone who can reach this "
+            "address can query the model and read the workdir's retrieval files",
+            _HOST.value,
+        )
     engine = engine_lib.Engine(_config.settings(_CONFIG), _WORKDIR.value)
     logging.info("serve: methods %s (not offered: %s)", engine.methods, engine.skipped)
     print(f"proponent explorer: http://{_HOST.value}:{_PORT.value}/", flush=True)

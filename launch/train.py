@@ -26,8 +26,10 @@ def main(argv):
 
     logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     summary = _distributed.run(lambda: training.train(_config.settings(_CONFIG), _WORKDIR.value))
-    print(f"step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}, "
-          f"fact accuracy {summary['fact_accuracy']} over {summary['num_fact_prompts']} prompts")
+    print(
+        f"step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}, "
+        f"fact accuracy {summary['fact_accuracy']} over {summary['num_fact_prompts']} prompts"
+    )
     for r in summary["completions"]:
         print(f"  {'OK' if r['correct'] else '--'}  {r['prompt']!r} -> {r['completion']!r}  (target {r['target']!r})")
 

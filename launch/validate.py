@@ -22,8 +22,11 @@ from trackstar_jax.distributed import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory written by launch.train.")
-_PROCESS_INDEX = flags.DEFINE_integer("process_index", 0, "This process's index in [0, process_count): "
-                                      "it retrains subsets i with i % process_count == process_index.")
+_PROCESS_INDEX = flags.DEFINE_integer(
+    "process_index",
+    0,
+    "This process's index in [0, process_count): it retrains subsets i with i % process_count == process_index.",
+)
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "Number of independent processes sharing the subsets.")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -35,8 +38,12 @@ def main(argv):
     from trackstar_jax.evaluation import lds
 
     logging.info("devices: %s", jax.devices())
-    out = lds.validate(_config.settings(_CONFIG), _WORKDIR.value, process_index=_PROCESS_INDEX.value,
-                       process_count=_PROCESS_COUNT.value)
+    out = lds.validate(
+        _config.settings(_CONFIG),
+        _WORKDIR.value,
+        process_index=_PROCESS_INDEX.value,
+        process_count=_PROCESS_COUNT.value,
+    )
     if "report" in out:
         print(pathlib.Path(out["report"]).read_text())
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}))

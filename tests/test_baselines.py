@@ -37,7 +37,9 @@ def _reference_lucene_bm25(texts, query, k1=1.2, b=0.75):
     return out
 
 
-@pytest.mark.parametrize("query", ["Allan Peiper was born in Alexandra", "cyclist Australia", "painter Paris Lyon", "zzz"])
+@pytest.mark.parametrize(
+    "query", ["Allan Peiper was born in Alexandra", "cyclist Australia", "painter Paris Lyon", "zzz"]
+)
 def test_scores_match_lucene_formula(query):
     bm = baselines.BM25(PASSAGES)
     np.testing.assert_allclose(bm.scores(query), _reference_lucene_bm25(PASSAGES, query), rtol=1e-5, atol=1e-6)
@@ -79,10 +81,12 @@ def test_importing_the_package_does_not_start_jax(tmp_path):
     import subprocess
     import sys
 
-    code = ("import importlib, pkgutil, trackstar_jax\n"
-            "from jax._src import xla_bridge\n"
-            "for m in pkgutil.iter_modules(trackstar_jax.__path__):\n"
-            "    importlib.import_module('trackstar_jax.' + m.name)\n"
-            "    assert not xla_bridge.backends_are_initialized(), m.name\n")
+    code = (
+        "import importlib, pkgutil, trackstar_jax\n"
+        "from jax._src import xla_bridge\n"
+        "for m in pkgutil.iter_modules(trackstar_jax.__path__):\n"
+        "    importlib.import_module('trackstar_jax.' + m.name)\n"
+        "    assert not xla_bridge.backends_are_initialized(), m.name\n"
+    )
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-2000:]

@@ -59,8 +59,12 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
     # R_train is the block autocorrelation of exactly these rows.
     r = reader.r_train()
     k2 = vec_cfg.proj_dim**2
-    blocks = np.stack([got[:, b * k2:(b + 1) * k2].astype(np.float64).T @ got[:, b * k2:(b + 1) * k2]
-                       for b in range(2 * vec_cfg.num_blocks)])
+    blocks = np.stack(
+        [
+            got[:, b * k2 : (b + 1) * k2].astype(np.float64).T @ got[:, b * k2 : (b + 1) * k2]
+            for b in range(2 * vec_cfg.num_blocks)
+        ]
+    )
     assert r.count == n
     np.testing.assert_allclose(r.total, blocks, rtol=1e-5, atol=1e-6 * np.abs(blocks).max())
 
@@ -71,9 +75,22 @@ def test_manifest_identifies_the_run(run_dir, f32_index):
     m = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir)).manifest
     assert m["model"]["checkpoint_step"] == 3
     assert m["model"]["fingerprint"] == index.tree_fingerprint({"params": run.params, "opt_state": run.opt_state})
-    assert m["vectors"] | {} == {"output_fn": "loss", "num_blocks": 2, "proj_dim": 8, "proj_seed": 0, "correction": True,
-                                 "path": "fast", "dim": 256, "num_blocks_total": 4, "block_dim": 64}
-    assert m["corpus"] == {"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)}
+    assert m["vectors"] | {} == {
+        "output_fn": "loss",
+        "num_blocks": 2,
+        "proj_dim": 8,
+        "proj_seed": 0,
+        "correction": True,
+        "path": "fast",
+        "dim": 256,
+        "num_blocks_total": 4,
+        "block_dim": 64,
+    }
+    assert m["corpus"] == {
+        "name": run.corpus.name,
+        "fingerprint": run.corpus.fingerprint,
+        "num_examples": len(run.corpus.examples),
+    }
     assert m["storage"]["dtype"] == "float32" and m["code_version"]
     expect = {"model": {"fingerprint": m["model"]["fingerprint"]}, "vectors": {"proj_seed": 0, "dim": 256}}
     index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir), expect=expect)
@@ -102,7 +119,9 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
     assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
     reader = index.open_index(path)
     rows, scale = reader.read_block(0, reader.num_rows)
-    f32 = index.open_index(build.index_dir(config_lib.from_configdict(f32_index[0]), run_dir)).read_dequantized(0, reader.num_rows)
+    f32 = index.open_index(build.index_dir(config_lib.from_configdict(f32_index[0]), run_dir)).read_dequantized(
+        0, reader.num_rows
+    )
     assert scale is None and rows.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(rows.view(np.uint16), f32.astype(ml_dtypes.bfloat16).view(np.uint16))
     report = index.verify_index(build.index_dir(config_lib.from_configdict(c), run_dir))
@@ -114,7 +133,9 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
     other = _config()
     other.index.dtype, other.index.dir = "float32", "index_f32"
     other.vectors.proj_seed = 1
-    with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'vectors.proj_seed' is 0 in the index but 1"):
+    with pytest.raises(
+        index.IndexMismatchError, match=r"refusing to resume .*'vectors.proj_seed' is 0 in the index but 1"
+    ):
         build.build_index(config_lib.from_configdict(other), run_dir)
     other.vectors.proj_seed, other.vectors.correction = 0, False
     with pytest.raises(index.IndexMismatchError, match=r"'model.fingerprint'|'vectors.correction'"):

@@ -43,8 +43,11 @@ def _train(cfg, steps):
     step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, opt=opt))
     rng = np.random.default_rng(0)
     for _ in range(steps):
-        batch = {"tokens": rng.integers(4, cfg.model.vocab_size, (4, 16)).astype(np.int32),
-                 "loss_mask": np.ones((4, 16), np.int32), "example_id": np.arange(4, dtype=np.int32)}
+        batch = {
+            "tokens": rng.integers(4, cfg.model.vocab_size, (4, 16)).astype(np.int32),
+            "loss_mask": np.ones((4, 16), np.int32),
+            "example_id": np.arange(4, dtype=np.int32),
+        }
         state, _ = step(state, batch)
     return model_cfg, opt, state
 
@@ -123,8 +126,11 @@ def test_run_config_guards_the_workdir(tiny_config, tmp_path):
     assert (tmp_path / "config.json").stat().st_mtime_ns == before
     tiny_config.train.learning_rate = 0.5
     tiny_config.data.embedded.num_facts = 7
-    with pytest.raises(ValueError, match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "
-                                         r"train\.learning_rate: saved 0\.01, now 0\.5"):
+    with pytest.raises(
+        ValueError,
+        match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "
+        r"train\.learning_rate: saved 0\.01, now 0\.5",
+    ):
         checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
     with pytest.raises(FileNotFoundError, match="no run config"):
         config_lib.load_run_settings(tmp_path / "nothing")

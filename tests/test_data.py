@@ -67,7 +67,9 @@ def test_embedded_gold_evidence_is_exact(embedded):
     # Distractors exist and state no fact: they complete no fact's prompt at all.
     distractors = [t for i, t in enumerate(texts) if i not in evidence]
     assert len(distractors) == 200
-    prompts = [data.fill_template(tpl, f.subject) + " " for f in embedded.facts for tpl in embedded.templates[f.relation]]
+    prompts = [
+        data.fill_template(tpl, f.subject) + " " for f in embedded.facts for tpl in embedded.templates[f.relation]
+    ]
     assert not any(p in t for p in prompts for t in distractors)
     # Facts are functional: one object per (subject, relation).
     assert len({(f.subject, f.relation) for f in embedded.facts}) == len(embedded.facts)
@@ -95,11 +97,14 @@ def test_embedded_names_are_pronounceable_and_unique(embedded):
         assert not any(b != a and b.startswith(a + " ") for b in objs)
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("phrasings_per_fact", 9, "phrasings_per_fact"),
-    ("num_facts", 100_000, "num_facts"),
-    ("num_entities", 3, "num_entities"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("phrasings_per_fact", 9, "phrasings_per_fact"),
+        ("num_facts", 100_000, "num_facts"),
+        ("num_entities", 3, "num_entities"),
+    ],
+)
 def test_embedded_bad_sizes_name_the_key(tiny_config, key, value, match):
     setattr(tiny_config.data.embedded, key, value)
     with pytest.raises(ValueError, match=match):
@@ -129,17 +134,25 @@ def test_unknown_data_keys_are_named(tiny_config):
 
 def test_text_and_jsonl_sources(tmp_path):
     (tmp_path / "a.txt").write_text("first passage\n\n  second passage  \nthird\n")
-    c = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "a.txt"), "eval_fraction": 0.0}), 0)
+    c = data.build_corpus(
+        config_lib.section("data", {"source": "text", "path": str(tmp_path / "a.txt"), "eval_fraction": 0.0}), 0
+    )
     assert c.texts == ["first passage", "second passage", "third"] and c.facts == []
     d = tmp_path / "j"
     d.mkdir()
     (d / "0.jsonl").write_text("\n".join(json.dumps({"body": f"doc {i}"}) for i in range(5)) + "\n")
     with gzip.open(d / "1.jsonl.gz", "wt") as f:
         f.write(json.dumps({"body": "zipped doc"}) + "\n")
-    c = data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0,
-                           "max_examples": 4}), 0)
+    c = data.build_corpus(
+        config_lib.section(
+            "data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0, "max_examples": 4}
+        ),
+        0,
+    )
     assert c.texts == ["doc 0", "doc 1", "doc 2", "doc 3"]
-    c = data.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0}), 0)
+    c = data.build_corpus(
+        config_lib.section("data", {"source": "jsonl", "path": str(d), "text_key": "body", "eval_fraction": 0.0}), 0
+    )
     assert c.texts[-1] == "zipped doc" and len(c.examples) == 6
 
 
@@ -160,11 +173,15 @@ def test_bad_passages_are_named(tmp_path):
 def test_eval_split_is_by_content_and_keeps_every_fact(tmp_path):
     texts = [f"passage number {i}" for i in range(400)]
     (tmp_path / "t.txt").write_text("\n".join(texts))
-    c = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "t.txt"), "eval_fraction": 0.2}), 0)
+    c = data.build_corpus(
+        config_lib.section("data", {"source": "text", "path": str(tmp_path / "t.txt"), "eval_fraction": 0.2}), 0
+    )
     assert 40 < len(c.eval_texts) < 120 and sorted(c.texts + list(c.eval_texts)) == sorted(texts)
     # Same held-out set whatever the file order (hash of content).
     (tmp_path / "r.txt").write_text("\n".join(texts[::-1]))
-    r = data.build_corpus(config_lib.section("data", {"source": "text", "path": str(tmp_path / "r.txt"), "eval_fraction": 0.2}), 0)
+    r = data.build_corpus(
+        config_lib.section("data", {"source": "text", "path": str(tmp_path / "r.txt"), "eval_fraction": 0.2}), 0
+    )
     assert set(r.eval_texts) == set(c.eval_texts)
     # A fact's last evidence passage is never held out; evidence ids are renumbered.
     facts = [data.Fact(f"f{i}", "s", "r", "o", ("o",), ("s",), (i,)) for i in range(400)]
@@ -187,31 +204,65 @@ def _write_lama(root, rows_by_rel):
 
 
 def _fact(uuid, sub, obj, rel, sentences):
-    return {"uuid": uuid, "sub_label": sub, "obj_label": obj, "predicate_id": rel, "sub_uri": "Q1", "obj_uri": "Q2",
-            "evidences": [{"sub_surface": sub, "obj_surface": surf, "masked_sentence": s} for surf, s in sentences]}
+    return {
+        "uuid": uuid,
+        "sub_label": sub,
+        "obj_label": obj,
+        "predicate_id": rel,
+        "sub_uri": "Q1",
+        "obj_uri": "Q2",
+        "evidences": [{"sub_surface": sub, "obj_surface": surf, "masked_sentence": s} for surf, s in sentences],
+    }
 
 
 def test_lama_reader_on_a_small_copy(tmp_path):
-    _write_lama(tmp_path, {
-        "P19": [_fact("a", "Ann Lee", "Paris", "P19", [("Paris", "Ann Lee was born in [MASK]."),
-                                                       ("Paris, France", "Born in [MASK], Ann Lee sang."),
-                                                       ("Paris", "Ann Lee was born in [MASK].")]),
-                _fact("b", "Bo Wu", "Rome", "P19", [("Rome", "Bo Wu (born in [MASK]) ran.")])],
-        "P20": [_fact("c", "Ann Lee", "Oslo", "P20", [("Oslo", "Ann Lee died in [MASK]."),
-                                                      ("Paris", "Born in [MASK], Ann Lee sang.")])],
-    })
+    _write_lama(
+        tmp_path,
+        {
+            "P19": [
+                _fact(
+                    "a",
+                    "Ann Lee",
+                    "Paris",
+                    "P19",
+                    [
+                        ("Paris", "Ann Lee was born in [MASK]."),
+                        ("Paris, France", "Born in [MASK], Ann Lee sang."),
+                        ("Paris", "Ann Lee was born in [MASK]."),
+                    ],
+                ),
+                _fact("b", "Bo Wu", "Rome", "P19", [("Rome", "Bo Wu (born in [MASK]) ran.")]),
+            ],
+            "P20": [
+                _fact(
+                    "c",
+                    "Ann Lee",
+                    "Oslo",
+                    "P20",
+                    [("Oslo", "Ann Lee died in [MASK]."), ("Paris", "Born in [MASK], Ann Lee sang.")],
+                )
+            ],
+        },
+    )
     cfg = {"source": "lama", "path": str(tmp_path), "eval_fraction": 0.0}
     c = data.build_corpus(config_lib.section("data", cfg), 0)
     # round-robin over relations: P19 fact a, P20 fact c, P19 fact b; duplicates removed
-    assert c.texts == ["Ann Lee was born in Paris.", "Born in Paris, France, Ann Lee sang.", "Ann Lee died in Oslo.",
-                       "Born in Paris, Ann Lee sang.", "Bo Wu (born in Rome) ran."]
+    assert c.texts == [
+        "Ann Lee was born in Paris.",
+        "Born in Paris, France, Ann Lee sang.",
+        "Ann Lee died in Oslo.",
+        "Born in Paris, Ann Lee sang.",
+        "Bo Wu (born in Rome) ran.",
+    ]
     a, cc, b = c.facts
     assert (a.fact_id, a.evidence_ids, a.object_aliases) == ("a", (0, 1), ("Paris", "Paris, France"))
     assert (cc.relation, cc.evidence_ids) == ("P20", (2, 3))
     assert b.evidence_ids == (4,) and c.templates == {}
     only = data.build_corpus(config_lib.section("data", dict(cfg, relations="P20")), 0)
     assert [f.fact_id for f in only.facts] == ["c"]
-    capped = data.build_corpus(config_lib.section("data", dict(cfg, max_examples=4)), 0)  # stops before the fact that overflows
+    capped = data.build_corpus(
+        config_lib.section("data", dict(cfg, max_examples=4)), 0
+    )  # stops before the fact that overflows
     assert len(capped.examples) == 4 and [f.fact_id for f in capped.facts] == ["a", "c"]
     with pytest.raises(ValueError, match="P99"):
         data.build_corpus(config_lib.section("data", dict(cfg, relations="P99")), 0)
@@ -251,9 +302,13 @@ def test_seqio_source(tmp_path):
     texts = ["alpha beta", "gamma delta", "epsilon"]
     name = "trackstar_test_task"
     if name not in seqio.TaskRegistry.names():
-        seqio.TaskRegistry.add(name, source=seqio.FunctionDataSource(
-            lambda split, shuffle_files: tf.data.Dataset.from_tensor_slices({"text": texts}), splits=["train"]),
-            output_features={})
+        seqio.TaskRegistry.add(
+            name,
+            source=seqio.FunctionDataSource(
+                lambda split, shuffle_files: tf.data.Dataset.from_tensor_slices({"text": texts}), splits=["train"]
+            ),
+            output_features={},
+        )
     c = data.build_corpus(config_lib.section("data", {"source": "seqio", "seqio_task": name, "eval_fraction": 0.0}), 0)
     assert c.texts == texts
 
@@ -352,7 +407,7 @@ def test_train_batches_are_seeded_shuffled_and_resumable(embedded, tok):
     ids = np.concatenate([b["example_id"] for b in first])
     assert sorted(ids[:n].tolist()) == list(range(n))  # an epoch visits every example once
     assert ids[:n].tolist() != list(range(n))  # shuffled
-    assert ids[:n].tolist() != ids[n:2 * n].tolist()  # reshuffled per epoch
+    assert ids[:n].tolist() != ids[n : 2 * n].tolist()  # reshuffled per epoch
     again = data.train_batches(embedded, tok, 40, 48, seed=3, start_step=5)
     resumed = [next(again) for _ in range(3)]
     assert all(np.array_equal(resumed[i][k], first[5 + i][k]) for i in range(3) for k in ("tokens", "example_id"))

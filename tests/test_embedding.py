@@ -13,7 +13,9 @@ from trackstar_jax import data as data
 from trackstar_jax import evaluation
 from trackstar_jax.evaluation import baselines, embedding, rows
 
-needs_model = pytest.mark.skipif(not embedding.is_available(), reason=f"model not installed: {embedding.INSTALL_COMMAND}")
+needs_model = pytest.mark.skipif(
+    not embedding.is_available(), reason=f"model not installed: {embedding.INSTALL_COMMAND}"
+)
 
 SENTENCES = [
     "Allan Peiper was born in Alexandra.",
@@ -60,8 +62,11 @@ def _reference_embed(directory, ids_list):
     out = []
     for ids in ids_list:
         t = len(ids)
-        h = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:t] + \
-            w["embeddings.token_type_embeddings.weight"][0]
+        h = (
+            w["embeddings.word_embeddings.weight"][ids]
+            + w["embeddings.position_embeddings.weight"][:t]
+            + w["embeddings.token_type_embeddings.weight"][0]
+        )
         h = ln(h, "embeddings.LayerNorm")
         for layer in range(cfg["num_hidden_layers"]):
             p = f"encoder.layer.{layer}."
@@ -158,6 +163,7 @@ def test_dense_topk_ties_by_lower_id(encoder):
 @needs_model
 def test_pipeline_caches_passage_embeddings(encoder, tmp_path, caplog):
     corpus = data.generate_embedded(data.EmbeddedConfig(num_facts=10, num_distractors=10), seed=0)
+
     def ctx(run):
         return rows.Context(settings=None, workdir=tmp_path, run=run, mesh=None)
 
@@ -167,15 +173,28 @@ def test_pipeline_caches_passage_embeddings(encoder, tmp_path, caplog):
     assert manifest["corpus_fingerprint"] == corpus.fingerprint and manifest["num_rows"] == len(corpus.texts)
     np.save(tmp_path / rows.DENSE_DIR / "embeddings.npy", first.embeddings * 0)  # a reused cache is read back
     assert not rows.dense_index(ctx(run)).embeddings.any()
-    other = types.SimpleNamespace(corpus=data.generate_embedded(data.EmbeddedConfig(num_facts=10, num_distractors=10), seed=1))
+    other = types.SimpleNamespace(
+        corpus=data.generate_embedded(data.EmbeddedConfig(num_facts=10, num_distractors=10), seed=1)
+    )
     again = rows.dense_index(ctx(other))  # another corpus: recomputed, replaced
-    assert again.embeddings.any() and json.loads((tmp_path / rows.DENSE_DIR / "manifest.json").read_text())[
-        "corpus_fingerprint"] == other.corpus.fingerprint
+    assert (
+        again.embeddings.any()
+        and json.loads((tmp_path / rows.DENSE_DIR / "manifest.json").read_text())["corpus_fingerprint"]
+        == other.corpus.fingerprint
+    )
 
 
 def test_bucket_lengths():
-    assert [embedding.bucket_length(n, 256) for n in (1, 16, 17, 33, 100, 129, 256, 300)] == \
-        [16, 16, 32, 64, 128, 256, 256, 256]
+    assert [embedding.bucket_length(n, 256) for n in (1, 16, 17, 33, 100, 129, 256, 300)] == [
+        16,
+        16,
+        32,
+        64,
+        128,
+        256,
+        256,
+        256,
+    ]
     assert embedding.bucket_length(200, 200) == 200
 
 

@@ -11,8 +11,9 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax.models import palm as model
 
-EXPERIMENTS = sorted(p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")
-                     if p.stem != "__init__")
+EXPERIMENTS = sorted(
+    p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py") if p.stem != "__init__"
+)
 
 
 def test_the_expected_configs_exist():

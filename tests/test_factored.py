@@ -23,8 +23,16 @@ pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
 
 def _setup(tied: bool, min_dim: int, head_dim: int = 16, steps: int = 3, optimizer: str = "adafactor"):
     """A tiny model after a few real optimizer steps (a realistic second-moment state)."""
-    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2, head_dim=head_dim,
-                             mlp_dim=64, max_len=16, tie_embeddings=tied)
+    cfg = model_lib.LMConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=head_dim,
+        mlp_dim=64,
+        max_len=16,
+        tie_embeddings=tied,
+    )
     if optimizer == "adafactor":
         opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=min_dim, warmup_steps=1))
     else:
@@ -54,8 +62,7 @@ def _state(tied, min_dim, head_dim=16, optimizer="adafactor"):
 
 def _both(cfg, graphdef, state, vec_cfg, batch, exact):
     plan = vectors.make_block_plan(state.params, cfg, vec_cfg)
-    corr = (pc.from_opt_state(state.params, state.opt_state, plan.paths, exact=exact)
-            if vec_cfg.correction else None)
+    corr = pc.from_opt_state(state.params, state.opt_state, plan.paths, exact=exact) if vec_cfg.correction else None
     kw = dict(graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn, seed=vec_cfg.proj_seed)
     with jax.default_matmul_precision("highest"):
         fast = factored.factored_vectors(state.params, corr, batch, **kw)
@@ -124,8 +131,17 @@ def test_fast_equals_reference_with_projection_bigger_than_matrices():
 
 def test_uneven_blocks_and_layer_norm():
     # 3 layers in 2 blocks (layers {0, 1} and {2}), LayerNorm: the plan and both paths still agree.
-    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=3, embed_dim=32, num_heads=2, head_dim=16,
-                             mlp_dim=64, max_len=16, tie_embeddings=True, norm="layer")
+    cfg = model_lib.LMConfig(
+        vocab_size=VOCAB,
+        num_layers=3,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        tie_embeddings=True,
+        norm="layer",
+    )
     opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
     graphdef, state = train.init_state(cfg, opt, seed=1)
     state, _ = train.train_step(state, _batch(5, B, T), graphdef=graphdef, opt=opt)
@@ -159,13 +175,40 @@ def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
 # Imported architectures (issue 11): biases (dense and LayerNorm) are attributed parameters,
 # and the factored path must reproduce the reference for them as for kernels and scales.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(arch="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
-                                num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16, qkv_bias=True, out_bias=True,
-                                mlp_bias=True, tie_embeddings=True),
-    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2,
-                                   head_dim=16, mlp_dim=64, max_len=16, norm="layer", norm_bias=True, qkv_bias=True,
-                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=True,
-                                   activation="gelu", tie_embeddings=False),
+    "llama": model_lib.LMConfig(
+        arch="llama",
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        max_len=16,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=True,
+    ),
+    "gpt_neox": model_lib.LMConfig(
+        arch="gpt_neox",
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        norm="layer",
+        norm_bias=True,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        rotary_pct=0.25,
+        parallel_residual=True,
+        activation="gelu",
+        tie_embeddings=False,
+    ),
 }
 
 

@@ -35,12 +35,23 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # The run's settings as flags: the subprocess build gets exactly the in-process config.
 OVERRIDES = {
-    "data.embedded.num_facts": 30, "data.embedded.num_distractors": 40,
-    "train.num_steps": 3, "train.log_every_steps": 3, "train.eval_every_steps": 3, "train.checkpoint_every_steps": 3,
-    "train.num_completions": 0, "train.max_new_tokens": 2, "train.max_fact_prompts": 4,
-    "vectors.batch_size": 8, "index.chunk_rows": 4, "index.r_every_chunks": 1,
+    "data.embedded.num_facts": 30,
+    "data.embedded.num_distractors": 40,
+    "train.num_steps": 3,
+    "train.log_every_steps": 3,
+    "train.eval_every_steps": 3,
+    "train.checkpoint_every_steps": 3,
+    "train.num_completions": 0,
+    "train.max_new_tokens": 2,
+    "train.max_fact_prompts": 4,
+    "vectors.batch_size": 8,
+    "index.chunk_rows": 4,
+    "index.r_every_chunks": 1,
 }
-QUERIES = [{"prompt": "The capital of France is", "target": " Paris"}, {"prompt": "Ann Lee was born in", "target": " Rome"}]
+QUERIES = [
+    {"prompt": "The capital of France is", "target": " Paris"},
+    {"prompt": "Ann Lee was born in", "target": " Rome"},
+]
 
 
 def _settings(**more) -> config_lib.Settings:
@@ -92,8 +103,11 @@ def _truncate(path: pathlib.Path) -> None:
 
 
 def _snapshot(workdir: pathlib.Path) -> dict:
-    return {str(p.relative_to(workdir)): p.read_bytes() for p in sorted(workdir.rglob("*"))
-            if p.is_file() and "checkpoints" not in p.parts and p.name != "metrics.jsonl"}
+    return {
+        str(p.relative_to(workdir)): p.read_bytes()
+        for p in sorted(workdir.rglob("*"))
+        if p.is_file() and "checkpoints" not in p.parts and p.name != "metrics.jsonl"
+    }
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,7 +162,9 @@ def test_damaged_r_train(work):
     _flip(work / "index" / "r_train.npy", offset=-8)
     with pytest.raises(store.IndexCorruptError, match=r"r_train\.npy does not match the sha256 .*rerun build_index"):
         _retrieve(work)
-    with pytest.raises(store.IndexCorruptError, match=r"failed verification:\n.*r_train\.npy does not match the sha256"):
+    with pytest.raises(
+        store.IndexCorruptError, match=r"failed verification:\n.*r_train\.npy does not match the sha256"
+    ):
         store.verify_index(work / "index", recompute_r=False)
 
 
@@ -269,14 +285,19 @@ def test_nan_checkpoint_is_neither_saved_nor_resumed(work):
     step, state = mngr.restore_latest(target)
     key_path, _ = jax.tree_util.tree_leaves_with_path(state.params)[0]
     bad = jax.tree_util.tree_map_with_path(
-        lambda p, v: v.at[(0,) * v.ndim].set(jnp.nan) if p == key_path else v, state.params)
+        lambda p, v: v.at[(0,) * v.ndim].set(jnp.nan) if p == key_path else v, state.params
+    )
     (path,) = [p.removeprefix("params/") for p in checkpoint.nonfinite_leaves({"params": bad})]
     nan_state = state.replace(params=bad, step=jnp.asarray(step + 1, jnp.int32))
     with pytest.raises(FloatingPointError, match=rf"refusing to save step {step + 1}.*params/{path}"):
         mngr.save(nan_state, s)
     # Written past the check (as a crashed older version might have): never resumed.
-    mngr._mngr.save(step + 1, args=ocp.args.Composite(state=ocp.args.StandardSave(nan_state),
-                                                      config=ocp.args.JsonSave(config_lib.to_dict(s))))
+    mngr._mngr.save(
+        step + 1,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(nan_state), config=ocp.args.JsonSave(config_lib.to_dict(s))
+        ),
+    )
     mngr.close()
     with pytest.raises(FloatingPointError, match=rf"checkpoint .*/{step + 1} holds non-finite values in params/{path}"):
         training.train(_settings(**{"train.num_steps": step + 3}), work)
@@ -306,11 +327,18 @@ def test_lost_chunk_of_a_finished_index_is_rewritten(work):
 def test_two_writers_and_kill9_resume_byte_identical(work):
     flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + ["--config.index.dir=index_kill"]
     # The same devices (conftest's XLA_FLAGS) and compile flags as this process, so the same bits.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu",
-           "JAX_DISABLE_MOST_OPTIMIZATIONS": str(jax.config.read("jax_disable_most_optimizations"))}
-    proc = subprocess.Popen([sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py",
-                             f"--workdir={work}", *flags], cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": str(jax.config.read("jax_disable_most_optimizations")),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py", f"--workdir={work}", *flags],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     index = work / "index_kill"
     try:
         deadline = time.time() + 240
@@ -336,8 +364,20 @@ def test_two_writers_and_kill9_resume_byte_identical(work):
 
 
 def test_config_flag_typo_is_one_line():
-    out = subprocess.run([sys.executable, "-m", "launch.retrieve", "--config=experiments/tiny.py", "--workdir=/nonexistent",
-                          "--config.vectors.proj_sed=5"], cwd=REPO, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "launch.retrieve",
+            "--config=experiments/tiny.py",
+            "--workdir=/nonexistent",
+            "--config.vectors.proj_sed=5",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert 'Did you mean "proj_seed"' in out.stderr and "--config.vectors.proj_sed=5" in out.stderr

@@ -41,7 +41,8 @@ def reference(smollm2_path):
     transformers = pytest.importorskip("transformers", reason="transformers is needed for the reference")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32)
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return model.config, state
 
@@ -80,15 +81,35 @@ def test_smollm2_qk_rows_are_unpermuted(ours, smollm2_path):
 def test_smollm2_config_equals_transformers(ours, reference):
     config, _ = ours
     ref, _ = reference
-    for key in ("model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
-                "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-                "tie_word_embeddings", "bos_token_id", "eos_token_id", "pad_token_id", "hidden_act"):
+    for key in (
+        "model_type",
+        "num_hidden_layers",
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "max_position_embeddings",
+        "vocab_size",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "hidden_act",
+    ):
         assert config[key] == getattr(ref, key), key
     # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at top level.
     ref_theta = getattr(ref, "rope_parameters", None) or {"rope_theta": ref.rope_theta}
     assert config["rope_theta"] == ref_theta["rope_theta"] == 100000.0
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["intermediate_size"], config["vocab_size"]) == (30, 576, 9, 3, 1536, 49152)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["intermediate_size"],
+        config["vocab_size"],
+    ) == (30, 576, 9, 3, 1536, 49152)
 
 
 def test_smollm2_bfloat16(smollm2_path, ours):
@@ -120,21 +141,37 @@ def _reference_permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _tiny_hf_tensors(seed: int = 0, untied: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
-    cfg = {"hidden_size": _TINY["hidden"], "intermediate_size": _TINY["ffn"], "vocab_size": _TINY["vocab"],
-           "num_attention_heads": _TINY["heads"], "num_key_value_heads": _TINY["kv_heads"],
-           "head_dim": _TINY["hidden"] // _TINY["heads"], "num_hidden_layers": _TINY["layers"],
-           "tie_word_embeddings": not untied}
+    cfg = {
+        "hidden_size": _TINY["hidden"],
+        "intermediate_size": _TINY["ffn"],
+        "vocab_size": _TINY["vocab"],
+        "num_attention_heads": _TINY["heads"],
+        "num_key_value_heads": _TINY["kv_heads"],
+        "head_dim": _TINY["hidden"] // _TINY["heads"],
+        "num_hidden_layers": _TINY["layers"],
+        "tie_word_embeddings": not untied,
+    }
     return {k: rng.standard_normal(s).astype(np.float32) for k, s in gguf_lib.expected_shapes(cfg).items()}
 
 
-def _write_tiny(path, hf: dict[str, np.ndarray], *, arch: str = "llama", skip_key: str | None = None,
-                overrides: dict | None = None, extra_tensor: tuple | None = None) -> None:
+def _write_tiny(
+    path,
+    hf: dict[str, np.ndarray],
+    *,
+    arch: str = "llama",
+    skip_key: str | None = None,
+    overrides: dict | None = None,
+    extra_tensor: tuple | None = None,
+) -> None:
     """A tiny Llama GGUF laid out as llama.cpp writes one (q/k rows permuted, GGUF names)."""
     w = gguf.GGUFWriter(str(path), arch)
     keys = {
-        f"{arch}.block_count": _TINY["layers"], f"{arch}.context_length": _TINY["ctx"],
-        f"{arch}.embedding_length": _TINY["hidden"], f"{arch}.feed_forward_length": _TINY["ffn"],
-        f"{arch}.attention.head_count": _TINY["heads"], f"{arch}.attention.head_count_kv": _TINY["kv_heads"],
+        f"{arch}.block_count": _TINY["layers"],
+        f"{arch}.context_length": _TINY["ctx"],
+        f"{arch}.embedding_length": _TINY["hidden"],
+        f"{arch}.feed_forward_length": _TINY["ffn"],
+        f"{arch}.attention.head_count": _TINY["heads"],
+        f"{arch}.attention.head_count_kv": _TINY["kv_heads"],
         f"{arch}.vocab_size": _TINY["vocab"],
     }
     keys.update(overrides or {})
@@ -148,7 +185,7 @@ def _write_tiny(path, hf: dict[str, np.ndarray], *, arch: str = "llama", skip_ke
     back.update({v: k for k, v in gguf_lib._LAYER_NAMES.items()})
     for name, t in hf.items():
         if name.startswith("model.layers."):
-            i, rest = name[len("model.layers."):].split(".", 1)
+            i, rest = name[len("model.layers.") :].split(".", 1)
             gname = f"blk.{i}.{back[rest]}"
         else:
             gname = back[name]
@@ -174,8 +211,14 @@ def test_tiny_roundtrip_undoes_llama_cpp_permutation(tmp_path, untied):
     for k in hf:
         np.testing.assert_array_equal(tensors[k], hf[k], err_msg=k)
     assert config["tie_word_embeddings"] is (not untied)
-    assert (config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"],
-            config["head_dim"], config["rope_theta"], config["vocab_size"]) == (2, 4, 2, 8, 5000.0, 40)
+    assert (
+        config["num_hidden_layers"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["rope_theta"],
+        config["vocab_size"],
+    ) == (2, 4, 2, 8, 5000.0, 40)
 
 
 def test_refuses_unsupported_quant_type(tmp_path):
@@ -188,8 +231,10 @@ def test_refuses_unsupported_quant_type(tmp_path):
         gguf_lib.load_gguf(tmp_path / "q.gguf")
 
 
-@pytest.mark.parametrize("missing", ["llama.block_count", "llama.embedding_length", "llama.context_length",
-                                     "llama.attention.layer_norm_rms_epsilon"])
+@pytest.mark.parametrize(
+    "missing",
+    ["llama.block_count", "llama.embedding_length", "llama.context_length", "llama.attention.layer_norm_rms_epsilon"],
+)
 def test_refuses_missing_metadata(tmp_path, missing):
     _write_tiny(tmp_path / "m.gguf", _tiny_hf_tensors(), skip_key=missing)
     with pytest.raises(ValueError, match=f"'{missing}' is missing"):
@@ -203,8 +248,9 @@ def test_refuses_unsupported_architecture(tmp_path):
 
 
 def test_refuses_unknown_tensor_and_wrong_shape(tmp_path):
-    _write_tiny(tmp_path / "u.gguf", _tiny_hf_tensors(),
-                extra_tensor=("rope_freqs.weight", np.ones(2, np.float32), None))
+    _write_tiny(
+        tmp_path / "u.gguf", _tiny_hf_tensors(), extra_tensor=("rope_freqs.weight", np.ones(2, np.float32), None)
+    )
     with pytest.raises(ValueError, match="rope_freqs.weight"):
         gguf_lib.load_gguf(tmp_path / "u.gguf")
     _write_tiny(tmp_path / "s.gguf", _tiny_hf_tensors(), overrides={"llama.feed_forward_length": 40})

@@ -21,8 +21,16 @@ pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _model(tied=False):
-    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2, head_dim=16,
-                             mlp_dim=64, max_len=16, tie_embeddings=tied)
+    cfg = model_lib.LMConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        tie_embeddings=tied,
+    )
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, seed=3))
     params = nnx.to_pure_dict(params)
     plan = vectors.make_block_plan(params, cfg, vectors.VectorConfig(num_blocks=2, proj_dim=4))
@@ -36,8 +44,8 @@ def _batch(seed, b, t, prompt=0, pad=0):
     mask = np.ones((b, t), np.float32)
     mask[:, : 1 + prompt] = 0
     if pad:
-        tokens[:, t - pad:] = model_lib.PAD_ID
-        mask[:, t - pad:] = 0
+        tokens[:, t - pad :] = model_lib.PAD_ID
+        mask[:, t - pad :] = 0
     return {"tokens": tokens, "loss_mask": mask}
 
 
@@ -52,11 +60,12 @@ def test_per_example_grads_match_a_loop_of_single_example_grads():
     with jax.default_matmul_precision("highest"):
         got = grads.per_example_grads(params, batch, plan, graphdef=graphdef)
         for i in range(B):
-            flat = model_lib.flat_params(single(params, {k: v[i:i + 1] for k, v in batch.items()}))
+            flat = model_lib.flat_params(single(params, {k: v[i : i + 1] for k, v in batch.items()}))
             assert "embed" not in got  # the token embedding is never attributed
             for path in plan.paths:
-                np.testing.assert_allclose(np.asarray(got[path][i]), np.asarray(flat[path]), rtol=1e-4,
-                                           atol=1e-6, err_msg=path)
+                np.testing.assert_allclose(
+                    np.asarray(got[path][i]), np.asarray(flat[path]), rtol=1e-4, atol=1e-6, err_msg=path
+                )
 
 
 def _softmax(x):
@@ -64,8 +73,9 @@ def _softmax(x):
     return e / e.sum(-1, keepdims=True)
 
 
-@pytest.mark.parametrize("output_fn,role", [("loss", "index"), ("margin", "index"), ("logit", "index"),
-                                            ("trak", "index"), ("trak", "query")])
+@pytest.mark.parametrize(
+    "output_fn,role", [("loss", "index"), ("margin", "index"), ("logit", "index"), ("trak", "index"), ("trak", "query")]
+)
 def test_output_function_gradients_match_closed_forms(output_fn, role):
     rng = np.random.default_rng(1)
     b, t, v = 2, 5, 7
@@ -104,15 +114,16 @@ def test_labels_at_masked_positions_change_nothing():
 @pytest.mark.parametrize("path", ["fast", "reference"])
 def test_padding_and_prompt_masking(path):
     cfg, graphdef, params, plan = _model(tied=True)
-    fn = functools.partial(factored.factored_vectors if path == "fast" else grads.reference_vectors,
-                           graphdef=graphdef, plan=plan)
+    fn = functools.partial(
+        factored.factored_vectors if path == "fast" else grads.reference_vectors, graphdef=graphdef, plan=plan
+    )
     base = _batch(3, B, T, prompt=2, pad=4)
     base["tokens"][B - 1], base["loss_mask"][B - 1] = model_lib.PAD_ID, 0  # a padding row
     # Arbitrary token ids under a zero mask at the end of the rows change nothing (causal
     # attention: no earlier position sees them); a real row in place of the padding row leaves
     # the other rows alone.
     other = {k: v.copy() for k, v in base.items()}
-    other["tokens"][:, T - 4:] = np.random.default_rng(4).integers(1, VOCAB, size=(B, 4))
+    other["tokens"][:, T - 4 :] = np.random.default_rng(4).integers(1, VOCAB, size=(B, 4))
     other["tokens"][B - 1], other["loss_mask"][B - 1] = _batch(9, 1, T)["tokens"][0], 1
     # Unmasking the prompt changes the vectors (the mask is what selects target tokens).
     unmasked = {k: v.copy() for k, v in base.items()}
@@ -148,7 +159,8 @@ def test_unknown_output_fn_and_role():
 
 def test_tap_on_a_parameter_outside_the_plan_is_an_error():
     cfg, graphdef, params, plan = _model()
-    small = proj.BlockPlan(plan.num_blocks, plan.proj_dim,
-                           tuple(e for e in plan.entries if e.path != "layer_1/mlp/up/kernel"))
+    small = proj.BlockPlan(
+        plan.num_blocks, plan.proj_dim, tuple(e for e in plan.entries if e.path != "layer_1/mlp/up/kernel")
+    )
     with pytest.raises(ValueError, match="layer_1/mlp/up/kernel"):
         factored.factored_vectors(params, None, _batch(6, B, T), graphdef=graphdef, plan=small)

@@ -15,14 +15,14 @@ def _reference_autocorrelation(x: np.ndarray, blocks: int) -> np.ndarray:
     """Loop over blocks of float64 XᵀX (the paper's Φ̃ᵀΦ̃ per layer block)."""
     x = np.asarray(x, np.float64)
     k2 = x.shape[1] // blocks
-    return np.stack([x[:, b * k2:(b + 1) * k2].T @ x[:, b * k2:(b + 1) * k2] for b in range(blocks)])
+    return np.stack([x[:, b * k2 : (b + 1) * k2].T @ x[:, b * k2 : (b + 1) * k2] for b in range(blocks)])
 
 
 def _block_diag(blocks: np.ndarray) -> np.ndarray:
     b, k, _ = blocks.shape
     out = np.zeros((b * k, b * k), blocks.dtype)
     for i in range(b):
-        out[i * k:(i + 1) * k, i * k:(i + 1) * k] = blocks[i]
+        out[i * k : (i + 1) * k, i * k : (i + 1) * k] = blocks[i]
     return out
 
 
@@ -74,7 +74,9 @@ def test_r_eval_rejects_nonfinite_queries():
 
 def test_sorted_eigenvalues_of_block_diagonal():
     r = _random_spd(np.random.default_rng(3), 3, 8, 50.0)
-    np.testing.assert_allclose(hessian.sorted_eigenvalues(r), np.sort(np.linalg.eigvalsh(_block_diag(r)))[::-1], rtol=1e-10)
+    np.testing.assert_allclose(
+        hessian.sorted_eigenvalues(r), np.sort(np.linalg.eigvalsh(_block_diag(r)))[::-1], rtol=1e-10
+    )
 
 
 def _constructed(rng, spectrum: np.ndarray, blocks: int) -> np.ndarray:
@@ -192,7 +194,7 @@ def _reference_scores(q, g, r_dense, unit_norm):
         wq, wg = q.astype(np.float64), g.astype(np.float64)
     else:
         e, v = np.linalg.eigh(r_dense)
-        w = (v * e ** -0.5) @ v.T
+        w = (v * e**-0.5) @ v.T
         wq, wg = q @ w, g @ w
     if unit_norm:
         wq = wq / np.linalg.norm(wq, axis=1, keepdims=True)
@@ -213,10 +215,17 @@ def test_on_the_fly_scores_equal_finalised_and_dense_reference(mode, unit_norm):
     cfg = hessian.HessianConfig(mode=mode, mix_lambda=0.3, damping=0.0, unit_norm=unit_norm)
     wh = hessian.make_whitening(cfg, r_train, r_ev)
     w = None if wh.matrix is None else jnp.asarray(wh.matrix)
-    on_the_fly = np.asarray(hessian.scores_on_the_fly(hessian.finalize_queries(q, w, unit_norm), g, hessian.row_scale(g, w, unit_norm)))
-    finalised = np.asarray(hessian.finalize_rows(q, w, unit_norm)) @ np.asarray(hessian.finalize_rows(g, w, unit_norm)).T
-    r_dense = {"none": None, "train": _block_diag(r_train.mean()),
-               "mixed": _block_diag(0.3 * r_ev.mean() + 0.7 * r_train.mean())}[mode]
+    on_the_fly = np.asarray(
+        hessian.scores_on_the_fly(hessian.finalize_queries(q, w, unit_norm), g, hessian.row_scale(g, w, unit_norm))
+    )
+    finalised = (
+        np.asarray(hessian.finalize_rows(q, w, unit_norm)) @ np.asarray(hessian.finalize_rows(g, w, unit_norm)).T
+    )
+    r_dense = {
+        "none": None,
+        "train": _block_diag(r_train.mean()),
+        "mixed": _block_diag(0.3 * r_ev.mean() + 0.7 * r_train.mean()),
+    }[mode]
     ref = _reference_scores(q, g, r_dense, unit_norm)
     scale = np.abs(ref).max()
     np.testing.assert_allclose(on_the_fly, finalised, rtol=1e-4, atol=1e-5 * scale)
@@ -233,7 +242,9 @@ def test_make_whitening_modes():
     train = hessian.make_whitening(hessian.HessianConfig(mode="train", damping=0.0), rt)
     lam0 = hessian.make_whitening(hessian.HessianConfig(mode="mixed", mix_lambda=0.0, damping=0.0), rt, re)
     np.testing.assert_allclose(train.matrix, lam0.matrix, rtol=1e-5, atol=1e-6)
-    auto = hessian.make_whitening(hessian.HessianConfig(mode="mixed", lambda_component_fraction=2 / 32, damping=0.0), rt, re)
+    auto = hessian.make_whitening(
+        hessian.HessianConfig(mode="mixed", lambda_component_fraction=2 / 32, damping=0.0), rt, re
+    )
     assert auto.component == 2
     assert auto.mix_lambda == pytest.approx(hessian.choose_lambda(re.mean(), rt.mean(), 2))
     # The shared query direction is downweighted relative to R_train-only whitening.
@@ -246,12 +257,15 @@ def test_make_whitening_modes():
         hessian.make_whitening(hessian.HessianConfig(mode="train"), None)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"mode": "full"}, "hessian.mode"),
-    ({"mix_lambda": 1.5}, "hessian.mix_lambda"),
-    ({"lambda_component_fraction": 0.0}, "lambda_component_fraction"),
-    ({"damping": -1.0}, "hessian.damping"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"mode": "full"}, "hessian.mode"),
+        ({"mix_lambda": 1.5}, "hessian.mix_lambda"),
+        ({"lambda_component_fraction": 0.0}, "lambda_component_fraction"),
+        ({"damping": -1.0}, "hessian.damping"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         hessian.HessianConfig(**kwargs)

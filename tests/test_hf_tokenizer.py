@@ -21,9 +21,22 @@ from trackstar_jax import data
 from trackstar_jax.data import hf_tokenizer
 
 EDGE_CASES = [
-    "", " ", "  leading spaces", "trailing  ", "a  1", "tab\tand\nnewline\n\n", "2024-11-23 12:30, 3.14159",
-    "héllo naïve café", "日本語のテキスト", "emoji 🎉👍🏽", "Ünïcödé ß ﬁ", "don't I'll we've", "<|im_start|>user\nHi<|im_end|>",
-    "<|endoftext|>", "x" * 300, "The capital of France is",
+    "",
+    " ",
+    "  leading spaces",
+    "trailing  ",
+    "a  1",
+    "tab\tand\nnewline\n\n",
+    "2024-11-23 12:30, 3.14159",
+    "héllo naïve café",
+    "日本語のテキスト",
+    "emoji 🎉👍🏽",
+    "Ünïcödé ß ﬁ",
+    "don't I'll we've",
+    "<|im_start|>user\nHi<|im_end|>",
+    "<|endoftext|>",
+    "x" * 300,
+    "The capital of France is",
 ]
 
 
@@ -96,8 +109,11 @@ def test_special_ids_come_from_the_metadata(ours, reference):
     # SmolLM2's file: bos 1 <|im_start|>, eos 2 <|im_end|>, padding 2, unknown 0, add_bos_token False.
     assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.unk_id, ours.add_bos) == (1, 2, 2, 0, False)
     assert (ours.token(1), ours.token(2), ours.token(0)) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>")
-    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (reference.bos_token_id, reference.eos_token_id,
-                                                      reference.pad_token_id)
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (
+        reference.bos_token_id,
+        reference.eos_token_id,
+        reference.pad_token_id,
+    )
     assert ours.vocab_size == len(reference) == 49152
     assert ours.encode("") == [] and ours.decode([]) == ""
     # Control tokens in text are matched whole, as transformers does.
@@ -141,10 +157,14 @@ def _tiny_meta(**changes) -> dict:
     alphabet = [hf_tokenizer._bytes_to_unicode()[b] for b in range(256)]
     tokens = ["<s>", "</s>", "<pad>"] + alphabet + ["Ġt", "he", "Ġthe", "<think>"]
     meta = {
-        "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "default", "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.merges": ["Ġ t", "h e", "Ġt he"],
         "tokenizer.ggml.token_type": [3, 3, 3] + [1] * 259 + [4],
-        "tokenizer.ggml.bos_token_id": 0, "tokenizer.ggml.eos_token_id": 1, "tokenizer.ggml.padding_token_id": 2,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 1,
+        "tokenizer.ggml.padding_token_id": 2,
     }
     meta.update(changes)
     return {k: v for k, v in meta.items() if v is not None}

@@ -36,22 +36,35 @@ def _save_tokenizer(texts, folder, vocab_size=400):
     tk = tokenizers.Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tk.train_from_iterator(texts, trainer)
     os.makedirs(folder, exist_ok=True)
     tk.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|endoftext|>",
-                                                              "eos_token": "<|endoftext|>"}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"})
+    )
 
 
 def _save_llama(folder, m, vocab_size):
     import torch
 
-    config = transformers.LlamaConfig(vocab_size=vocab_size, hidden_size=m.embed_dim, intermediate_size=m.mlp_dim,
-                                      num_hidden_layers=m.num_layers, num_attention_heads=m.num_heads,
-                                      num_key_value_heads=1, head_dim=m.head_dim, max_position_embeddings=m.max_len,
-                                      tie_word_embeddings=False, rms_norm_eps=1e-5)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=m.embed_dim,
+        intermediate_size=m.mlp_dim,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_heads,
+        num_key_value_heads=1,
+        head_dim=m.head_dim,
+        max_position_embeddings=m.max_len,
+        tie_word_embeddings=False,
+        rms_norm_eps=1e-5,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(folder)
 
@@ -84,8 +97,13 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     workdir = tmp_path / "run"
     summary = importer.import_model(config_lib.from_configdict(c), workdir)
     m = summary["model"]
-    assert (m["arch"], m["num_kv_heads"], m["tie_embeddings"], m["norm_eps"], m["source"]) == ("llama", 1, False, 1e-5,
-                                                                                             str(hf_folder))
+    assert (m["arch"], m["num_kv_heads"], m["tie_embeddings"], m["norm_eps"], m["source"]) == (
+        "llama",
+        1,
+        False,
+        1e-5,
+        str(hf_folder),
+    )
     assert summary["second_moment"]["kind"] == "estimated" and summary["second_moment"]["num_examples"] == 24
 
     run = checkpoint.load_run(workdir)
@@ -107,7 +125,12 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     build.build_index(settings, workdir)
     man = store.read_manifest(build.index_dir(settings, workdir))
     sm = man["model"]["second_moment"]
-    assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == ("estimated", 24, 5, 24)
+    assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == (
+        "estimated",
+        24,
+        5,
+        24,
+    )
     assert man["storage"]["num_rows"] == len(run.corpus.examples)
     queries = [retrieval_stage.TextQuery("q0", "The capital of", " Paris"), retrieval_stage.TextQuery("q1", "A", " b")]
     recs, _ = retrieval_stage.retrieve_queries(run, settings, workdir, queries, k=5)
@@ -143,8 +166,13 @@ def test_refusals(hf_folder, tmp_path):
 
     # A tokenizer with more ids (400) than the embedding has rows (300): both sizes named.
     small = tmp_path / "small_vocab"
-    _save_llama(small, config_lib.from_configdict(c).model.__class__(
-        vocab_size=300, num_layers=1, embed_dim=64, num_heads=2, head_dim=32, mlp_dim=256, max_len=64), 300)
+    _save_llama(
+        small,
+        config_lib.from_configdict(c).model.__class__(
+            vocab_size=300, num_layers=1, embed_dim=64, num_heads=2, head_dim=32, mlp_dim=256, max_len=64
+        ),
+        300,
+    )
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (small / f).write_bytes((hf_folder / f).read_bytes())
     c = _config(small)

@@ -38,12 +38,19 @@ def synthetic_rows(lo: int, hi: int) -> jax.Array:
 
 
 def make_manifest(num_rows=700, dtype="bfloat16", chunk_rows=64, r_every=4, **over):
-    kw = dict(model={"checkpoint_step": 7, "fingerprint": "sha256:model"},
-              vectors={"output_fn": "loss", "num_blocks": 2, "proj_dim": 4, "proj_seed": 0, "correction": True},
-              corpus={"name": "synthetic", "fingerprint": "sha256:corpus", "num_examples": num_rows})
+    kw = dict(
+        model={"checkpoint_step": 7, "fingerprint": "sha256:model"},
+        vectors={"output_fn": "loss", "num_blocks": 2, "proj_dim": 4, "proj_seed": 0, "correction": True},
+        corpus={"name": "synthetic", "fingerprint": "sha256:corpus", "num_examples": num_rows},
+    )
     kw.update(over)
-    return index.make_manifest(num_rows=num_rows, dim=DIM, num_blocks_total=BLOCKS,
-                               storage=index.StorageConfig(dtype=dtype, chunk_rows=chunk_rows, r_every_chunks=r_every), **kw)
+    return index.make_manifest(
+        num_rows=num_rows,
+        dim=DIM,
+        num_blocks_total=BLOCKS,
+        storage=index.StorageConfig(dtype=dtype, chunk_rows=chunk_rows, r_every_chunks=r_every),
+        **kw,
+    )
 
 
 def build(path, **kw):
@@ -63,7 +70,7 @@ def array_files(path: pathlib.Path) -> dict[str, bytes]:
 def _reference_autocorrelation(x, blocks):
     x = np.asarray(x, np.float64)
     k2 = x.shape[1] // blocks
-    return np.stack([x[:, b * k2:(b + 1) * k2].T @ x[:, b * k2:(b + 1) * k2] for b in range(blocks)])
+    return np.stack([x[:, b * k2 : (b + 1) * k2].T @ x[:, b * k2 : (b + 1) * k2] for b in range(blocks)])
 
 
 # ------------------------------------------------------------------------------------------
@@ -132,14 +139,23 @@ def test_process_chunk_ranges_partition_whole_segments():
 # ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field, value", [
-    ("vectors.proj_seed", 1), ("vectors.dim", 128), ("storage.dtype", "float32"),
-    ("model.fingerprint", "sha256:other"), ("model.checkpoint_step", 8), ("corpus.fingerprint", "sha256:new"),
-])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("vectors.proj_seed", 1),
+        ("vectors.dim", 128),
+        ("storage.dtype", "float32"),
+        ("model.fingerprint", "sha256:other"),
+        ("model.checkpoint_step", 8),
+        ("corpus.fingerprint", "sha256:new"),
+    ],
+)
 def test_open_with_mismatched_manifest_is_refused(tmp_path, field, value):
     build(tmp_path / "ix", num_rows=100)
     index.open_index(tmp_path / "ix", expect={"vectors": {"proj_seed": 0, "dim": DIM}, "storage.dtype": "bfloat16"})
-    with pytest.raises(index.IndexMismatchError, match=rf"refusing to open .*manifest field '{field}' is .* but {value!r} was expected"):
+    with pytest.raises(
+        index.IndexMismatchError, match=rf"refusing to open .*manifest field '{field}' is .* but {value!r} was expected"
+    ):
         index.open_index(tmp_path / "ix", expect={field: value})
     with pytest.raises(index.IndexMismatchError, match="no field 'vectors.nope'"):
         index.open_index(tmp_path / "ix", expect={"vectors.nope": 1})
@@ -153,7 +169,12 @@ def test_resume_refused_when_corpus_or_model_changed(tmp_path):
     with pytest.raises(index.IndexMismatchError, match="refusing to resume .*'corpus.fingerprint'"):
         index.IndexBuilder(path, changed)
     with pytest.raises(index.IndexMismatchError, match="refusing to resume .*'vectors.proj_seed'"):
-        index.IndexBuilder(path, make_manifest(vectors={"output_fn": "loss", "num_blocks": 2, "proj_dim": 4, "proj_seed": 3, "correction": True}))
+        index.IndexBuilder(
+            path,
+            make_manifest(
+                vectors={"output_fn": "loss", "num_blocks": 2, "proj_dim": 4, "proj_seed": 3, "correction": True}
+            ),
+        )
     with pytest.raises(index.IndexMismatchError, match="refusing to resume .*'storage.chunk_rows'"):
         index.IndexBuilder(path, make_manifest(chunk_rows=32))
     with pytest.raises(index.IndexMismatchError, match="process_count=1, not 2"):
@@ -181,6 +202,7 @@ def _stop_at(chunk: int, chunk_rows: int = 64):
         if lo == chunk * chunk_rows:
             raise RuntimeError("stop")
         return synthetic_rows(lo, hi)
+
     return rows_fn
 
 
@@ -234,23 +256,29 @@ def test_disk_full_stops_with_complete_chunks_intact(tmp_path, monkeypatch, how)
     reader = index.open_index(path)
     assert set(range(5)) <= reader.complete_chunks and 5 not in reader.complete_chunks
     index.verify_index(path, require_complete=False, recompute_r=False)
-    np.testing.assert_array_equal(reader.read_dequantized(0, 320), index.open_index(tmp_path / "ref").read_dequantized(0, 320))
+    np.testing.assert_array_equal(
+        reader.read_dequantized(0, 320), index.open_index(tmp_path / "ref").read_dequantized(0, 320)
+    )
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
     index.IndexBuilder(path, make_manifest()).build(synthetic_rows)
     assert array_files(path) == array_files(tmp_path / "ref")
     np.testing.assert_array_equal(index.load_r_train(path).total, index.load_r_train(tmp_path / "ref").total)
 
 
-@pytest.mark.parametrize("values, match", [
-    (np.nan, r"non-finite vector\(s\) for example id\(s\) \[130\]"),
-    (1e6, r"non-finite .*\[130\].*overflow of storage dtype float16"),
-])
+@pytest.mark.parametrize(
+    "values, match",
+    [
+        (np.nan, r"non-finite vector\(s\) for example id\(s\) \[130\]"),
+        (1e6, r"non-finite .*\[130\].*overflow of storage dtype float16"),
+    ],
+)
 def test_non_finite_rows_are_refused(tmp_path, values, match):
     def rows_fn(lo, hi):
         x = np.array(synthetic_rows(lo, hi))
         if lo <= 130 < hi:
             x[130 - lo, 3] = values
         return x
+
     with pytest.raises(ValueError, match=match):
         index.IndexBuilder(tmp_path / "ix", make_manifest(dtype="float16")).build(rows_fn)
     with pytest.raises(ValueError, match=r"returned shape \(64, 3\)"):
@@ -333,8 +361,14 @@ def _spawn(tmp_path, path, dtype="bfloat16", pi=0, pc=1, slow=0.0):
     script = tmp_path / "child.py"
     script.write_text(_CHILD)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(script), str(path), dtype, str(pi), str(pc), str(slow)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, str(script), str(path), dtype, str(pi), str(pc), str(slow)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def _finish(proc, timeout=120):
@@ -381,7 +415,9 @@ def test_two_processes_writing_halves_equal_one(tmp_path, reference_build):
     assert index.finalize(path)
     assert array_files(path) == array_files(reference_build)
     # Same float32 segment sums, grouped per process then added in float64.
-    np.testing.assert_allclose(index.load_r_train(path).total, index.load_r_train(reference_build).total, rtol=1e-12, atol=0)
+    np.testing.assert_allclose(
+        index.load_r_train(path).total, index.load_r_train(reference_build).total, rtol=1e-12, atol=0
+    )
     index.verify_index(path)
 
 
@@ -391,7 +427,9 @@ def test_two_processes_writing_halves_equal_one(tmp_path, reference_build):
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "int8"])
-@pytest.mark.parametrize("mode, unit_norm", [("none", False), ("none", True), ("train", True), ("mixed", True), ("mixed", False)])
+@pytest.mark.parametrize(
+    "mode, unit_norm", [("none", False), ("none", True), ("train", True), ("mixed", True), ("mixed", False)]
+)
 def test_finalised_array_and_on_the_fly_give_the_same_scores(tmp_path, dtype, mode, unit_norm):
     build(tmp_path / "ix", dtype=dtype, num_rows=300)
     reader = index.open_index(tmp_path / "ix")
@@ -429,7 +467,7 @@ def _block_diag64(blocks):
     b, k, _ = blocks.shape
     out = np.zeros((b * k, b * k))
     for i in range(b):
-        out[i * k:(i + 1) * k, i * k:(i + 1) * k] = blocks[i]
+        out[i * k : (i + 1) * k, i * k : (i + 1) * k] = blocks[i]
     return out
 
 
@@ -444,8 +482,11 @@ def test_row_scale_is_cached_per_whitening(tmp_path):
     index.prepare_scoring(reader, hessian.HessianConfig(mode="none"))
     assert len(list((tmp_path / "ix" / "scoring").glob("*.npy"))) == 2
     g = reader.read_dequantized(0, 200)
-    np.testing.assert_allclose(index.prepare_scoring(reader, hessian.HessianConfig(mode="none")).row_scale,
-                               1 / np.linalg.norm(g, axis=1), rtol=1e-5)
+    np.testing.assert_allclose(
+        index.prepare_scoring(reader, hessian.HessianConfig(mode="none")).row_scale,
+        1 / np.linalg.norm(g, axis=1),
+        rtol=1e-5,
+    )
 
 
 def test_scoring_needs_a_complete_index(tmp_path):
@@ -464,5 +505,6 @@ def test_an_index_from_before_a_model_field_existed_still_opens(tmp_path):
     old = {k: v for k, v in cfg.items() if k not in ("arch", "num_kv_heads", "norm_eps", "activation")}
     index.check_manifest({"model": {"config": old}}, {"model": {"config": cfg}}, path="p", action="open")
     with pytest.raises(index.IndexMismatchError, match="no field 'model.config.arch'"):
-        index.check_manifest({"model": {"config": old}}, {"model": {"config": {**cfg, "arch": "llama"}}},
-                             path="p", action="open")
+        index.check_manifest(
+            {"model": {"config": old}}, {"model": {"config": {**cfg, "arch": "llama"}}}, path="p", action="open"
+        )

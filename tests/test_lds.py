@@ -59,8 +59,9 @@ def test_lds_sign_convention_and_constant_loss_query():
     res = lds.lds(scores, masks, losses)
     assert res.per_query[0] == pytest.approx(1.0)
     assert res.per_query[1] is None and res.num_constant_loss == 1
-    assert res.per_query[2] == pytest.approx(scipy.stats.spearmanr(lds.subset_sums(scores, masks)[:, 2],
-                                                                  -losses[:, 2]).statistic)
+    assert res.per_query[2] == pytest.approx(
+        scipy.stats.spearmanr(lds.subset_sums(scores, masks)[:, 2], -losses[:, 2]).statistic
+    )
     assert res.num_queries == 2 and res.mean == pytest.approx((res.per_query[0] + res.per_query[2]) / 2)
     assert all(v is not None and np.isfinite(v) for v in [res.mean, *res.ci])
     json.dumps(res.to_dict(), allow_nan=False)  # no NaN anywhere in the output

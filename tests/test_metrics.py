@@ -8,22 +8,25 @@ import pytest
 from trackstar_jax.evaluation import metrics
 
 
-@pytest.mark.parametrize("flags, mrr, recall, precision", [
-    # first entailing proponent at rank 3 (index 2); 2 of the first 10 entailing
-    ([0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1], 1 / 3, 1.0, 0.2),
-    # entailing at rank 1
-    ([1] + [0] * 9, 1.0, 1.0, 0.1),
-    # no hit at all: every metric is 0
-    ([0] * 10, 0.0, 0.0, 0.0),
-    # only hit is at rank 12: MRR counts the whole list, recall/precision@10 do not
-    ([0] * 11 + [1], 1 / 12, 0.0, 0.0),
-    # fewer than 10 proponents: precision@10 is 0 by metrics.ts's `precisionAtK[9] ?? 0`
-    ([0, 1, 1], 0.5, 1.0, 0.0),
-    # empty list
-    ([], 0.0, 0.0, 0.0),
-    # all ten entailing
-    ([1] * 10, 1.0, 1.0, 1.0),
-])
+@pytest.mark.parametrize(
+    "flags, mrr, recall, precision",
+    [
+        # first entailing proponent at rank 3 (index 2); 2 of the first 10 entailing
+        ([0, 0, 1, 0, 0, 0, 0, 0, 0, 1, 1], 1 / 3, 1.0, 0.2),
+        # entailing at rank 1
+        ([1] + [0] * 9, 1.0, 1.0, 0.1),
+        # no hit at all: every metric is 0
+        ([0] * 10, 0.0, 0.0, 0.0),
+        # only hit is at rank 12: MRR counts the whole list, recall/precision@10 do not
+        ([0] * 11 + [1], 1 / 12, 0.0, 0.0),
+        # fewer than 10 proponents: precision@10 is 0 by metrics.ts's `precisionAtK[9] ?? 0`
+        ([0, 1, 1], 0.5, 1.0, 0.0),
+        # empty list
+        ([], 0.0, 0.0, 0.0),
+        # all ten entailing
+        ([1] * 10, 1.0, 1.0, 1.0),
+    ],
+)
 def test_ground_truth_metrics_hand_computed(flags, mrr, recall, precision):
     got = metrics.ground_truth_metrics([bool(f) for f in flags])
     assert got["mrr"] == pytest.approx(mrr)
@@ -65,10 +68,42 @@ def test_mean_ci_bootstrap_covers_mean_and_is_reproducible():
 def _records():
     # 4 queries; q3 has no evidence (excluded from attribution metrics, kept for tail-patch)
     return [
-        {"mrr": 1.0, "recall_at_10": 1.0, "precision_at_10": 0.3, "tailpatch_at_1": 0.02, "has_evidence": True, "correct": True, "bucket": "[1,10)"},
-        {"mrr": 0.5, "recall_at_10": 1.0, "precision_at_10": 0.1, "tailpatch_at_1": 0.00, "has_evidence": True, "correct": False, "bucket": "[1,10)"},
-        {"mrr": 0.0, "recall_at_10": 0.0, "precision_at_10": 0.0, "tailpatch_at_1": 0.04, "has_evidence": True, "correct": False, "bucket": "[10,100)"},
-        {"mrr": 0.0, "recall_at_10": 0.0, "precision_at_10": 0.0, "tailpatch_at_1": -0.01, "has_evidence": False, "correct": True, "bucket": "[10,100)"},
+        {
+            "mrr": 1.0,
+            "recall_at_10": 1.0,
+            "precision_at_10": 0.3,
+            "tailpatch_at_1": 0.02,
+            "has_evidence": True,
+            "correct": True,
+            "bucket": "[1,10)",
+        },
+        {
+            "mrr": 0.5,
+            "recall_at_10": 1.0,
+            "precision_at_10": 0.1,
+            "tailpatch_at_1": 0.00,
+            "has_evidence": True,
+            "correct": False,
+            "bucket": "[1,10)",
+        },
+        {
+            "mrr": 0.0,
+            "recall_at_10": 0.0,
+            "precision_at_10": 0.0,
+            "tailpatch_at_1": 0.04,
+            "has_evidence": True,
+            "correct": False,
+            "bucket": "[10,100)",
+        },
+        {
+            "mrr": 0.0,
+            "recall_at_10": 0.0,
+            "precision_at_10": 0.0,
+            "tailpatch_at_1": -0.01,
+            "has_evidence": False,
+            "correct": True,
+            "bucket": "[10,100)",
+        },
     ]
 
 
@@ -89,8 +124,10 @@ def test_method_row_excludes_no_evidence_from_attribution_and_splits():
 
 def test_markdown_table_formats_gold_and_percent():
     names = ("mrr", "tailpatch_at_1")
-    rows = [metrics.method_row("T-REx gold", _records(), names, extra={"gold_attribution": True}),
-            metrics.method_row("bm25", _records(), names)]
+    rows = [
+        metrics.method_row("T-REx gold", _records(), names, extra={"gold_attribution": True}),
+        metrics.method_row("bm25", _records(), names),
+    ]
     md = metrics.markdown_table(rows, names)
     lines = md.strip().splitlines()
     assert lines[0] == "| method | n | mrr | tailpatch_at_1 |"

@@ -63,8 +63,9 @@ def _np_forward(cfg, params, tokens):
     x = p["embed"][tokens]
     for i in range(cfg.num_layers):
         lp = p[f"layer_{i}"]
-        x = x + _np_mqa(_np_norm(x, lp["attn_norm"]["scale"], cfg.norm), lp["attn"], cfg.num_heads, cfg.head_dim,
-                        cfg.rope_base)
+        x = x + _np_mqa(
+            _np_norm(x, lp["attn_norm"]["scale"], cfg.norm), lp["attn"], cfg.num_heads, cfg.head_dim, cfg.rope_base
+        )
         hn = _np_norm(x, lp["mlp_norm"]["scale"], cfg.norm)
         g = hn @ lp["mlp"]["gate"]["kernel"]
         x = x + (g / (1 + np.exp(-g)) * (hn @ lp["mlp"]["up"]["kernel"])) @ lp["mlp"]["down"]["kernel"]
@@ -120,8 +121,9 @@ def test_causal_masking():
 
 def test_rope_matches_numpy_and_is_relative():
     x = np.random.default_rng(2).standard_normal((2, 7, 3, 8)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(model_lib.rope(jnp.asarray(x), 10_000.0)), _np_rope(x, 10_000.0),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(model_lib.rope(jnp.asarray(x), 10_000.0)), _np_rope(x, 10_000.0), rtol=1e-5, atol=1e-5
+    )
     # <rope(q)_m, rope(k)_n> depends only on m - n.
     q = np.tile(np.random.default_rng(3).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
     k = np.tile(np.random.default_rng(4).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
@@ -150,8 +152,9 @@ def test_norm_matches_numpy(kind):
     norm = model_lib.Norm(cfg.embed_dim, "final_norm", cfg)
     norm.scale[...] = jnp.linspace(0.5, 1.5, cfg.embed_dim)
     x = np.random.default_rng(6).standard_normal((3, cfg.embed_dim)).astype(np.float32) * 3 + 1
-    np.testing.assert_allclose(np.asarray(norm(jnp.asarray(x))), _np_norm(x, np.linspace(0.5, 1.5, cfg.embed_dim), kind),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(norm(jnp.asarray(x))), _np_norm(x, np.linspace(0.5, 1.5, cfg.embed_dim), kind), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_tap_sees_every_attributed_layer_and_identity_tap_is_a_no_op():
@@ -174,7 +177,8 @@ def test_lm_targets_and_example_losses():
     tokens = np.random.default_rng(7).integers(4, SMALL.vocab_size, (2, 6)).astype(np.int32)
     mask = np.array([[0, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 1]], np.int32)
     losses = jax.jit(lambda p, b: model_lib.example_losses(lambda x: model_lib.apply(graphdef, p, x), b))(
-        params, {"tokens": tokens, "loss_mask": mask})
+        params, {"tokens": tokens, "loss_mask": mask}
+    )
     logits = np.asarray(_apply(graphdef, params, jnp.asarray(tokens[:, :-1])), np.float64)
     logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     ref = [-sum(logp[b, t - 1, tokens[b, t]] for t in range(1, 6) if mask[b, t]) for b in range(2)]
@@ -196,6 +200,7 @@ def test_bad_model_config_and_overlong_input():
 @pytest.mark.parametrize("name,target", [("paper_154m", 154e6), ("paper_1b", 1e9), ("paper_8b", 8e9)])
 def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
     import importlib
+
     cfg = config_lib.from_configdict(importlib.import_module(f"experiments.{name}").get_config()).model
     _, params = model_lib.abstract_params(cfg)  # jax.eval_shape: nothing is allocated
     assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
@@ -211,13 +216,40 @@ def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
 # partial rotary, parallel residual). Their logits are checked against transformers in
 # test_models_hf.py; here: parameter paths, taps and config validation.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(arch="llama", vocab_size=50, num_layers=2, embed_dim=16, num_heads=4, num_kv_heads=2,
-                                head_dim=4, mlp_dim=24, max_len=12, qkv_bias=True, out_bias=True, mlp_bias=True,
-                                tie_embeddings=False),
-    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=50, num_layers=2, embed_dim=16, num_heads=2,
-                                   head_dim=8, mlp_dim=24, max_len=12, norm="layer", norm_bias=True, qkv_bias=True,
-                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=True,
-                                   activation="gelu", tie_embeddings=False),
+    "llama": model_lib.LMConfig(
+        arch="llama",
+        vocab_size=50,
+        num_layers=2,
+        embed_dim=16,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        mlp_dim=24,
+        max_len=12,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        tie_embeddings=False,
+    ),
+    "gpt_neox": model_lib.LMConfig(
+        arch="gpt_neox",
+        vocab_size=50,
+        num_layers=2,
+        embed_dim=16,
+        num_heads=2,
+        head_dim=8,
+        mlp_dim=24,
+        max_len=12,
+        norm="layer",
+        norm_bias=True,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        rotary_pct=0.25,
+        parallel_residual=True,
+        activation="gelu",
+        tie_embeddings=False,
+    ),
 }
 
 
@@ -250,18 +282,21 @@ def test_rope_partial_rotary_leaves_the_tail_alone():
     np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    (dict(arch="bert"), "model.arch"),
-    (dict(arch="llama", num_heads=4, num_kv_heads=3), "model.num_kv_heads"),
-    (dict(arch="llama", norm="layer"), "model.norm"),
-    (dict(arch="palm", qkv_bias=True), "model.qkv_bias"),
-    (dict(arch="palm", num_kv_heads=2, num_heads=4), "model.num_kv_heads"),
-    (dict(arch="gpt_neox", norm="rms"), "model.norm"),
-    (dict(arch="gpt_neox", norm="layer", activation="silu"), "model.activation"),
-    (dict(arch="gpt_neox", norm="layer", head_dim=8, rotary_pct=0.25 * 1.5), "model.rotary_pct"),
-    (dict(norm_bias=True), "model.norm_bias"),
-    (dict(activation="swish"), "model.activation"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(arch="bert"), "model.arch"),
+        (dict(arch="llama", num_heads=4, num_kv_heads=3), "model.num_kv_heads"),
+        (dict(arch="llama", norm="layer"), "model.norm"),
+        (dict(arch="palm", qkv_bias=True), "model.qkv_bias"),
+        (dict(arch="palm", num_kv_heads=2, num_heads=4), "model.num_kv_heads"),
+        (dict(arch="gpt_neox", norm="rms"), "model.norm"),
+        (dict(arch="gpt_neox", norm="layer", activation="silu"), "model.activation"),
+        (dict(arch="gpt_neox", norm="layer", head_dim=8, rotary_pct=0.25 * 1.5), "model.rotary_pct"),
+        (dict(norm_bias=True), "model.norm_bias"),
+        (dict(activation="swish"), "model.activation"),
+    ],
+)
 def test_bad_architecture_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         model_lib.LMConfig(**kwargs)

@@ -26,24 +26,56 @@ def _transformers():
 
 # (model class, config class, config kwargs, save kwargs)
 _PARITY = {
-    "llama_gqa_biases": ("LlamaForCausalLM", "LlamaConfig",
-                         dict(num_attention_heads=4, num_key_value_heads=2, attention_bias=True, mlp_bias=True,
-                              tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=500.0), {}),
-    "llama_mqa_tied_sharded": ("LlamaForCausalLM", "LlamaConfig",
-                               dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
-                               dict(max_shard_size="3KB")),
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config",
-              dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False), {}),
-    "mistral_window": ("MistralForCausalLM", "MistralConfig",
-                       dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=T,
-                            tie_word_embeddings=False), {}),
-    "neox_parallel": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
-                      dict(num_attention_heads=2, rotary_pct=0.25, use_parallel_residual=True,
-                           tie_word_embeddings=False), {}),
-    "neox_sequential_tied_sharded": ("GPTNeoXForCausalLM", "GPTNeoXConfig",
-                                     dict(num_attention_heads=4, rotary_pct=0.5, use_parallel_residual=False,
-                                          tie_word_embeddings=True, hidden_act="gelu_new"),
-                                     dict(max_shard_size="3KB")),
+    "llama_gqa_biases": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            attention_bias=True,
+            mlp_bias=True,
+            tie_word_embeddings=False,
+            rms_norm_eps=1e-5,
+            rope_theta=500.0,
+        ),
+        {},
+    ),
+    "llama_mqa_tied_sharded": (
+        "LlamaForCausalLM",
+        "LlamaConfig",
+        dict(num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+        dict(max_shard_size="3KB"),
+    ),
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+        {},
+    ),
+    "mistral_window": (
+        "MistralForCausalLM",
+        "MistralConfig",
+        dict(num_attention_heads=4, num_key_value_heads=2, sliding_window=T, tie_word_embeddings=False),
+        {},
+    ),
+    "neox_parallel": (
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(num_attention_heads=2, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False),
+        {},
+    ),
+    "neox_sequential_tied_sharded": (
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(
+            num_attention_heads=4,
+            rotary_pct=0.5,
+            use_parallel_residual=False,
+            tie_word_embeddings=True,
+            hidden_act="gelu_new",
+        ),
+        dict(max_shard_size="3KB"),
+    ),
 }
 
 
@@ -52,8 +84,14 @@ def _save_random_hf_model(name, folder):
     import torch
 
     model_cls, config_cls, kwargs, save_kwargs = _PARITY[name]
-    config = getattr(transformers, config_cls)(vocab_size=VOCAB, hidden_size=16, intermediate_size=24,
-                                               num_hidden_layers=2, max_position_embeddings=32, **kwargs)
+    config = getattr(transformers, config_cls)(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        max_position_embeddings=32,
+        **kwargs,
+    )
     config._attn_implementation = "eager"  # the plain softmax(QK^T)V reference
     torch.manual_seed(0)
     model = getattr(transformers, model_cls)(config).eval()
@@ -96,9 +134,19 @@ def test_bfloat16_params(tmp_path):
 
 # ---- refusals (no torch needed) ------------------------------------------------------------
 
-_LLAMA_CONFIG = dict(model_type="llama", vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, rms_norm_eps=1e-5,
-                     tie_word_embeddings=False, hidden_act="silu")
+_LLAMA_CONFIG = dict(
+    model_type="llama",
+    vocab_size=VOCAB,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+    hidden_act="silu",
+)
 
 
 def _write_folder(folder, config=None, drop=(), extra=None, reshape=None):
@@ -137,7 +185,9 @@ def test_extra_tensor_is_named(tmp_path):
 
 
 def test_rope_buffers_are_skipped_not_refused(tmp_path):
-    folder = _write_folder(tmp_path / "b", extra={"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2, np.float32)})
+    folder = _write_folder(
+        tmp_path / "b", extra={"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2, np.float32)}
+    )
     hf.load_hf(folder)
 
 
@@ -147,13 +197,16 @@ def test_shape_mismatch_is_named(tmp_path):
         hf.load_hf(folder)
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
-    (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "rope_type 'llama3'"),
-    (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4)), "rope_type 'yarn'"),
-    (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(quantization_config=dict(quant_method="gptq")), "quantization_config"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(model_type="gemma"), "model_type 'gemma' is not supported"),
+        (dict(rope_scaling=dict(rope_type="llama3", factor=8.0)), "rope_type 'llama3'"),
+        (dict(rope_parameters=dict(rope_type="yarn", rope_theta=1e4)), "rope_type 'yarn'"),
+        (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
+        (dict(quantization_config=dict(quant_method="gptq")), "quantization_config"),
+    ],
+)
 def test_unsupported_config_is_refused(tmp_path, change, match):
     folder = tmp_path / "c"
     folder.mkdir()
@@ -171,7 +224,9 @@ def test_missing_files_and_inconsistent_shards(tmp_path):
     names = sorted(tensors)
     half = len(names) // 2
     safetensors.numpy.save_file({n: tensors[n] for n in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
-    safetensors.numpy.save_file({n: tensors[n] for n in names[half:-1]}, str(folder / "model-00002-of-00002.safetensors"))
+    safetensors.numpy.save_file(
+        {n: tensors[n] for n in names[half:-1]}, str(folder / "model-00002-of-00002.safetensors")
+    )
     weight_map = {n: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, n in enumerate(names)}
     (folder / hf.INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(ValueError, match=rf"missing tensor '{names[-1]}'.*model-00002-of-00002\.safetensors"):
@@ -188,19 +243,33 @@ def test_from_hf_state_dict_is_the_shared_entry_point():
     tensors = {n: rng.normal(size=s).astype(np.float32) for n, s in hf.expected_tensor_shapes(cfg).items()}
     cfg2, params = hf.from_hf_state_dict(_LLAMA_CONFIG, tensors, source="a GGUF file")
     assert cfg2 == cfg
-    np.testing.assert_array_equal(params["layer_0"]["attn"]["out"]["kernel"],
-                                  tensors["model.layers.0.self_attn.o_proj.weight"].T)
+    np.testing.assert_array_equal(
+        params["layer_0"]["attn"]["out"]["kernel"], tensors["model.layers.0.self_attn.o_proj.weight"].T
+    )
     with pytest.raises(ValueError, match="expected in a GGUF file"):
-        hf.from_hf_state_dict(_LLAMA_CONFIG, {k: v for k, v in tensors.items() if k != "model.norm.weight"},
-                              source="a GGUF file")
+        hf.from_hf_state_dict(
+            _LLAMA_CONFIG, {k: v for k, v in tensors.items() if k != "model.norm.weight"}, source="a GGUF file"
+        )
 
 
 def test_pre_transformers_5_gpt_neox_folder(tmp_path):
     # Pythia's config.json style (rotary_pct, rotary_emb_base, no rope_parameters) and tensor
     # names (embed_out, causal-mask buffers), written by hand.
-    config = dict(model_type="gpt_neox", vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                  num_attention_heads=2, max_position_embeddings=32, rotary_pct=0.5, rotary_emb_base=100,
-                  use_parallel_residual=True, layer_norm_eps=1e-5, hidden_act="gelu", rope_scaling=None)
+    config = dict(
+        model_type="gpt_neox",
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=32,
+        rotary_pct=0.5,
+        rotary_emb_base=100,
+        use_parallel_residual=True,
+        layer_norm_eps=1e-5,
+        hidden_act="gelu",
+        rope_scaling=None,
+    )
     cfg = hf.config_from_hf(config)
     assert (cfg.rotary_dim, cfg.rope_base, cfg.tie_embeddings) == (4, 100.0, False)
     rng = np.random.default_rng(2)

@@ -54,23 +54,46 @@ def _env(num_devices: int = 2) -> dict:
 
         _CACHE_DIR = tempfile.mkdtemp(prefix="multihost_jax_cache")
     env = dict(os.environ)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}", JAX_PLATFORMS="cpu",
-               # the same compiler setting as this process (fast_compile), so the bits compare
-               JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),
-               JAX_COMPILATION_CACHE_DIR=_CACHE_DIR, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2")
+    env.update(
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        JAX_PLATFORMS="cpu",
+        # the same compiler setting as this process (fast_compile), so the bits compare
+        JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),
+        JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
+    )
     return env
 
 
-def _launch(stage: str, workdir, *extra: str, num_processes: int = 2, per_process=None,
-            timeout_s: float = TIMEOUT_S) -> list[subprocess.CompletedProcess]:
+def _launch(
+    stage: str, workdir, *extra: str, num_processes: int = 2, per_process=None, timeout_s: float = TIMEOUT_S
+) -> list[subprocess.CompletedProcess]:
     """Runs `python -m launch.<stage>` as `num_processes` processes of one jax.distributed job."""
     port = _free_port()
-    args = [sys.executable, "-m", f"launch.{stage}", "--config=experiments/tiny.py", *_override_flags(_config()),
-            f"--workdir={workdir}", "--distributed", f"--coordinator_address=localhost:{port}",
-            f"--num_processes={num_processes}", "--heartbeat_timeout_s=10", *extra]
-    procs = [subprocess.Popen(args + [f"--process_id={i}"] + list((per_process or {}).get(i, ())), cwd=REPO,
-                              env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(num_processes)]
+    args = [
+        sys.executable,
+        "-m",
+        f"launch.{stage}",
+        "--config=experiments/tiny.py",
+        *_override_flags(_config()),
+        f"--workdir={workdir}",
+        "--distributed",
+        f"--coordinator_address=localhost:{port}",
+        f"--num_processes={num_processes}",
+        "--heartbeat_timeout_s=10",
+        *extra,
+    ]
+    procs = [
+        subprocess.Popen(
+            args + [f"--process_id={i}"] + list((per_process or {}).get(i, ())),
+            cwd=REPO,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(num_processes)
+    ]
     out = []
     try:
         for _i, p in enumerate(procs):
@@ -108,8 +131,11 @@ def test_two_processes_train_like_one(two_host_run, tmp_path):
     two, one = checkpoint.load_run(workdir), checkpoint.load_run(ref_dir)
     assert two.step == one.step == 3 and two.corpus.fingerprint == one.corpus.fingerprint
     # Same batches and updates; only the all-reduce differs (4 devices over gloo vs 8 in one process).
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), (two.params, two.opt_state),
-                 (one.params, one.opt_state))
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+        (two.params, two.opt_state),
+        (one.params, one.opt_state),
+    )
     # Process 0 alone wrote the run directory's files: one record per logged step.
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [3, 3]
@@ -154,23 +180,45 @@ def test_a_failing_process_fails_the_others_at_once(two_host_run):
     message at the barrier, or, when the refused one is process 0 (the coordinator), JAX's
     coordination service ends it."""
     workdir, _ = two_host_run
-    results = _launch("build_index", workdir, "--config.index.dir=index_mixed", timeout_s=120,
-                      per_process={1: ["--config.index.dtype=float32"]})
+    results = _launch(
+        "build_index",
+        workdir,
+        "--config.index.dir=index_mixed",
+        timeout_s=120,
+        per_process={1: ["--config.index.dtype=float32"]},
+    )
     assert all(r.returncode != 0 for r in results)
     refused = [i for i, r in enumerate(results) if "index.store.IndexMismatchError: refusing to resume" in r.stderr]
     assert len(refused) == 1, [r.stderr[-2000:] for r in results]
     other = results[1 - refused[0]].stderr
-    assert (f"process {refused[0]} failed at 'build_index:written': error: IndexMismatchError" in other
-            or "JAX distributed service detected fatal errors" in other), other[-3000:]
+    assert (
+        f"process {refused[0]} failed at 'build_index:written': error: IndexMismatchError" in other
+        or "JAX distributed service detected fatal errors" in other
+    ), other[-3000:]
 
 
 def test_missing_coordinator_is_named(tmp_path):
     port = _free_port()  # nobody listens there
     args = [sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py", f"--workdir={tmp_path}"]
-    r = subprocess.run(args + ["--distributed", f"--coordinator_address=localhost:{port}", "--num_processes=2",
-                               "--process_id=1", "--distributed_timeout_s=2"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and f"could not connect to the coordinator at localhost:{port} (--coordinator_address)" in r.stderr
+    r = subprocess.run(
+        args
+        + [
+            "--distributed",
+            f"--coordinator_address=localhost:{port}",
+            "--num_processes=2",
+            "--process_id=1",
+            "--distributed_timeout_s=2",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (
+        r.returncode != 0
+        and f"could not connect to the coordinator at localhost:{port} (--coordinator_address)" in r.stderr
+    )
     # Incomplete settings are refused before jax.distributed is touched (so, in this process).
     with pytest.raises(ValueError, match="needs --coordinator_address as well"):
         multihost.initialize(None, 2, 1)

@@ -49,8 +49,20 @@ _scores = jax.jit(native.scores)
 
 
 @pytest.mark.parametrize("dtype", list(ROW_DTYPES))
-@pytest.mark.parametrize("b, d, nq", [(1, 1, 1), (1, 4096, 1), (7, 33, 3), (64, 16, 5), (37, 63, 16), (200, 1000, 2),
-                                      (130, 257, 9), (19, 96, 4), (5, 31, 13)])
+@pytest.mark.parametrize(
+    "b, d, nq",
+    [
+        (1, 1, 1),
+        (1, 4096, 1),
+        (7, 33, 3),
+        (64, 16, 5),
+        (37, 63, 16),
+        (200, 1000, 2),
+        (130, 257, 9),
+        (19, 96, 4),
+        (5, 31, 13),
+    ],
+)
 def test_scores_match_float64_reference(code_path, dtype, b, d, nq):
     rng = np.random.default_rng(1000 * b + 10 * d + nq)  # a fresh seed per shape
     x = rng.standard_normal((b, d)).astype(ROW_DTYPES[dtype])

@@ -33,8 +33,13 @@ pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _config():
-    return tiny_run_config(num_facts=24, num_distractors=30, num_steps=10, chunk_rows=32, **{
-        "eval.methods": METHODS, "eval.max_new_tokens": 4, "eval.num_examples_shown": 2, "tailpatch.batch_size": 8})
+    return tiny_run_config(
+        num_facts=24,
+        num_distractors=30,
+        num_steps=10,
+        chunk_rows=32,
+        **{"eval.methods": METHODS, "eval.max_new_tokens": 4, "eval.num_examples_shown": 2, "tailpatch.batch_size": 8},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +115,14 @@ def test_stored_tailpatch_equals_a_fresh_step(evaluated):
     prop = {"tokens": t, "loss_mask": np.r_[0, np.ones(len(t) - 1, np.int32)]}
     opt = train.make_optimizer(run.settings.train.optimizer)
     fresh = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
-    got = fresh(run.params, run.opt_state, {k: v[None] for k, v in prop.items()}, {k: v[None] for k, v in query.items()},
-                graphdef=run.graphdef, opt=opt)
+    got = fresh(
+        run.params,
+        run.opt_state,
+        {k: v[None] for k, v in prop.items()},
+        {k: v[None] for k, v in query.items()},
+        graphdef=run.graphdef,
+        opt=opt,
+    )
     np.testing.assert_allclose(float(got["delta_prob"][0]), row["proponent_tailpatch"][0], rtol=1e-3, atol=1e-7)
 
 
@@ -134,7 +145,10 @@ def test_prediction_mode_queries_the_models_completion(evaluated):
     c.eval.methods = ("bm25",)
     table = evaluation.evaluate(config_lib.from_configdict(c), workdir)
     res = results.load_results(workdir, "eval_prediction")
-    assert table["query_mode"] == "prediction" and report.eval_dir(config_lib.from_configdict(c), workdir).name == "eval_prediction"
+    assert (
+        table["query_mode"] == "prediction"
+        and report.eval_dir(config_lib.from_configdict(c), workdir).name == "eval_prediction"
+    )
     for x in res.retrievals["bm25"]:
         assert x["targets_plaintext"] == " " + x["model_completion"]
 
@@ -167,7 +181,9 @@ def test_notebook_runs_headless(evaluated):
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the kernel subprocess inherits them
     try:
-        nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}).execute()
+        nbclient.NotebookClient(
+            nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO)}}
+        ).execute()
     finally:
         for k, v in old.items():
             if v is None:

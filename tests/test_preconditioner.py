@@ -22,17 +22,27 @@ SHAPES = {
 def _params():
     rng = np.random.default_rng(0)
     flat = {p: rng.normal(size=s).astype(np.float32) for p, s in SHAPES.items()}
-    return {"layer_0": {"mlp": {"up": {"kernel": flat["layer_0/mlp/up/kernel"]},
-                                "down": {"kernel": flat["layer_0/mlp/down/kernel"]}},
-                        "attn": {"query": {"kernel": flat["layer_0/attn/query/kernel"]},
-                                 "out": {"kernel": flat["layer_0/attn/out/kernel"]}},
-                        "mlp_norm": {"scale": flat["layer_0/mlp_norm/scale"]}}}
+    return {
+        "layer_0": {
+            "mlp": {
+                "up": {"kernel": flat["layer_0/mlp/up/kernel"]},
+                "down": {"kernel": flat["layer_0/mlp/down/kernel"]},
+            },
+            "attn": {
+                "query": {"kernel": flat["layer_0/attn/query/kernel"]},
+                "out": {"kernel": flat["layer_0/attn/out/kernel"]},
+            },
+            "mlp_norm": {"scale": flat["layer_0/mlp_norm/scale"]},
+        }
+    }
 
 
 def _grads(params, seed):
     leaves, tree = jax.tree.flatten(params)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(tree, [jax.random.normal(k, x.shape) * (1 + i) for i, (k, x) in enumerate(zip(keys, leaves))])
+    return jax.tree.unflatten(
+        tree, [jax.random.normal(k, x.shape) * (1 + i) for i, (k, x) in enumerate(zip(keys, leaves))]
+    )
 
 
 def _flat(tree):
@@ -42,8 +52,11 @@ def _flat(tree):
 @pytest.mark.parametrize("chain", [False, True])
 def test_correction_equals_optax_adafactor_update(chain):
     params = _params()
-    tx = (optax.adafactor(learning_rate=1.0, clipping_threshold=None, multiply_by_parameter_scale=False)
-          if chain else optax.scale_by_factored_rms())
+    tx = (
+        optax.adafactor(learning_rate=1.0, clipping_threshold=None, multiply_by_parameter_scale=False)
+        if chain
+        else optax.scale_by_factored_rms()
+    )
     state = tx.init(params)
     for s in range(3):  # a realistic, multi-step state
         _, state = tx.update(_grads(params, s), state, params)
@@ -56,8 +69,12 @@ def test_correction_equals_optax_adafactor_update(chain):
         ours = _flat(g)[path] * corr.elementwise(path, SHAPES[path])
         np.testing.assert_allclose(np.asarray(ours), sign * np.asarray(u), rtol=1e-5, atol=1e-6, err_msg=path)
     # The rank-one pair is exact exactly where optax factored (and for 1-D scales).
-    assert set(corr.rank_one_exact) == {"layer_0/mlp/up/kernel", "layer_0/mlp/down/kernel",
-                                        "layer_0/attn/out/kernel", "layer_0/mlp_norm/scale"}
+    assert set(corr.rank_one_exact) == {
+        "layer_0/mlp/up/kernel",
+        "layer_0/mlp/down/kernel",
+        "layer_0/attn/out/kernel",
+        "layer_0/mlp_norm/scale",
+    }
     assert set(corr.full) == {"layer_0/attn/query/kernel"}
 
 
@@ -71,8 +88,9 @@ def test_factored_axes_follow_optax_rule():
     v_row = _flat(optax.tree_utils.tree_get(state, "v_row"))["layer_0/mlp/up/kernel"]
     v_col = _flat(optax.tree_utils.tree_get(state, "v_col"))["layer_0/mlp/up/kernel"]
     assert v_row.shape == (130,) and v_col.shape == (256,)
-    np.testing.assert_allclose(np.asarray(corr.col["layer_0/mlp/up/kernel"]),
-                               np.asarray(v_row / jnp.mean(v_row)) ** -0.5, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(corr.col["layer_0/mlp/up/kernel"]), np.asarray(v_row / jnp.mean(v_row)) ** -0.5, rtol=1e-6
+    )
     np.testing.assert_allclose(np.asarray(corr.row["layer_0/mlp/up/kernel"]), np.asarray(v_col) ** -0.5, rtol=1e-6)
 
 
@@ -85,8 +103,9 @@ def test_adam_nu_is_accepted():
     corr = pc.from_opt_state(params, state, tuple(SHAPES), exact=True)
     nu = _flat(optax.tree_utils.tree_get(state, "nu"))
     for path in SHAPES:
-        np.testing.assert_allclose(np.asarray(corr.elementwise(path, SHAPES[path])),
-                                   np.asarray(nu[path]) ** -0.5, rtol=1e-5, err_msg=path)
+        np.testing.assert_allclose(
+            np.asarray(corr.elementwise(path, SHAPES[path])), np.asarray(nu[path]) ** -0.5, rtol=1e-5, err_msg=path
+        )
 
 
 def test_zeros_in_v_are_floored_at_optax_epsilon():
@@ -108,12 +127,16 @@ def test_bad_states_raise_clear_errors():
     tx = optax.scale_by_factored_rms()
     _, state = tx.update(_grads(params, 0), tx.init(params), params)
     bad = jax.tree_util.tree_map_with_path(
-        lambda kp, x: x.at[0].set(jnp.nan) if "attn/query" in model_lib.param_path_str(kp) and x.ndim == 2 else x, state)
+        lambda kp, x: x.at[0].set(jnp.nan) if "attn/query" in model_lib.param_path_str(kp) and x.ndim == 2 else x, state
+    )
     with pytest.raises(ValueError, match="layer_0/attn/query/kernel"):
         pc.from_opt_state(params, bad, tuple(SHAPES))
     with pytest.raises(ValueError, match="layer_1/mlp/up/kernel"):  # a parameter the state does not cover
-        pc.from_opt_state({**params, "layer_1": {"mlp": {"up": {"kernel": np.ones((4, 4), np.float32)}}}},
-                          state, tuple(SHAPES) + ("layer_1/mlp/up/kernel",))
+        pc.from_opt_state(
+            {**params, "layer_1": {"mlp": {"up": {"kernel": np.ones((4, 4), np.float32)}}}},
+            state,
+            tuple(SHAPES) + ("layer_1/mlp/up/kernel",),
+        )
 
 
 def test_rank_one_factorisation():

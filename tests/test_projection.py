@@ -12,8 +12,16 @@ from trackstar_jax.models import palm as model_lib
 
 
 def _tiny_shapes(tied=True, layers=4):
-    cfg = model_lib.LMConfig(vocab_size=50, num_layers=layers, embed_dim=16, num_heads=2, head_dim=4,
-                             mlp_dim=24, max_len=8, tie_embeddings=tied)
+    cfg = model_lib.LMConfig(
+        vocab_size=50,
+        num_layers=layers,
+        embed_dim=16,
+        num_heads=2,
+        head_dim=4,
+        mlp_dim=24,
+        max_len=8,
+        tie_embeddings=tied,
+    )
     _, params = model_lib.abstract_params(cfg)
     flat = model_lib.flat_params(params)
     return cfg, {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat)}
@@ -47,7 +55,7 @@ def test_block_sum_equals_projecting_the_block_diagonal_concatenation():
             block = np.zeros((rows, cols))
             r = c = 0
             for m in mats:  # block-diagonal concatenation
-                block[r:r + m.shape[0], c:c + m.shape[1]] = m
+                block[r : r + m.shape[0], c : c + m.shape[1]] = m
                 r, c = r + m.shape[0], c + m.shape[1]
             np.testing.assert_allclose(got[b, side], big_p0 @ block @ big_p1.T, rtol=1e-4, atol=1e-4)
 
@@ -100,8 +108,9 @@ def test_vectors_independent_of_tree_order():
     plan_a = proj.block_plan(shapes, cfg.num_layers, 2, 3)
     plan_b = proj.block_plan(dict(items), cfg.num_layers, 2, 3)
     shuffled = dict(random.Random(1).sample(list(grads.items()), len(grads)))
-    np.testing.assert_array_equal(np.asarray(proj.project_grads(grads, plan_a, 0)),
-                                  np.asarray(proj.project_grads(shuffled, plan_b, 0)))
+    np.testing.assert_array_equal(
+        np.asarray(proj.project_grads(grads, plan_a, 0)), np.asarray(proj.project_grads(shuffled, plan_b, 0))
+    )
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (8, 8), (64, 2), (32, 48)])

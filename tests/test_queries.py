@@ -12,8 +12,15 @@ from trackstar_jax.evaluation import queries
 
 
 def _fact(fid, subj, rel, obj, ev=(), oal=(), sal=()):
-    return data.Fact(fact_id=fid, subject=subj, relation=rel, object=obj, object_aliases=tuple(oal) or (obj,),
-                     subject_aliases=tuple(sal) or (subj,), evidence_ids=tuple(ev))
+    return data.Fact(
+        fact_id=fid,
+        subject=subj,
+        relation=rel,
+        object=obj,
+        object_aliases=tuple(oal) or (obj,),
+        subject_aliases=tuple(sal) or (subj,),
+        evidence_ids=tuple(ev),
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -21,17 +28,20 @@ def _fact(fid, subj, rel, obj, ev=(), oal=(), sal=()):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pred, aliases, want", [
-    ("Paris, France", ("Paris",), True),
-    ("the Netherlands and Belgium", ("Netherlands",), True),  # stopword "the" removed
-    ("PARIS.", ("paris",), True),  # case and punctuation
-    ("Parisian food", ("Paris",), False),  # whole words only
-    ("London", ("Paris", "London"), True),  # any alias
-    ("a painter", ("painter",), True),
-    ("in the city of Lyon", ("Lyon",), False),  # must start with the answer
-    ("", ("Paris",), False),
-    ("the", ("the",), False),  # an alias that normalises to nothing never matches
-])
+@pytest.mark.parametrize(
+    "pred, aliases, want",
+    [
+        ("Paris, France", ("Paris",), True),
+        ("the Netherlands and Belgium", ("Netherlands",), True),  # stopword "the" removed
+        ("PARIS.", ("paris",), True),  # case and punctuation
+        ("Parisian food", ("Paris",), False),  # whole words only
+        ("London", ("Paris", "London"), True),  # any alias
+        ("a painter", ("painter",), True),
+        ("in the city of Lyon", ("Lyon",), False),  # must start with the answer
+        ("", ("Paris",), False),
+        ("the", ("the",), False),  # an alias that normalises to nothing never matches
+    ],
+)
 def test_is_correct(pred, aliases, want):
     assert queries.is_correct(pred, aliases) is want
 
@@ -46,8 +56,15 @@ def test_cut_completion():
 # mention counting (frequency, looser label)
 # ---------------------------------------------------------------------------------------
 
-TEXTS = ["Paris is in France.", "The Paris Hilton hotel.", "Parisian cafes in France", "new york and paris",
-         "York is old.", "New York, New York", "France"]
+TEXTS = [
+    "Paris is in France.",
+    "The Paris Hilton hotel.",
+    "Parisian cafes in France",
+    "new york and paris",
+    "York is old.",
+    "New York, New York",
+    "France",
+]
 
 
 def _reference_passages_with(texts, alias):
@@ -70,8 +87,11 @@ def test_mention_ids_need_both_entities_and_skip_short_aliases():
 
 
 def test_entailing_ids_merge_duplicate_facts():
-    facts = [_fact("a", "Ann Lee", "P19", "Paris", ev=(4, 1)), _fact("b", "ann lee", "P19", "Paris.", ev=(7,)),
-             _fact("c", "Ann Lee", "P20", "Paris", ev=(9,))]
+    facts = [
+        _fact("a", "Ann Lee", "P19", "Paris", ev=(4, 1)),
+        _fact("b", "ann lee", "P19", "Paris.", ev=(7,)),
+        _fact("c", "Ann Lee", "P20", "Paris", ev=(9,)),
+    ]
     got = queries.entailing_ids(facts)
     assert got == {"a": (1, 4, 7), "b": (1, 4, 7), "c": (9,)}
 
@@ -99,8 +119,13 @@ def test_select_facts_filters_and_caps():
     freq["zero"] = 0
     freq.update({f"usa{i}": 30 for i in range(15)})  # half the USA facts in the [10,100) bucket
     rep = queries.QueryReport()
-    cfg = queries.SelectionConfig(max_per_bucket=100, max_per_relation_target_per_bucket=5, max_per_relation_target=8,
-                                  bucket_edges=(1, 10, 100), seed=0)
+    cfg = queries.SelectionConfig(
+        max_per_bucket=100,
+        max_per_relation_target_per_bucket=5,
+        max_per_relation_target=8,
+        bucket_edges=(1, 10, 100),
+        seed=0,
+    )
     got = queries.select_facts(facts, freq, cfg, rep)
     ids = [f.fact_id for f in got]
     assert "self" not in ids and "zero" not in ids
@@ -113,7 +138,8 @@ def test_select_facts_filters_and_caps():
     assert rep.per_bucket == {"[1,10)": sum(freq[i] == 3 for i in ids), "[10,100)": sum(freq[i] == 30 for i in ids)}
     # the output is ordered by bucket, and the same seed gives the same sample
     assert [queries.bucket_name(freq[i], (1, 10, 100)) for i in ids] == sorted(
-        [queries.bucket_name(freq[i], (1, 10, 100)) for i in ids], key=queries.bucket_order((1, 10, 100)).index)
+        [queries.bucket_name(freq[i], (1, 10, 100)) for i in ids], key=queries.bucket_order((1, 10, 100)).index
+    )
     assert [f.fact_id for f in queries.select_facts(facts, freq, cfg, queries.QueryReport())] == ids
 
 
@@ -145,11 +171,17 @@ def test_render_prompt_and_missing_template_errors():
         queries.template_for({"P19": ["[X] was born in"]}, "P19", 2)
     facts = [_fact("a", "Ann", "P999", "Paris", ev=(0,))]
     with pytest.raises(ValueError, match="P999"):
-        queries.build_queries(facts, {"P19": ["[X] was born in"]}, variant=0, entailing={"a": (0,)}, mentions={"a": (0,)})
+        queries.build_queries(
+            facts, {"P19": ["[X] was born in"]}, variant=0, entailing={"a": (0,)}, mentions={"a": (0,)}
+        )
 
 
 def test_build_queries_reports_no_evidence_and_empty_targets():
-    facts = [_fact("a", "Ann", "P19", "Paris", ev=(0,)), _fact("b", "Bob", "P19", "Lyon"), _fact("c", "Cy", "P19", "Rome", ev=(2,))]
+    facts = [
+        _fact("a", "Ann", "P19", "Paris", ev=(0,)),
+        _fact("b", "Bob", "P19", "Lyon"),
+        _fact("c", "Cy", "P19", "Rome", ev=(2,)),
+    ]
     tmpl = {"P19": ["[X] was born in"]}
     rep = queries.QueryReport()
     ent = queries.entailing_ids(facts)
@@ -177,8 +209,9 @@ def test_build_queries_reports_no_evidence_and_empty_targets():
 
 def test_save_load_roundtrip(tmp_path):
     facts = [_fact("a", "Ann", "P19", "Paris", ev=(3, 0))]
-    qs = queries.build_queries(facts, {"P19": ["[X] was born in"]}, variant=0, entailing=queries.entailing_ids(facts),
-                               mentions={"a": (0, 3)})
+    qs = queries.build_queries(
+        facts, {"P19": ["[X] was born in"]}, variant=0, entailing=queries.entailing_ids(facts), mentions={"a": (0, 3)}
+    )
     queries.save_queries(qs, tmp_path / "q.jsonl")
     assert queries.load_queries(tmp_path / "q.jsonl") == qs
 
@@ -201,8 +234,9 @@ def test_load_templates_real_lama_and_pararel(shared_data):
 
 
 def test_queries_from_real_lama_lines(shared_data):
-    cfg = data.DataConfig(source="lama", path=str(shared_data / "lama"), relations="P19,P103", max_examples=80,
-                          eval_fraction=0.0)
+    cfg = data.DataConfig(
+        source="lama", path=str(shared_data / "lama"), relations="P19,P103", max_examples=80, eval_fraction=0.0
+    )
     corpus = data.build_corpus(config_lib.section("data", cfg))
     tmpl = queries.load_templates(shared_data / "lama", shared_data / "pararel", ["P19", "P103"])
     idx = queries.MentionIndex(corpus.texts)
@@ -236,7 +270,9 @@ def test_queries_from_real_lama_lines(shared_data):
 
 
 def test_take_balanced_round_robins_buckets():
-    facts = [_fact(f"a{i}", f"A{i}", "P1", "X") for i in range(6)] + [_fact(f"b{i}", f"B{i}", "P1", "Y") for i in range(2)]
+    facts = [_fact(f"a{i}", f"A{i}", "P1", "X") for i in range(6)] + [
+        _fact(f"b{i}", f"B{i}", "P1", "Y") for i in range(2)
+    ]
     freq = {**{f"a{i}": 3 for i in range(6)}, **{f"b{i}": 50 for i in range(2)}}
     rep = queries.QueryReport()
     got = [f.fact_id for f in queries.take_balanced(facts, freq, 4, (1, 10), rep)]
@@ -247,12 +283,18 @@ def test_take_balanced_round_robins_buckets():
 
 def test_predict_pads_batches_and_skips_prompts_without_room():
     from trackstar_jax.models import palm as model_lib
+
     tok = data.train_tokenizer(["Ann was born in Paris.", "Cy was born in Rome."] * 20, vocab_size=40)
     cfg = model_lib.LMConfig(vocab_size=40, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=12)
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 0))
     facts = [_fact("a", "Ann", "P19", "Paris"), _fact("b", "Ann " * 20, "P19", "Rome"), _fact("c", "Cy", "P19", "Rome")]
-    qs = queries.build_queries(facts, {"P19": ["[X] was born in"]}, variant=0, entailing=queries.entailing_ids(facts),
-                               mentions={"a": (), "b": (), "c": ()})
+    qs = queries.build_queries(
+        facts,
+        {"P19": ["[X] was born in"]},
+        variant=0,
+        entailing=queries.entailing_ids(facts),
+        mentions={"a": (), "b": (), "c": ()},
+    )
     comps, ok = queries.predict(graphdef, params, tok, qs, max_new_tokens=3, max_len=cfg.max_len, batch_size=2)
     assert len(comps) == len(ok) == 3
     assert comps[1] == "" and ok[1] is False  # 20-word subject: no room below max_len

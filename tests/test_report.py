@@ -13,28 +13,61 @@ TEXTS = ["Ana was born in Paris.", "Paris is big.", "Bo was born in Rome.", "Rom
 
 
 def _query(qid, fact, subj, obj, entailing, mentions):
-    return queries.Query(query_id=qid, fact_id=fact, relation="P19", subject=subj, object=obj,
-                         prompt=f"{subj} was born in", target=f" {obj}", aliases=(obj,), subject_aliases=(subj,),
-                         entailing_ids=entailing, mention_ids=mentions, bucket="[1,10)", template_variant=0)
+    return queries.Query(
+        query_id=qid,
+        fact_id=fact,
+        relation="P19",
+        subject=subj,
+        object=obj,
+        prompt=f"{subj} was born in",
+        target=f" {obj}",
+        aliases=(obj,),
+        subject_aliases=(subj,),
+        entailing_ids=entailing,
+        mention_ids=mentions,
+        bucket="[1,10)",
+        template_variant=0,
+    )
 
 
 @pytest.fixture
 def eq():
-    qs = [_query(0, "f0", "Ana", "Paris", (0,), (0, 1)), _query(1, "f1", "Bo", "Rome", (2,), (2,)),
-          _query(2, "f2", "Cy", "Oslo", (), ())]  # a fact without evidence: excluded from MRR
-    return query_set.EvalQueries(qs, [], completions=[" Paris", " Milan", " Oslo"], correct=[True, False, True],
-                                 report=queries.QueryReport(), templates={})
+    qs = [
+        _query(0, "f0", "Ana", "Paris", (0,), (0, 1)),
+        _query(1, "f1", "Bo", "Rome", (2,), (2,)),
+        _query(2, "f2", "Cy", "Oslo", (), ()),
+    ]  # a fact without evidence: excluded from MRR
+    return query_set.EvalQueries(
+        qs,
+        [],
+        completions=[" Paris", " Milan", " Oslo"],
+        correct=[True, False, True],
+        report=queries.QueryReport(),
+        templates={},
+    )
 
 
 @pytest.fixture
 def retrieved():
-    return Retrieved(proponent_ids=[[1, 0, 4], [2, 3, 0], [4, 3, 1]],
-                     proponent_scores=[[0.9, 0.8, 0.1], [0.7, 0.5, 0.2], [0.3, 0.2, 0.1]],
-                     opponent_ids=[[4], [4], [0]], opponent_scores=[[-0.5], [-0.4], [-0.3]])
+    return Retrieved(
+        proponent_ids=[[1, 0, 4], [2, 3, 0], [4, 3, 1]],
+        proponent_scores=[[0.9, 0.8, 0.1], [0.7, 0.5, 0.2], [0.3, 0.2, 0.1]],
+        opponent_ids=[[4], [4], [0]],
+        opponent_scores=[[-0.5], [-0.4], [-0.3]],
+    )
 
 
-DELTAS = {(0, 1): 0.5, (0, 0): 2.0, (0, 4): -1.0, (1, 2): 1.0, (1, 3): 0.0, (1, 0): 0.25,
-          (2, 4): 0.0, (2, 3): 0.0, (2, 1): 0.0}
+DELTAS = {
+    (0, 1): 0.5,
+    (0, 0): 2.0,
+    (0, 4): -1.0,
+    (1, 2): 1.0,
+    (1, 3): 0.0,
+    (1, 0): 0.25,
+    (2, 4): 0.0,
+    (2, 3): 0.0,
+    (2, 1): 0.0,
+}
 
 
 def test_query_records_match_hand_computed_metrics(eq, retrieved):
@@ -78,17 +111,28 @@ def test_retrieval_file_is_the_pair_code_schema(eq, retrieved, tmp_path):
 
 
 def test_table_markdown_shows_rows_splits_and_examples(eq, retrieved):
-    names = list(metrics.ATTRIBUTION_METRICS) + [f"mention_{x}" for x in metrics.ATTRIBUTION_METRICS] + \
-        ["tailpatch_at_1", "tailpatch_at_3"]
+    names = (
+        list(metrics.ATTRIBUTION_METRICS)
+        + [f"mention_{x}" for x in metrics.ATTRIBUTION_METRICS]
+        + ["tailpatch_at_1", "tailpatch_at_3"]
+    )
     rows = []
     for name in ("bm25", "trackstar"):
         m = baselines.method(name)
         recs = report.query_records(eq, retrieved, DELTAS, (1, 3), m)
-        rows.append(metrics.method_row(name, recs, names, extra={"label": m.label, "kind": m.kind,
-                                                                 "gold_attribution": False}))
-    table = {"rows": rows, "corpus": {"name": "hand", "num_examples": len(TEXTS)}, "num_queries": 3,
-             "query_mode": "gold", "template_variant": 0, "model": {"num_params": 1234, "checkpoint_step": 7},
-             "model_accuracy": 2 / 3, "ci": "95% bootstrap"}
+        rows.append(
+            metrics.method_row(name, recs, names, extra={"label": m.label, "kind": m.kind, "gold_attribution": False})
+        )
+    table = {
+        "rows": rows,
+        "corpus": {"name": "hand", "num_examples": len(TEXTS)},
+        "num_queries": 3,
+        "query_mode": "gold",
+        "template_variant": 0,
+        "model": {"num_params": 1234, "checkpoint_step": 7},
+        "model_accuracy": 2 / 3,
+        "ci": "95% bootstrap",
+    }
     md = report.table_markdown(table, eq, {"bm25": retrieved, "trackstar": retrieved}, TEXTS, (1, 3), 2)
     assert md.startswith("# Fact tracing table") and "hand (5 passages), 3 queries" in md
     main = md.split("## Example queries")[0]

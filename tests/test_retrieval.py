@@ -77,7 +77,10 @@ def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
     assert plan.upcast in ("none", "bf16_split3", "native")
     ref = retrieval.reference_topk(q, x, 7)
     assert_exact(retrieval.topk(q, x.astype(DTYPES[dtype]), 7, mesh=mesh_of(8), plan=plan), ref)
-    assert_exact(retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan), ref)
+    assert_exact(
+        retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan),
+        ref,
+    )
     retrieval._sharded_fn.cache_clear()
 
 
@@ -91,18 +94,28 @@ def test_signed_zero_scores_tie_by_id():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("query_major, upcast, contract", [(True, None, "dot"), (False, None, "dot"), (True, "convert", "dot"),
-                                                           (False, "convert", "dot"), (False, "convert", "reduce"),
-                                                           (True, "bf16_pairs", "dot"), (False, "bf16_split3", "dot"),
-                                                           (False, "native", "dot")])
+@pytest.mark.parametrize(
+    "query_major, upcast, contract",
+    [
+        (True, None, "dot"),
+        (False, None, "dot"),
+        (True, "convert", "dot"),
+        (False, "convert", "dot"),
+        (False, "convert", "reduce"),
+        (True, "bf16_pairs", "dot"),
+        (False, "bf16_split3", "dot"),
+        (False, "native", "dot"),
+    ],
+)
 def test_every_formulation_is_exact(dtype, query_major, upcast, contract):
     x, q = tied_data(203, q=20)
     if dtype == "float32" and upcast not in (None, "native"):
         upcast = "none"
     if upcast == "native" and not native.available():
         pytest.skip("native kernels unavailable (no compiler or TRACKSTAR_JAX_NATIVE=0)")
-    plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast,
-                               contract=contract)
+    plan = retrieval.make_score_plan(
+        len(q), x.shape[1], DTYPES[dtype], block_rows=16, query_major=query_major, upcast=upcast, contract=contract
+    )
     res = retrieval.topk(q, x.astype(DTYPES[dtype]), 9, mesh=mesh_of(8), plan=plan)
     assert_exact(res, retrieval.reference_topk(q, x, 9))
 
@@ -112,11 +125,15 @@ def test_plan_picks_layout_by_regime():
     many = retrieval.make_score_plan(1024, 4096, np.float32, backend="cpu")
     assert not one.query_major and many.query_major and one.upcast == "none"
     few_bf16 = "native" if native.available() and native.isa() == "avx512" else "bf16_split3"
-    assert retrieval.make_score_plan(8, 4096, np.float32, backend="cpu").upcast == few_bf16.replace("bf16_split3", "none")
+    assert retrieval.make_score_plan(8, 4096, np.float32, backend="cpu").upcast == few_bf16.replace(
+        "bf16_split3", "none"
+    )
     assert retrieval.make_score_plan(64, 4096, np.float32, backend="gpu").upcast == "none"
     assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
     assert retrieval.make_score_plan(16, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16
-    assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16.replace("split3", "pairs")
+    assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == few_bf16.replace(
+        "split3", "pairs"
+    )
     assert retrieval.make_score_plan(128, 4096, ml_dtypes.bfloat16, backend="cpu").upcast == "bf16_pairs"
     assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
@@ -125,7 +142,9 @@ def test_plan_picks_layout_by_regime():
 
 
 @pytest.mark.parametrize("num_devices", [1, 8])
-@pytest.mark.parametrize("dtype, nq", [("float32", 4), ("bfloat16", 4), ("bfloat16", 80)])  # bf16: native (or split3), pairs
+@pytest.mark.parametrize(
+    "dtype, nq", [("float32", 4), ("bfloat16", 4), ("bfloat16", 80)]
+)  # bf16: native (or split3), pairs
 def test_random_floats_match_float64_reference(num_devices, dtype, nq):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((517, 64)).astype(DTYPES[dtype])
@@ -167,7 +186,9 @@ def test_stream_equals_in_memory(num_devices, chunk_rows, query_batch_size):
     reader = retrieval.ArrayReader(x.astype(np.int8), row_scale=scale)  # int8-style reader scale
     extra = np.where(np.arange(700) % 3 == 0, 0.5, 1.0).astype(np.float32)  # e.g. 1/||R^-1/2 g||
     k = 15
-    streamed = retrieval.stream_topk(q, reader, k, chunk_rows, mesh=mesh, row_scale=extra, query_batch_size=query_batch_size)
+    streamed = retrieval.stream_topk(
+        q, reader, k, chunk_rows, mesh=mesh, row_scale=extra, query_batch_size=query_batch_size
+    )
     in_memory = retrieval.topk(q, x.astype(np.int8), k, row_scale=scale * extra, mesh=mesh)
     assert_exact(streamed, in_memory)
     assert_exact(streamed, retrieval.reference_topk(q, x, k, scale * extra))
@@ -188,9 +209,14 @@ def _tiny_index(path, dtype, num_rows=300):
     rng = np.random.default_rng(0)
     data = rng.standard_normal((num_rows, 64)).astype(np.float32)
     manifest = index.make_manifest(
-        num_rows=num_rows, dim=64, num_blocks_total=4, storage=index.StorageConfig(dtype=dtype, chunk_rows=64),
-        model={"checkpoint_step": 1, "fingerprint": "sha256:m"}, vectors={"proj_seed": 0},
-        corpus={"name": "t", "fingerprint": "sha256:c", "num_examples": num_rows})
+        num_rows=num_rows,
+        dim=64,
+        num_blocks_total=4,
+        storage=index.StorageConfig(dtype=dtype, chunk_rows=64),
+        model={"checkpoint_step": 1, "fingerprint": "sha256:m"},
+        vectors={"proj_seed": 0},
+        corpus={"name": "t", "fingerprint": "sha256:c", "num_examples": num_rows},
+    )
     index.IndexBuilder(path, manifest).build(lambda lo, hi: data[lo:hi])
     return index.open_index(path)
 
@@ -256,7 +282,10 @@ def test_non_finite_rows_are_an_error():
 
 def test_empty_query_set_gives_empty_output():
     x, _ = tied_data(20)
-    for res in (retrieval.topk(np.zeros((0, 16)), x, 4), retrieval.stream_topk(np.zeros((0, 16)), retrieval.ArrayReader(x), 4, 8)):
+    for res in (
+        retrieval.topk(np.zeros((0, 16)), x, 4),
+        retrieval.stream_topk(np.zeros((0, 16)), retrieval.ArrayReader(x), 4, 8),
+    ):
         assert all(a.shape == (0, 4) for a in res)
 
 
@@ -280,8 +309,13 @@ def test_reader_errors_propagate_from_the_prefetch_thread():
 
 def _e2e_config():
     # 100 steps: enough for the tiny model to complete its facts (checked below).
-    c = tiny_run_config(num_facts=12, num_distractors=30, num_steps=100, chunk_rows=32,
-                        **{"train.learning_rate": 0.02, "train.warmup_steps": 20})
+    c = tiny_run_config(
+        num_facts=12,
+        num_distractors=30,
+        num_steps=100,
+        chunk_rows=32,
+        **{"train.learning_rate": 0.02, "train.warmup_steps": 20},
+    )
     c.eval.max_new_tokens = 4
     c.retrieval.read_chunk_rows = 40  # several chunks, the last one partial
     # tiny.py's d = 256 is too few dimensions for gradient cosines on this corpus: measured on
@@ -319,14 +353,26 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     import json
 
     from trackstar_jax.training import checkpoint
+
     c, workdir = trained_run
     n = len(checkpoint.load_run(workdir).corpus.examples)
     c.retrieval.top_k = n  # full ranking: every row's rank is known
-    man = evaluation.retrieve(config_lib.from_configdict(c), workdir)  # default query source: the evaluation's fact queries
+    man = evaluation.retrieve(
+        config_lib.from_configdict(c), workdir
+    )  # default query source: the evaluation's fact queries
     recs = [json.loads(line) for line in open(man["output"])]
     assert man["num_queries"] == len(recs) > 0 and man["k"] == n and man["index_rows"] == n
-    fields = ("example_id", "inputs_plaintext", "targets_plaintext", "proponents", "proponent_ids",
-              "proponent_scores", "opponents", "opponent_ids", "opponent_scores")
+    fields = (
+        "example_id",
+        "inputs_plaintext",
+        "targets_plaintext",
+        "proponents",
+        "proponent_ids",
+        "proponent_scores",
+        "opponents",
+        "opponent_ids",
+        "opponent_scores",
+    )
     learned = [r for r in recs if r["model_correct"] and r["entailing_ids"]]
     assert len(learned) >= len(recs) // 2, "the tiny model should have learned most of its facts"
     for r in recs:
@@ -347,6 +393,7 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
 
     from trackstar_jax.training import checkpoint
+
     c, workdir = trained_run
     qfile = tmp_path / "mine.jsonl"
     qfile.write_text("")  # empty query set -> empty output, not a crash

@@ -24,24 +24,36 @@ from trackstar_jax.training import step as step_lib
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-CFG = lm.LMConfig(arch="llama", vocab_size=40, num_layers=1, embed_dim=32, num_heads=2, num_kv_heads=1, head_dim=16,
-                  mlp_dim=48, max_len=32, tie_embeddings=False)
+CFG = lm.LMConfig(
+    arch="llama",
+    vocab_size=40,
+    num_layers=1,
+    embed_dim=32,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=16,
+    mlp_dim=48,
+    max_len=32,
+    tie_embeddings=False,
+)
 
 
 def _examples(n, seed=0):
     rng = np.random.default_rng(seed)
-    return [np.concatenate([[2], rng.integers(4, CFG.vocab_size, size=rng.integers(3, 20))]).astype(np.int32)
-            for _ in range(n)]
+    return [
+        np.concatenate([[2], rng.integers(4, CFG.vocab_size, size=rng.integers(3, 20))]).astype(np.int32)
+        for _ in range(n)
+    ]
 
 
 def _batches(examples, batch_size):
     for s in range(0, len(examples), batch_size):
-        chunk = examples[s: s + batch_size]
+        chunk = examples[s : s + batch_size]
         tokens = np.zeros((batch_size, 32), np.int32)
         mask = np.zeros((batch_size, 32), np.int32)
         ids = np.full((batch_size,), -1, np.int32)
         for r, t in enumerate(chunk):
-            tokens[r, : len(t)], mask[r, 1: len(t)], ids[r] = t, 1, s + r
+            tokens[r, : len(t)], mask[r, 1 : len(t)], ids[r] = t, 1, s + r
         yield {"tokens": tokens, "loss_mask": mask, "example_id": ids}
 
 
@@ -61,7 +73,10 @@ def test_estimate_equals_optax_adafactor_mean_accumulation():
     ref_tx = optax.adafactor(learning_rate=0.0, decay_rate=1.0, min_dim_size_to_factor=min_dim)
     ref = ref_tx.init(params)
     for t in examples:
-        batch = {"tokens": jnp.asarray(t[None]), "loss_mask": jnp.asarray(np.r_[0, np.ones(len(t) - 1)][None], jnp.int32)}
+        batch = {
+            "tokens": jnp.asarray(t[None]),
+            "loss_mask": jnp.asarray(np.r_[0, np.ones(len(t) - 1)][None], jnp.int32),
+        }
         g = jax.jit(jax.grad(lambda p, b: step_lib.loss_fn(p, graphdef, b)[0]))(params, batch)
         _, ref = ref_tx.update(g, ref, params)
 

@@ -79,7 +79,9 @@ def test_query_equals_retrieve_queries(served, method):
     assert r.status_code == 200, r.text
     got = r.json()
     ms = rows.method_settings(settings, methods_lib.METHODS[method])
-    want, _ = retrieval_stage.retrieve_queries(engine.run, ms, workdir, [retrieval_stage.TextQuery(0, prompt, target)], k=7)
+    want, _ = retrieval_stage.retrieve_queries(
+        engine.run, ms, workdir, [retrieval_stage.TextQuery(0, prompt, target)], k=7
+    )
     want = want[0]
     assert got["record"] == want
     assert [p["example_id"] for p in got["proponents"]] == want["proponent_ids"]
@@ -128,7 +130,9 @@ def test_bad_input_is_refused_and_the_server_keeps_serving(served):
 def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
     _, workdir, engine, client = served
     prompt, target = _fact(engine, 2)
-    rec = client.post("/api/query", json={"prompt": prompt, "target": target, "k": 4, "method": "trackstar"}).json()["record"]
+    rec = client.post("/api/query", json={"prompt": prompt, "target": target, "k": 4, "method": "trackstar"}).json()[
+        "record"
+    ]
     (workdir / "retrieval").mkdir(exist_ok=True)
     (workdir / "retrieval" / "mine.jsonl").write_text(json.dumps(rec) + "\n\n" + json.dumps(rec) + "\n")
     r = client.get("/api/file", params={"path": "retrieval/mine.jsonl"})
@@ -139,14 +143,22 @@ def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
     outside = tmp_path / "secret.jsonl"
     outside.write_text(json.dumps(rec) + "\n")
     os.symlink(outside, workdir / "retrieval" / "link.jsonl")
-    for path in ("../" * 3 + str(outside).lstrip("/"), str(outside), "retrieval/../../secret.jsonl",
-                 "retrieval/link.jsonl", ""):
+    for path in (
+        "../" * 3 + str(outside).lstrip("/"),
+        str(outside),
+        "retrieval/../../secret.jsonl",
+        "retrieval/link.jsonl",
+        "",
+    ):
         r = client.get("/api/file", params={"path": path})
         assert r.status_code == 403, (path, r.status_code, r.text)
     assert client.get("/api/file", params={"path": "retrieval/none.jsonl"}).status_code == 404
     assert client.get("/api/file", params={"path": "config.json"}).status_code in (400, 404)
     assert client.get("/api/eval").status_code == 404  # no evaluation in this run
-    assert client.post("/api/query", json={"prompt": prompt, "target": target, "k": 2, "method": "bm25"}).status_code == 200
+    assert (
+        client.post("/api/query", json={"prompt": prompt, "target": target, "k": 2, "method": "bm25"}).status_code
+        == 200
+    )
 
 
 def test_page_is_served(served):
@@ -185,8 +197,15 @@ def test_page_in_headless_chromium(served, tmp_path):
 
     _, _, engine, client = served
     prompt, target = _fact(engine, 4)
-    want = {m: [p["example_id"] for p in client.post("/api/query", json={
-        "prompt": prompt, "target": target, "k": 5, "method": m}).json()["proponents"]] for m in ("trackstar", "bm25")}
+    want = {
+        m: [
+            p["example_id"]
+            for p in client.post("/api/query", json={"prompt": prompt, "target": target, "k": 5, "method": m}).json()[
+                "proponents"
+            ]
+        ]
+        for m in ("trackstar", "bm25")
+    }
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app_lib.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

@@ -56,7 +56,8 @@ def reference(smollm2_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32).eval()
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    ).eval()
 
     def logits(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
@@ -96,4 +97,4 @@ def test_greedy_completion_of_france(ours, reference, tok):
         mine.append(int(_logits(ours, mine)[-1].argmax()))
         theirs.append(int(reference(theirs)[-1].argmax()))
     assert mine == theirs
-    assert tok.decode(mine[len(ids):]) == FRANCE_GREEDY
+    assert tok.decode(mine[len(ids) :]) == FRANCE_GREEDY

@@ -18,8 +18,14 @@ T = 12
 CFG = model_lib.LMConfig(vocab_size=48, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=T)
 # min_dim 16: [16,32] / [48,16] kernels are factored, the [16,8] key/value kernels and the
 # norm scales keep a full v (both Adafactor regimes); clipping is active for one-example steps.
-OPT = train.OptimizerConfig(learning_rate=0.05, warmup_steps=5, decay_rate=0.8, min_dim_size_to_factor=16,
-                            clipping_threshold=1.0, multiply_by_parameter_scale=True)
+OPT = train.OptimizerConfig(
+    learning_rate=0.05,
+    warmup_steps=5,
+    decay_rate=0.8,
+    min_dim_size_to_factor=16,
+    clipping_threshold=1.0,
+    multiply_by_parameter_scale=True,
+)
 
 
 def _batch(rng, n, lengths=None):
@@ -38,14 +44,16 @@ def _query_batch(rng, n):
     for i in range(n):  # loss only on the last two real tokens (the "target")
         last = int(b["loss_mask"][i].nonzero()[0].max())
         b["loss_mask"][i] = 0
-        b["loss_mask"][i, last - 1:last + 1] = 1
+        b["loss_mask"][i, last - 1 : last + 1] = 1
     return b
 
 
 # jitted once per module (the eager versions spend minutes dispatching ops on 2 cores)
 _pairs = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
-_grad = jax.jit(lambda params, batch, graphdef: jax.grad(lambda p: train.loss_fn(p, graphdef, batch)[0])(params),
-                static_argnames=("graphdef",))
+_grad = jax.jit(
+    lambda params, batch, graphdef: jax.grad(lambda p: train.loss_fn(p, graphdef, batch)[0])(params),
+    static_argnames=("graphdef",),
+)
 _logits = jax.jit(model_lib.apply, static_argnames=("graphdef",))
 
 
@@ -90,7 +98,7 @@ def _reference_adafactor_update(params, grads, opt_state, cfg: train.OptimizerCo
             v_row = decay * np.asarray(v_rows[path], np.float64) + (1 - decay) * g2.mean(axis=large)
             v_col = decay * np.asarray(v_cols[path], np.float64) + (1 - decay) * g2.mean(axis=small)
             row = (v_row / v_row.mean()) ** -0.5
-            col = v_col ** -0.5
+            col = v_col**-0.5
             u = g * np.expand_dims(row, large) * np.expand_dims(col, small)
         else:
             v = decay * np.asarray(vs[path], np.float64) + (1 - decay) * g2
@@ -103,7 +111,9 @@ def _reference_adafactor_update(params, grads, opt_state, cfg: train.OptimizerCo
 
 def _unflatten_like(params, flat):
     leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-    return jax.tree_util.tree_unflatten(treedef, [jnp.asarray(flat[model_lib.param_path_str(k)], jnp.float32) for k, _ in leaves])
+    return jax.tree_util.tree_unflatten(
+        treedef, [jnp.asarray(flat[model_lib.param_path_str(k)], jnp.float32) for k, _ in leaves]
+    )
 
 
 def _reference_target_log_prob(graphdef, params, tokens, mask):
@@ -146,8 +156,9 @@ def test_tailpatch_pairs_equal_hand_written_update(trained):
     with jax.default_matmul_precision("highest"):
         got = jax.device_get(_pairs(state.params, state.opt_state, props, queries, graphdef=graphdef, opt=opt))
         for i in range(4):
-            before, after, delta = _reference_delta(graphdef, state, {k: v[i] for k, v in props.items()},
-                                                    {k: v[i] for k, v in queries.items()})
+            before, after, delta = _reference_delta(
+                graphdef, state, {k: v[i] for k, v in props.items()}, {k: v[i] for k, v in queries.items()}
+            )
             np.testing.assert_allclose(got["log_prob_before"][i], before, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(got["log_prob_after"][i], after, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(got["delta_prob"][i], delta, rtol=1e-3, atol=1e-7)
@@ -196,8 +207,14 @@ def test_jit_run_pairs_matches_unjitted(trained, num_devices):
     pairs = np.array([[0, 0], [0, 5], [1, 2], [2, 3], [2, 4]])  # 5 pairs, batch 8: padded
     fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
     got = tailpatch.run_pairs(fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0)
-    want = _pairs(state.params, state.opt_state, {k: v[pairs[:, 1]] for k, v in props.items()},
-                                     {k: v[pairs[:, 0]] for k, v in queries.items()}, graphdef=graphdef, opt=opt)
+    want = _pairs(
+        state.params,
+        state.opt_state,
+        {k: v[pairs[:, 1]] for k, v in props.items()},
+        {k: v[pairs[:, 0]] for k, v in queries.items()},
+        graphdef=graphdef,
+        opt=opt,
+    )
     for k in got:
         np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
 
@@ -214,8 +231,9 @@ def test_fsdp_mesh_gives_the_same_deltas(trained):
     for shape in ((8, 1, 1), (2, 4, 1)):
         mesh = sharding.make_mesh(shape, devices=jax.devices()[:8])
         fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
-        out[shape] = tailpatch.run_pairs(fn, state.params, state.opt_state, props, queries, pairs, batch_size=8,
-                                         lr_scale=1.0)
+        out[shape] = tailpatch.run_pairs(
+            fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0
+        )
     sh = sharding.fsdp_shardings((state.params, state.opt_state), mesh)
     specs = [s.spec for s in jax.tree.leaves(sh)]
     assert sum(s != jax.sharding.PartitionSpec() for s in specs) >= 10  # kernels, embeddings, full v

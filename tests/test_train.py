@@ -66,7 +66,10 @@ def test_resumed_run_continues_the_same_batches(run, tiny_config, tmp_path):
     tiny_config = _config(tiny_config, 100)
     corpus, tok = data.load_corpus(workdir / "corpus"), data.load_tokenizer(workdir / "tokenizer.model")
     mesh = sharding.make_mesh()
-    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
+    model_cfg, opt = (
+        config_lib.from_configdict(tiny_config).model,
+        train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer),
+    )
     graphdef, target = checkpoint.abstract_state(model_cfg, opt, mesh)
     mngr = checkpoint.CheckpointManager(workdir / "checkpoints")
     assert mngr.all_steps() == [50, 60, 100]
@@ -88,7 +91,10 @@ def test_one_and_eight_devices_give_the_same_loss(tiny_config, steps):
     tiny_config.model.num_layers = 1
     corpus = data.build_corpus(config_lib.section("data", tiny_config.data), 0)
     tok = data.train_tokenizer(corpus.texts, 512)
-    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
+    model_cfg, opt = (
+        config_lib.from_configdict(tiny_config).model,
+        train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer),
+    )
     batches = data.train_batches(corpus, tok, 16, model_cfg.max_len, seed=0)
     host = [next(batches) for _ in range(steps)]
     results = []
@@ -153,11 +159,14 @@ def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
         training.train(config_lib.from_configdict(_config(tiny_config, 100)), other)
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("train.num_step", 3, r"unknown config key\(s\) in config\.train: num_step"),
-    ("data.tokenizer", "bpe", r"unknown config key\(s\) in config\.data: tokenizer"),
-    ("train.global_batch_size", 12, r"global_batch_size=12 is not divisible by the 8"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("train.num_step", 3, r"unknown config key\(s\) in config\.train: num_step"),
+        ("data.tokenizer", "bpe", r"unknown config key\(s\) in config\.data: tokenizer"),
+        ("train.global_batch_size", 12, r"global_batch_size=12 is not divisible by the 8"),
+    ],
+)
 def test_bad_config_is_named(tiny_config, tmp_path, key, value, match):
     skip_if_not_enough_devices(8)
     section, name = key.split(".")
@@ -186,6 +195,7 @@ def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path)
 def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
     """Reference: recompute the full forward for each new token and take the argmax."""
     from trackstar_jax.models import palm as model_lib
+
     tiny_config.model.num_layers = 1
     cfg = config_lib.from_configdict(tiny_config).model
     graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 1))
@@ -204,7 +214,7 @@ def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
                 seq.append(nxt)
                 if nxt == 3:
                     break
-            assert g == seq[len(p):]
+            assert g == seq[len(p) :]
             assert limit is None or max(g) < limit
 
 
@@ -214,7 +224,10 @@ def _fsdp_run(tiny_config, mesh_shape, steps=3):
     tiny_config.model.num_layers = 1
     corpus = data.build_corpus(config_lib.section("data", tiny_config.data), 0)
     tok = data.train_tokenizer(corpus.texts, 512)
-    model_cfg, opt = config_lib.from_configdict(tiny_config).model, train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer)
+    model_cfg, opt = (
+        config_lib.from_configdict(tiny_config).model,
+        train.make_optimizer(config_lib.from_configdict(tiny_config).train.optimizer),
+    )
     batches = data.train_batches(corpus, tok, 16, model_cfg.max_len, seed=0)
     mesh = sharding.make_mesh(mesh_shape, devices=jax.devices()[:8])
     graphdef, state = loop.init_train_state(model_cfg, opt, 0, mesh)
@@ -247,8 +260,9 @@ def test_fsdp_sharded_training_equals_replicated(tiny_config):
         assert np.prod(shard) * 4 == x.size and x.sharding.spec.count("fsdp") == 1, k
     kernel = got.params["layer_0"]["mlp"]["up"]["kernel"]  # [64, 256]: split on the 256
     assert kernel.sharding.spec == P(None, "fsdp") and kernel.addressable_shards[0].data.shape == (64, 64)
-    v_row, v_col = (optax.tree_utils.tree_get(got.opt_state, n)["layer_0"]["mlp"]["up"]["kernel"]
-                    for n in ("v_row", "v_col"))
+    v_row, v_col = (
+        optax.tree_utils.tree_get(got.opt_state, n)["layer_0"]["mlp"]["up"]["kernel"] for n in ("v_row", "v_col")
+    )
     assert v_row.shape == (64,) and v_row.sharding.spec == P()  # tiny: kept whole
     assert v_col.shape == (256,) and v_col.sharding.spec == P("fsdp")
     params_bytes = sum(x.nbytes for x in jax.tree.leaves(got.params))
@@ -266,6 +280,7 @@ def test_load_run_into_an_fsdp_mesh(run):
     correction read from the split optimizer state) gives the replicated run's vectors."""
     skip_if_not_enough_devices(8)
     from trackstar_jax.features import vectors
+
     workdir, _, _ = run
     rep = checkpoint.load_run(workdir)
     got = checkpoint.load_run(workdir, mesh=sharding.make_mesh((2, 4, 1)))
@@ -277,7 +292,8 @@ def test_load_run_into_an_fsdp_mesh(run):
     batch = next(data.train_batches(rep.corpus, rep.tokenizer, 8, rep.model_cfg.max_len, seed=0))
     out = []
     for r in (rep, got):
-        fn = vectors.make_vector_fn(r.graphdef, r.model_cfg, vc, r.params, r.opt_state,
-                                    mesh=sharding.make_mesh((2, 4, 1)))
+        fn = vectors.make_vector_fn(
+            r.graphdef, r.model_cfg, vc, r.params, r.opt_state, mesh=sharding.make_mesh((2, 4, 1))
+        )
         out.append(fn(r.params, fn.precond, batch))
     np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5 * np.abs(out[0]).max())

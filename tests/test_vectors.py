@@ -23,8 +23,16 @@ pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
 
 @functools.lru_cache(maxsize=None)
 def _state():
-    cfg = model_lib.LMConfig(vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2, head_dim=16,
-                             mlp_dim=64, max_len=16, tie_embeddings=False)
+    cfg = model_lib.LMConfig(
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        tie_embeddings=False,
+    )
     opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
     graphdef, state = train.init_state(cfg, opt, seed=0)
     state, _ = train.train_step(state, _batch(0), graphdef=graphdef, opt=opt)
@@ -132,6 +140,7 @@ def test_config_and_layout():
     with pytest.raises(ValueError, match="vectors.path"):
         vectors.VectorConfig(path="slow")
     from experiments import base, tiny
+
     for mod in (base, tiny):
         vc = config_lib.from_configdict(mod.get_config()).vectors
         assert vc.dim == 2 * vc.num_blocks * vc.proj_dim**2
@@ -142,12 +151,38 @@ def test_config_and_layout():
 # Imported architectures (issue 11): the jitted, sharded step on 1 and 8 devices, fast and
 # reference paths, with and without the correction.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(arch="llama", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=4,
-                                num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16, qkv_bias=True, tie_embeddings=False),
-    "gpt_neox": model_lib.LMConfig(arch="gpt_neox", vocab_size=VOCAB, num_layers=2, embed_dim=32, num_heads=2,
-                                   head_dim=16, mlp_dim=64, max_len=16, norm="layer", norm_bias=True, qkv_bias=True,
-                                   out_bias=True, mlp_bias=True, rotary_pct=0.25, parallel_residual=False,
-                                   activation="gelu", tie_embeddings=True),
+    "llama": model_lib.LMConfig(
+        arch="llama",
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        mlp_dim=64,
+        max_len=16,
+        qkv_bias=True,
+        tie_embeddings=False,
+    ),
+    "gpt_neox": model_lib.LMConfig(
+        arch="gpt_neox",
+        vocab_size=VOCAB,
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        norm="layer",
+        norm_bias=True,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        rotary_pct=0.25,
+        parallel_residual=False,
+        activation="gelu",
+        tie_embeddings=True,
+    ),
 }
 
 

@@ -42,8 +42,16 @@ CONFIG_FILE = "config.json"  # the run directory's resolved config
 RUN_SECTIONS = ("seed", "model", "data")
 # train keys that may change on resume (longer training, other cadences); all other train
 # keys (optimizer, batch size) must match.
-RESUMABLE_TRAIN_KEYS = ("num_steps", "log_every_steps", "eval_every_steps", "num_eval_batches",
-                        "checkpoint_every_steps", "max_checkpoints_to_keep", "num_completions", "max_new_tokens")
+RESUMABLE_TRAIN_KEYS = (
+    "num_steps",
+    "log_every_steps",
+    "eval_every_steps",
+    "num_eval_batches",
+    "checkpoint_every_steps",
+    "max_checkpoints_to_keep",
+    "num_completions",
+    "max_new_tokens",
+)
 QUERY_MODES = ("gold", "prediction")
 
 
@@ -93,10 +101,13 @@ class TrainSettings:
     def optimizer(self) -> step_lib.OptimizerConfig:
         """The optimizer's keys as `OptimizerConfig`."""
         return step_lib.OptimizerConfig(
-            learning_rate=float(self.learning_rate), warmup_steps=int(self.warmup_steps),
-            decay_rate=float(self.decay_rate), min_dim_size_to_factor=int(self.min_dim_size_to_factor),
+            learning_rate=float(self.learning_rate),
+            warmup_steps=int(self.warmup_steps),
+            decay_rate=float(self.decay_rate),
+            min_dim_size_to_factor=int(self.min_dim_size_to_factor),
             clipping_threshold=None if self.clipping_threshold is None else float(self.clipping_threshold),
-            multiply_by_parameter_scale=bool(self.multiply_by_parameter_scale))
+            multiply_by_parameter_scale=bool(self.multiply_by_parameter_scale),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +186,9 @@ class EvalSettings:
             raise ValueError(f"eval.bucket_edges must be increasing positive integers, got {edges}")
         if self.num_proponents < 1:
             raise ValueError(f"eval.num_proponents must be >= 1, got {self.num_proponents}")
-        if self.output_dir and (pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")):
+        if self.output_dir and (
+            pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")
+        ):
             raise ValueError(f"eval.output_dir must be a plain folder name inside the workdir, got {self.output_dir!r}")
 
     @property
@@ -216,8 +229,9 @@ class ValidateSettings:
         if not 0.0 < self.fraction < 1.0:
             raise ValueError(f"validate.fraction must be in (0, 1), got {self.fraction}")
         if self.num_steps < 0 or self.num_queries < 0:
-            raise ValueError(f"validate.num_steps and validate.num_queries must be >= 0, got "
-                             f"{self.num_steps}, {self.num_queries}")
+            raise ValueError(
+                f"validate.num_steps and validate.num_queries must be >= 0, got {self.num_steps}, {self.num_queries}"
+            )
         if not self.methods:
             raise ValueError("validate.methods is empty: name at least one row (e.g. 'trackstar', 'bm25')")
         for name in self.methods:
@@ -245,8 +259,10 @@ class Settings:
 
     def __post_init__(self):
         if self.eval.num_proponents < max(self.tailpatch.top_ks):
-            raise ValueError(f"eval.num_proponents={self.eval.num_proponents} must be >= "
-                             f"max(tailpatch.top_ks)={max(self.tailpatch.top_ks)}")
+            raise ValueError(
+                f"eval.num_proponents={self.eval.num_proponents} must be >= "
+                f"max(tailpatch.top_ks)={max(self.tailpatch.top_ks)}"
+            )
 
     def replace(self, overrides: Mapping[str, Any]) -> Settings:
         """A copy with dotted-key overrides, e.g. `{"vectors.correction": False, "index.dir": "x"}`."""
@@ -273,8 +289,10 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Settings and f.name == "source")}
     unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ConfigError(f"unknown config key(s) in config{'.' + name if name else ''}: {', '.join(unknown)}{where} "
-                          f"(known: {', '.join(sorted(fields))})")
+        raise ConfigError(
+            f"unknown config key(s) in config{'.' + name if name else ''}: {', '.join(unknown)}{where} "
+            f"(known: {', '.join(sorted(fields))})"
+        )
     hints = typing.get_type_hints(cls, vars(_module_of(cls)))
     kwargs = {}
     for key, value in values.items():
@@ -295,7 +313,11 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
             raise
         msg = str(e)  # role types name their key as "<section>.<key> ..." (or "config.<section>...")
         if not msg.startswith("config."):
-            msg = f"config.{msg}" if name and msg.startswith(name.split(".")[0] + ".") else f"config.{name or 'root'}: {msg}"
+            msg = (
+                f"config.{msg}"
+                if name and msg.startswith(name.split(".")[0] + ".")
+                else f"config.{name or 'root'}: {msg}"
+            )
         raise ConfigError(f"{msg}{where}") from e
 
 
@@ -384,8 +406,12 @@ def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: d}
 
 
-def mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS + ("train",),
-               ignore: Sequence[str] = tuple(f"train.{k}" for k in RESUMABLE_TRAIN_KEYS)) -> list[str]:
+def mismatches(
+    saved: Any,
+    current: Any,
+    sections: Sequence[str] = RUN_SECTIONS + ("train",),
+    ignore: Sequence[str] = tuple(f"train.{k}" for k in RESUMABLE_TRAIN_KEYS),
+) -> list[str]:
     """Fields of `sections` that differ between two configs (Settings or nested dicts).
 
     A key absent on one side compares equal to the other side's default (so a run saved
@@ -411,8 +437,9 @@ def mismatches(saved: Any, current: Any, sections: Sequence[str] = RUN_SECTIONS 
 IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "max_len")
 
 
-def resolve_imported_model(user: model_lib.LMConfig, imported: model_lib.LMConfig, source: str = ""
-                           ) -> model_lib.LMConfig:
+def resolve_imported_model(
+    user: model_lib.LMConfig, imported: model_lib.LMConfig, source: str = ""
+) -> model_lib.LMConfig:
     """The model section of a run imported from `user.source`: `imported`'s arch and shapes,
     with the user's `source`, `dtype`, `param_dtype` and `max_len`.
 
@@ -434,8 +461,11 @@ def resolve_imported_model(user: model_lib.LMConfig, imported: model_lib.LMConfi
     if user.max_len > imported.max_len:
         bad.append(f"model.max_len={user.max_len} exceeds the imported model's {imported.max_len} positions")
     if bad:
-        raise ConfigError(f"config.model disagrees with the model at model.source={user.source!r}{where}: "
-                          + "; ".join(bad) + " (leave these keys at their defaults or set the imported values)")
+        raise ConfigError(
+            f"config.model disagrees with the model at model.source={user.source!r}{where}: "
+            + "; ".join(bad)
+            + " (leave these keys at their defaults or set the imported values)"
+        )
     return dataclasses.replace(imported, **{k: getattr(user, k) for k in IMPORT_USER_FIELDS})
 
 
@@ -455,7 +485,8 @@ def check_matches_run(settings: Settings, workdir: str | os.PathLike, sections: 
         saved_model = from_dict({"model": saved.get("model", {})}, source=str(path)).model
         if saved_model.source == settings.model.source:
             settings = dataclasses.replace(
-                settings, model=resolve_imported_model(settings.model, saved_model, settings.source))
+                settings, model=resolve_imported_model(settings.model, saved_model, settings.source)
+            )
     bad = mismatches(saved, settings, sections=sections, ignore=())
     if bad:
         src = f" ({settings.source})" if settings.source else ""

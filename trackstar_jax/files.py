@@ -109,8 +109,10 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
                 try:
                     yield n, raw.decode("utf-8").rstrip("\r\n")
                 except UnicodeDecodeError as e:
-                    raise InputError(f"{path}:{n}: not valid UTF-8 (byte {e.start} of the line: "
-                                     f"{raw[e.start:e.start + 1]!r}); fix or re-encode the file") from None
+                    raise InputError(
+                        f"{path}:{n}: not valid UTF-8 (byte {e.start} of the line: "
+                        f"{raw[e.start : e.start + 1]!r}); fix or re-encode the file"
+                    ) from None
         except (OSError, EOFError, zlib.error) as e:  # a damaged .gz
             raise InputError(f"{path}: cannot be read ({e})") from None
 

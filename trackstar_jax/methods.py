@@ -47,8 +47,12 @@ class Method:
         """
         if self.kind != "gradient":
             return {}
-        out = {"vectors.output_fn": self.output_fn, "vectors.correction": self.correction,
-               "hessian.mode": self.hessian, "hessian.unit_norm": self.unit_norm}
+        out = {
+            "vectors.output_fn": self.output_fn,
+            "vectors.correction": self.correction,
+            "hessian.mode": self.hessian,
+            "hessian.unit_norm": self.unit_norm,
+        }
         if (self.output_fn, self.correction) != ("loss", True):
             out["index.dir"] = f"{index_dir}_{self.output_fn}_{'corr' if self.correction else 'nocorr'}"
         return out
@@ -59,18 +63,21 @@ class Method:
 # output function with TRAK's example-level Q on candidates, R_train, no optimizer
 # correction, no unit norm (§4.4, §A.1.1). "dense" is the Gecko row with an offline model
 # (all-MiniLM-L6-v2, `embedding.py`); it needs the model package (`embedding.is_available()`).
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("trex_gold", "gold", "T-REx gold"),
-    Method("bm25", "bm25", "BM25"),
-    Method("dense", "dense", "MiniLM-L6 embeddings (Gecko stand-in)", unit_norm=True),
-    Method("trak", "gradient", "TRAK", output_fn="trak", correction=False, hessian="train", unit_norm=False),
-    Method("exp1", "gradient", "Exp. 1 (grad dot)", correction=False, hessian="none", unit_norm=False),
-    Method("exp2", "gradient", "Exp. 2 (grad cosine)", correction=False, hessian="none", unit_norm=True),
-    Method("exp3", "gradient", "Exp. 3", correction=False, hessian="train", unit_norm=True),
-    Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
-    Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
-    Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("trex_gold", "gold", "T-REx gold"),
+        Method("bm25", "bm25", "BM25"),
+        Method("dense", "dense", "MiniLM-L6 embeddings (Gecko stand-in)", unit_norm=True),
+        Method("trak", "gradient", "TRAK", output_fn="trak", correction=False, hessian="train", unit_norm=False),
+        Method("exp1", "gradient", "Exp. 1 (grad dot)", correction=False, hessian="none", unit_norm=False),
+        Method("exp2", "gradient", "Exp. 2 (grad cosine)", correction=False, hessian="none", unit_norm=True),
+        Method("exp3", "gradient", "Exp. 3", correction=False, hessian="train", unit_norm=True),
+        Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
+        Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
+        Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
+    )
+}
 TABLE1_ORDER = tuple(METHODS)
 
 

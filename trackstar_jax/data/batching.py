@@ -31,7 +31,9 @@ def encode_example(tok: tokenizer_lib.Tokenizer, text: str, max_len: int) -> tup
     return np.asarray(ids[:max_len], np.int32), len(ids) > max_len
 
 
-def encode_query(tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len: int, query_id: Any = None) -> dict[str, np.ndarray]:
+def encode_query(
+    tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len: int, query_id: Any = None
+) -> dict[str, np.ndarray]:
     """BOS + prompt + target with `loss_mask` = 1 only on the target tokens.
 
     `target` starts with a space (" Paris"); SentencePiece splits on whitespace, so encoding
@@ -42,8 +44,11 @@ def encode_query(tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len
         (the message names the query).
     """
     # query_id may be a location ("queries.jsonl:2"); long prompts are cut in the message.
-    name = (query_id if isinstance(query_id, str) and ":" in query_id else f"query {query_id!r}") + " " \
-        if query_id is not None else ""
+    name = (
+        (query_id if isinstance(query_id, str) and ":" in query_id else f"query {query_id!r}") + " "
+        if query_id is not None
+        else ""
+    )
     shown = f"({files.shorten(prompt)} -> {files.shorten(target, 40)})"
     p, t = tok.encode(prompt), tok.encode(target)
     if not t:
@@ -55,8 +60,9 @@ def encode_query(tok: tokenizer_lib.Tokenizer, prompt: str, target: str, max_len
     return {"tokens": np.asarray(tokens, np.int32), "loss_mask": np.asarray(mask, np.int32)}
 
 
-def pad_batch(items: Sequence[tuple[np.ndarray, np.ndarray]], example_ids: Sequence[int], batch_size: int,
-              seq_len: int) -> dict[str, np.ndarray]:
+def pad_batch(
+    items: Sequence[tuple[np.ndarray, np.ndarray]], example_ids: Sequence[int], batch_size: int, seq_len: int
+) -> dict[str, np.ndarray]:
     """Stacks `(tokens, loss_mask)` pairs into the batch convention, padding rows and length.
 
     Returns:
@@ -70,7 +76,9 @@ def pad_batch(items: Sequence[tuple[np.ndarray, np.ndarray]], example_ids: Seque
     ids = np.full((batch_size,), -1, np.int32)
     for r, ((t, m), i) in enumerate(zip(items, example_ids)):
         if len(t) > seq_len or len(m) != len(t):
-            raise ValueError(f"pad_batch: example {i} has {len(t)} tokens / {len(m)} mask entries for seq_len {seq_len}")
+            raise ValueError(
+                f"pad_batch: example {i} has {len(t)} tokens / {len(m)} mask entries for seq_len {seq_len}"
+            )
         tokens[r, : len(t)], mask[r, : len(t)], ids[r] = t, m, i
     return {"tokens": tokens, "loss_mask": mask, "example_id": ids}
 
@@ -97,8 +105,9 @@ def bucket_len(longest: int, max_len: int) -> int:
     return min(n, max_len)
 
 
-def encode_passages(tok: tokenizer_lib.Tokenizer, texts: Sequence[str], max_len: int
-                    ) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
+def encode_passages(
+    tok: tokenizer_lib.Tokenizer, texts: Sequence[str], max_len: int
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], int]:
     """`(tokens, loss_mask)` of each passage under the pretraining loss, and how many were truncated."""
     out, truncated = [], 0
     for text in texts:
@@ -135,8 +144,14 @@ def _pad_rows(b: dict[str, np.ndarray], batch_size: int) -> dict[str, np.ndarray
     return {k: np.concatenate([b[k], out[k]]) for k in b}
 
 
-def index_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, start: int = 0,
-                  stop: int | None = None) -> Iterator[dict[str, np.ndarray]]:
+def index_batches(
+    corpus: corpus_lib.Corpus,
+    tok: tokenizer_lib.Tokenizer,
+    batch_size: int,
+    seq_len: int,
+    start: int = 0,
+    stop: int | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
     """Ordered (no shuffle) batches over examples `[start, stop)`; the last one is padded.
 
     Row r of batch b holds example `start + b * batch_size + r` (example_id -1 on padding),
@@ -152,8 +167,9 @@ def index_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch
         yield _pad_rows(b, batch_size)
 
 
-def eval_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int,
-                 max_batches: int = 0) -> list[dict[str, np.ndarray]]:
+def eval_batches(
+    corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, max_batches: int = 0
+) -> list[dict[str, np.ndarray]]:
     """Batches of the held-out passages (example_id -1: they are not examples)."""
     texts = list(corpus.eval_texts)
     if max_batches:
@@ -164,8 +180,15 @@ def eval_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_
     return [_pad_rows(b, batch_size) for b in ds]
 
 
-def train_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch_size: int, seq_len: int, seed: int,
-                  start_step: int = 0, example_ids: Sequence[int] | None = None) -> Iterator[dict[str, np.ndarray]]:
+def train_batches(
+    corpus: corpus_lib.Corpus,
+    tok: tokenizer_lib.Tokenizer,
+    batch_size: int,
+    seq_len: int,
+    seed: int,
+    start_step: int = 0,
+    example_ids: Sequence[int] | None = None,
+) -> Iterator[dict[str, np.ndarray]]:
     """Infinite shuffled batches (grain; reshuffled each epoch; seeded).
 
     Batch s is a pure function of (corpus, seed, s), so a run resumed at step s sees exactly
@@ -174,11 +197,17 @@ def train_batches(corpus: corpus_lib.Corpus, tok: tokenizer_lib.Tokenizer, batch
     """
     ids = list(range(len(corpus.examples))) if example_ids is None else [int(i) for i in example_ids]
     if not ids or min(ids) < 0 or max(ids) >= len(corpus.examples):
-        raise ValueError(f"train_batches: example_ids must be non-empty ids in [0, {len(corpus.examples)}), "
-                         f"got {len(ids)} ids")
+        raise ValueError(
+            f"train_batches: example_ids must be non-empty ids in [0, {len(corpus.examples)}), got {len(ids)} ids"
+        )
     texts = corpus.texts if example_ids is None else [corpus.examples[i].text for i in ids]
-    ds = (grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len))
-          .seed(seed).shuffle().repeat(None).batch(batch_size, drop_remainder=True, batch_fn=_stack))
+    ds = (
+        grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len))
+        .seed(seed)
+        .shuffle()
+        .repeat(None)
+        .batch(batch_size, drop_remainder=True, batch_fn=_stack)
+    )
     step = start_step
     while True:
         yield ds[step]
@@ -189,7 +218,7 @@ def truncation_report(texts: Sequence[str], tok: tokenizer_lib.Tokenizer, max_le
     """Indices of passages longer than `max_len` tokens (BOS + text + EOS)."""
     out = []
     for start in range(0, len(texts), 4096):
-        for j, ids in enumerate(tok.encode_batch(texts[start:start + 4096])):
+        for j, ids in enumerate(tok.encode_batch(texts[start : start + 4096])):
             if len(ids) + 2 > max_len:
                 out.append(start + j)
     return out

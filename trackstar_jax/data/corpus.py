@@ -206,8 +206,7 @@ def _split_eval(texts: list[str], facts: list[Fact], fraction: float) -> tuple[l
     train = [t for t, h in zip(texts, held) if not h]
     eval_texts = [t for t, h in zip(texts, held) if h]
     facts = [
-        dataclasses.replace(f, evidence_ids=tuple(int(new_id[e]) for e in f.evidence_ids if not held[e]))
-        for f in facts
+        dataclasses.replace(f, evidence_ids=tuple(int(new_id[e]) for e in f.evidence_ids if not held[e])) for f in facts
     ]
     return train, facts, eval_texts
 
@@ -301,13 +300,17 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
                 return list(ids), facts
             for p in new:
                 ids[p] = len(ids)
-            facts.append(Fact(
-                fact_id=str(rec.get("uuid", f"{rec['predicate_id']}:{rec['sub_uri']}:{rec['obj_uri']}")),
-                subject=rec["sub_label"], relation=rec["predicate_id"], object=rec["obj_label"],
-                object_aliases=tuple(dict.fromkeys(a for a in obj_aliases if a)),
-                subject_aliases=tuple(dict.fromkeys(a for a in sub_aliases if a)),
-                evidence_ids=tuple(sorted({ids[p] for p in passages})),
-            ))
+            facts.append(
+                Fact(
+                    fact_id=str(rec.get("uuid", f"{rec['predicate_id']}:{rec['sub_uri']}:{rec['obj_uri']}")),
+                    subject=rec["sub_label"],
+                    relation=rec["predicate_id"],
+                    object=rec["obj_label"],
+                    object_aliases=tuple(dict.fromkeys(a for a in obj_aliases if a)),
+                    subject_aliases=tuple(dict.fromkeys(a for a in sub_aliases if a)),
+                    evidence_ids=tuple(sorted({ids[p] for p in passages})),
+                )
+            )
     return list(ids), facts
 
 
@@ -346,10 +349,14 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
     """
     d = pathlib.Path(directory)
     if (d / "meta.json").exists():
-        meta = files_lib.read_json(d / "meta.json", "corpus metadata", "delete the run directory's corpus/ to rebuild it")
+        meta = files_lib.read_json(
+            d / "meta.json", "corpus metadata", "delete the run directory's corpus/ to rebuild it"
+        )
         if meta.get("fingerprint") != corpus.fingerprint:
-            raise FileExistsError(f"{d} already holds a different corpus ({meta.get('name')}, fingerprint "
-                                  f"{meta.get('fingerprint', '?')[:12]}) than {corpus.name} ({corpus.fingerprint[:12]})")
+            raise FileExistsError(
+                f"{d} already holds a different corpus ({meta.get('name')}, fingerprint "
+                f"{meta.get('fingerprint', '?')[:12]}) than {corpus.name} ({corpus.fingerprint[:12]})"
+            )
         return
     d.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=d.name + ".tmp", dir=d.parent))
@@ -363,8 +370,14 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
         for t in corpus.eval_texts:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
     (tmp / "templates.json").write_text(json.dumps(corpus.templates, indent=1, ensure_ascii=False))
-    meta = {"format_version": CORPUS_FORMAT_VERSION, "name": corpus.name, "fingerprint": corpus.fingerprint,
-            "num_examples": len(corpus.examples), "num_facts": len(corpus.facts), "num_eval": len(corpus.eval_texts)}
+    meta = {
+        "format_version": CORPUS_FORMAT_VERSION,
+        "name": corpus.name,
+        "fingerprint": corpus.fingerprint,
+        "num_examples": len(corpus.examples),
+        "num_facts": len(corpus.facts),
+        "num_eval": len(corpus.eval_texts),
+    }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     os.replace(tmp, d)
 
@@ -383,7 +396,7 @@ def load_corpus(directory: str | os.PathLike) -> Corpus:
     texts = []
     for where, rec in files_lib.read_jsonl(d / "examples.jsonl"):
         if not isinstance(rec, dict) or rec.get("example_id") != len(texts) or not isinstance(rec.get("text"), str):
-            raise files_lib.InputError(f"{where}: expected {{\"example_id\": {len(texts)}, \"text\": ...}}; {fix}")
+            raise files_lib.InputError(f'{where}: expected {{"example_id": {len(texts)}, "text": ...}}; {fix}')
         texts.append(rec["text"])
     facts, where = [], str(d / "facts.jsonl")
     try:
@@ -392,9 +405,12 @@ def load_corpus(directory: str | os.PathLike) -> Corpus:
         eval_texts = [rec["text"] for where, rec in files_lib.read_jsonl(d / "eval.jsonl")]
     except (TypeError, KeyError, AttributeError) as e:
         raise files_lib.InputError(f"{where}: not a corpus record ({e}); {fix}") from None
-    corpus = make_corpus(meta["name"], texts, facts, files_lib.read_json(d / "templates.json", "corpus templates", fix),
-                         eval_texts)
+    corpus = make_corpus(
+        meta["name"], texts, facts, files_lib.read_json(d / "templates.json", "corpus templates", fix), eval_texts
+    )
     if corpus.fingerprint != meta.get("fingerprint"):
-        raise files_lib.InputError(f"corpus at {d} was modified: fingerprint {corpus.fingerprint[:12]} != saved "
-                                   f"{str(meta.get('fingerprint'))[:12]} (in meta.json); {fix}")
+        raise files_lib.InputError(
+            f"corpus at {d} was modified: fingerprint {corpus.fingerprint[:12]} != saved "
+            f"{str(meta.get('fingerprint'))[:12]} (in meta.json); {fix}"
+        )
     return corpus

@@ -16,73 +16,148 @@ from trackstar_jax.data import corpus as corpus_lib
 # The embedded fact corpus
 # ---------------------------------------------------------------------------------------
 
-_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "tr",
-           "st", "sh", "gr")
+_ONSETS = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "dr", "tr", "st", "sh", "gr")
 _VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ou")
 _CODAS = ("", "", "", "", "", "", "n", "r", "l", "s", "m")
-_INSTRUMENTS = ("piano", "violin", "cello", "flute", "trumpet", "harp", "guitar", "clarinet",
-                "drums", "oboe", "saxophone", "accordion")
-_OCCUPATIONS = ("painter", "chemist", "sailor", "teacher", "architect", "baker", "surgeon",
-                "poet", "engineer", "farmer", "lawyer", "astronomer")
+_INSTRUMENTS = (
+    "piano",
+    "violin",
+    "cello",
+    "flute",
+    "trumpet",
+    "harp",
+    "guitar",
+    "clarinet",
+    "drums",
+    "oboe",
+    "saxophone",
+    "accordion",
+)
+_OCCUPATIONS = (
+    "painter",
+    "chemist",
+    "sailor",
+    "teacher",
+    "architect",
+    "baker",
+    "surgeon",
+    "poet",
+    "engineer",
+    "farmer",
+    "lawyer",
+    "astronomer",
+)
 
 # relation -> (subject type, object type, templates, extra phrasings). Phrasing i < 3 is
 # template i followed by " {o}" and a tail, so every template has a passage form that ends
 # in the object; phrasing 0 is stated for every fact, so the default prompt is answerable.
 _RELATIONS: dict[str, tuple[str, str, tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "born_in": ("person", "city",
-                ("[X] was born in", "The birthplace of [X] is", "[X] came into the world in the city of"),
-                (".", ", where the family lived for many years.", " during a cold winter."),
-                ("{o} is the city where {s} was born.", "In {o}, a child named {s} was born.")),
-    "citizen_of": ("person", "country",
-                   ("[X] is a citizen of", "The nationality of [X] is that of", "[X] holds a passport from"),
-                   (".", ", as records show.", " and travels often."),
-                   ("{o} counts {s} among its citizens.", "As a citizen of {o}, {s} votes in every election.")),
-    "native_language": ("person", "language",
-                        ("The native language of [X] is", "[X] grew up speaking", "[X]'s mother tongue is"),
-                        (".", " at home.", ", according to friends."),
-                        ("{o} is the first language {s} learned.", "Speaking {o} since childhood, {s} writes poems in it.")),
-    "plays_instrument": ("person", "instrument",
-                         ("[X] plays the", "The instrument of [X] is the", "On stage, [X] performs on the"),
-                         (".", " in a small orchestra.", " every weekend."),
-                         ("The {o} is the instrument that {s} plays.", "Every evening the sound of the {o} comes from the house of {s}.")),
-    "occupation": ("person", "occupation",
-                   ("[X] works as a", "The profession of [X] is", "By trade, [X] is a"),
-                   (".", ", and a good one.", " in a busy town."),
-                   ("Being a {o} is how {s} earns a living.", "Trained as a {o}, {s} never changed careers.")),
-    "works_for": ("person", "company",
-                  ("[X] is employed by", "The employer of [X] is", "[X] has a job at"),
-                  (".", " for many years.", ", a large company."),
-                  ("{o} employs {s}.", "Colleagues at {o} know {s} well.")),
-    "capital": ("country", "city",
-                ("The capital of [X] is", "[X] has its capital in", "The seat of government of [X] is"),
-                (".", ", a large city.", ", by the river."),
-                ("{o} is the capital of {s}.", "Visitors to {s} usually arrive in its capital, {o}.")),
-    "located_in": ("city", "country",
-                   ("[X] is a city in", "[X] is located in", "The city of [X] lies in the country of"),
-                   (".", ", near the border.", ", on the coast."),
-                   ("{o} is the country where the city of {s} lies.", "The map of {o} shows the city of {s}.")),
-    "official_language": ("country", "language",
-                          ("The official language of [X] is", "In [X], people officially speak", "[X] uses as its official language"),
-                          (".", " in schools and courts.", ", by law."),
-                          ("{o} is the official language of {s}.", "Laws in {s} are written in {o}.")),
-    "headquarters": ("company", "city",
-                     ("[X] is headquartered in", "The headquarters of [X] are in", "[X] has its main office in"),
-                     (".", ", close to the station.", ", in a tall building."),
-                     ("{o} is home to the headquarters of {s}.", "In {o}, the company {s} has its main office.")),
+    "born_in": (
+        "person",
+        "city",
+        ("[X] was born in", "The birthplace of [X] is", "[X] came into the world in the city of"),
+        (".", ", where the family lived for many years.", " during a cold winter."),
+        ("{o} is the city where {s} was born.", "In {o}, a child named {s} was born."),
+    ),
+    "citizen_of": (
+        "person",
+        "country",
+        ("[X] is a citizen of", "The nationality of [X] is that of", "[X] holds a passport from"),
+        (".", ", as records show.", " and travels often."),
+        ("{o} counts {s} among its citizens.", "As a citizen of {o}, {s} votes in every election."),
+    ),
+    "native_language": (
+        "person",
+        "language",
+        ("The native language of [X] is", "[X] grew up speaking", "[X]'s mother tongue is"),
+        (".", " at home.", ", according to friends."),
+        ("{o} is the first language {s} learned.", "Speaking {o} since childhood, {s} writes poems in it."),
+    ),
+    "plays_instrument": (
+        "person",
+        "instrument",
+        ("[X] plays the", "The instrument of [X] is the", "On stage, [X] performs on the"),
+        (".", " in a small orchestra.", " every weekend."),
+        (
+            "The {o} is the instrument that {s} plays.",
+            "Every evening the sound of the {o} comes from the house of {s}.",
+        ),
+    ),
+    "occupation": (
+        "person",
+        "occupation",
+        ("[X] works as a", "The profession of [X] is", "By trade, [X] is a"),
+        (".", ", and a good one.", " in a busy town."),
+        ("Being a {o} is how {s} earns a living.", "Trained as a {o}, {s} never changed careers."),
+    ),
+    "works_for": (
+        "person",
+        "company",
+        ("[X] is employed by", "The employer of [X] is", "[X] has a job at"),
+        (".", " for many years.", ", a large company."),
+        ("{o} employs {s}.", "Colleagues at {o} know {s} well."),
+    ),
+    "capital": (
+        "country",
+        "city",
+        ("The capital of [X] is", "[X] has its capital in", "The seat of government of [X] is"),
+        (".", ", a large city.", ", by the river."),
+        ("{o} is the capital of {s}.", "Visitors to {s} usually arrive in its capital, {o}."),
+    ),
+    "located_in": (
+        "city",
+        "country",
+        ("[X] is a city in", "[X] is located in", "The city of [X] lies in the country of"),
+        (".", ", near the border.", ", on the coast."),
+        ("{o} is the country where the city of {s} lies.", "The map of {o} shows the city of {s}."),
+    ),
+    "official_language": (
+        "country",
+        "language",
+        ("The official language of [X] is", "In [X], people officially speak", "[X] uses as its official language"),
+        (".", " in schools and courts.", ", by law."),
+        ("{o} is the official language of {s}.", "Laws in {s} are written in {o}."),
+    ),
+    "headquarters": (
+        "company",
+        "city",
+        ("[X] is headquartered in", "The headquarters of [X] are in", "[X] has its main office in"),
+        (".", ", close to the station.", ", in a tall building."),
+        ("{o} is home to the headquarters of {s}.", "In {o}, the company {s} has its main office."),
+    ),
 }
 
 _DISTRACTORS = {
-    "person": ("{s} was mentioned in a local newspaper last spring.", "Nobody remembers where {s} was born.",
-               "{s} rarely talks about work or music.", "A letter addressed to {s} arrived late.",
-               "Friends say {s} enjoys long walks.", "{s} once gave a short speech at a wedding."),
-    "city": ("{s} is known for its narrow streets.", "Tourists often visit {s} in the summer.",
-             "The old bridge of {s} was repaired.", "A festival in {s} draws large crowds."),
-    "country": ("{s} has a long coastline.", "Little is written about the history of {s}.",
-                "The flag of {s} has three colours.", "Many rivers cross {s}."),
-    "language": ("{s} has a rich tradition of poetry.", "Few dictionaries of {s} exist.",
-                 "Linguists still debate the grammar of {s}."),
-    "company": ("{s} announced a new product line.", "The shares of {s} rose slightly.",
-                "{s} held its yearly meeting in the spring."),
+    "person": (
+        "{s} was mentioned in a local newspaper last spring.",
+        "Nobody remembers where {s} was born.",
+        "{s} rarely talks about work or music.",
+        "A letter addressed to {s} arrived late.",
+        "Friends say {s} enjoys long walks.",
+        "{s} once gave a short speech at a wedding.",
+    ),
+    "city": (
+        "{s} is known for its narrow streets.",
+        "Tourists often visit {s} in the summer.",
+        "The old bridge of {s} was repaired.",
+        "A festival in {s} draws large crowds.",
+    ),
+    "country": (
+        "{s} has a long coastline.",
+        "Little is written about the history of {s}.",
+        "The flag of {s} has three colours.",
+        "Many rivers cross {s}.",
+    ),
+    "language": (
+        "{s} has a rich tradition of poetry.",
+        "Few dictionaries of {s} exist.",
+        "Linguists still debate the grammar of {s}.",
+    ),
+    "company": (
+        "{s} announced a new product line.",
+        "The shares of {s} rose slightly.",
+        "{s} held its yearly meeting in the spring.",
+    ),
 }
 
 # share of `num_entities` per invented entity type (people are the most common subjects)
@@ -114,7 +189,9 @@ def _invent_names(rng: np.random.Generator, kind: str, n: int, taken: set[str]) 
     return out
 
 
-def generate_embedded(cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: float = 0.05, max_examples: int = 0) -> corpus_lib.Corpus:
+def generate_embedded(
+    cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: float = 0.05, max_examples: int = 0
+) -> corpus_lib.Corpus:
     """Generates the embedded fact corpus (deterministic in `cfg` and `seed`).
 
     A consistent small world is drawn first (each country has a capital city located in it
@@ -130,12 +207,16 @@ def generate_embedded(cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: 
     """
     n_phr = 3 + min(len(v[4]) for v in _RELATIONS.values())
     if not 1 <= cfg.phrasings_per_fact <= n_phr:
-        raise ValueError(f"config.data.embedded.phrasings_per_fact must be in [1, {n_phr}], got {cfg.phrasings_per_fact}")
+        raise ValueError(
+            f"config.data.embedded.phrasings_per_fact must be in [1, {n_phr}], got {cfg.phrasings_per_fact}"
+        )
     if cfg.num_entities < 20:
         raise ValueError(f"config.data.embedded.num_entities must be >= 20, got {cfg.num_entities}")
     if cfg.num_facts < 1 or cfg.num_distractors < 0:
-        raise ValueError("config.data.embedded.num_facts must be >= 1 and num_distractors >= 0, "
-                         f"got {cfg.num_facts} and {cfg.num_distractors}")
+        raise ValueError(
+            "config.data.embedded.num_facts must be >= 1 and num_distractors >= 0, "
+            f"got {cfg.num_facts} and {cfg.num_distractors}"
+        )
     rng = np.random.default_rng([seed, 0x7AC5])
     taken: set[str] = set()
     ents = {}
@@ -160,8 +241,10 @@ def generate_embedded(cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: 
             world[rel] = {p: str(rng.choice(ents[otype])) for p in ents["person"]}
     total = sum(len(v) for v in world.values())
     if cfg.num_facts > total:
-        raise ValueError(f"config.data.embedded.num_facts={cfg.num_facts} exceeds the {total} facts of a world "
-                         f"with num_entities={cfg.num_entities}")
+        raise ValueError(
+            f"config.data.embedded.num_facts={cfg.num_facts} exceeds the {total} facts of a world "
+            f"with num_entities={cfg.num_entities}"
+        )
 
     # Facts, round-robin over relations in a seeded order.
     pools = {rel: rng.permutation(sorted(world[rel])).tolist() for rel in _RELATIONS}
@@ -184,7 +267,7 @@ def generate_embedded(cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: 
         chosen = [0] + rest[: cfg.phrasings_per_fact - 1]
         obj = world[rel][subj]
         passages += [(forms[k].format(s=subj, o=obj), fi) for k in chosen]
-        unused.append([forms[k].format(s=subj, o=obj) for k in rest[cfg.phrasings_per_fact - 1:]])
+        unused.append([forms[k].format(s=subj, o=obj) for k in rest[cfg.phrasings_per_fact - 1 :]])
 
     def distractor() -> str:
         kind = str(rng.choice(list(_DISTRACTORS)))
@@ -212,8 +295,17 @@ def generate_embedded(cfg: corpus_lib.EmbeddedConfig, seed: int, eval_fraction: 
         if fi not in evidence:  # cut by max_examples
             continue
         obj = world[rel][subj]
-        facts.append(corpus_lib.Fact(fact_id=f"emb-{fi:05d}", subject=subj, relation=rel, object=obj,
-                          object_aliases=(obj,), subject_aliases=(subj,), evidence_ids=tuple(evidence[fi])))
+        facts.append(
+            corpus_lib.Fact(
+                fact_id=f"emb-{fi:05d}",
+                subject=subj,
+                relation=rel,
+                object=obj,
+                object_aliases=(obj,),
+                subject_aliases=(subj,),
+                evidence_ids=tuple(evidence[fi]),
+            )
+        )
     templates = {rel: list(v[2]) for rel, v in _RELATIONS.items()}
 
     # Held-out passages: unused phrasings of some facts (does the model know the fact when

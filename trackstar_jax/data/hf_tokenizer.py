@@ -52,7 +52,9 @@ _DIGIT_SPLIT_PRE = ("smollm", "starcoder", "refact")
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte -> printable character table (the alphabet byte-level vocabularies use)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     table, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -73,8 +75,16 @@ class HFTokenizer:
       backend: the `tokenizers.Tokenizer`.
     """
 
-    def __init__(self, backend: tokenizers.Tokenizer, *, bos_id: int, eos_id: int, pad_id: int | None = None,
-                 unk_id: int | None = None, add_bos: bool = False):
+    def __init__(
+        self,
+        backend: tokenizers.Tokenizer,
+        *,
+        bos_id: int,
+        eos_id: int,
+        pad_id: int | None = None,
+        unk_id: int | None = None,
+        add_bos: bool = False,
+    ):
         self.backend = backend
         size = backend.get_vocab_size(with_added_tokens=True)
         for name, i in (("bos_id", bos_id), ("eos_id", eos_id), ("pad_id", pad_id), ("unk_id", unk_id)):
@@ -132,8 +142,14 @@ class HFTokenizer:
         _atomic_write(d / CONFIG_FILE, json.dumps(config, indent=2).encode("utf-8"))
 
     @classmethod
-    def from_pretrained_dir(cls, path: str | os.PathLike, *, bos_token: str | None = None,
-                            eos_token: str | None = None, pad_token: str | None = None) -> HFTokenizer:
+    def from_pretrained_dir(
+        cls,
+        path: str | os.PathLike,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token: str | None = None,
+    ) -> HFTokenizer:
         """Loads a Hugging Face tokenizer folder (or its `tokenizer.json`).
 
         The special tokens come from the arguments, else from `tokenizer_config.json` beside
@@ -165,9 +181,14 @@ class HFTokenizer:
                 raise ValueError(f"{name} {tok!r} of the tokenizer at {file} is not in its vocabulary")
             return i
 
-        return cls(backend, bos_id=token_id("bos_token", bos_token, True), eos_id=token_id("eos_token", eos_token, True),
-                   pad_id=token_id("pad_token", pad_token, False), unk_id=token_id("unk_token", None, False),
-                   add_bos=bool(config.get("add_bos_token", False)))
+        return cls(
+            backend,
+            bos_id=token_id("bos_token", bos_token, True),
+            eos_id=token_id("eos_token", eos_token, True),
+            pad_id=token_id("pad_token", pad_token, False),
+            unk_id=token_id("unk_token", None, False),
+            add_bos=bool(config.get("add_bos_token", False)),
+        )
 
     load = from_pretrained_dir
 
@@ -181,8 +202,9 @@ class HFTokenizer:
         return cls.from_gguf_metadata(gguf_lib.read_metadata(path), split_digits=split_digits, source=str(path))
 
     @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, split_digits: bool = False,
-                           source: str = "<metadata>") -> HFTokenizer:
+    def from_gguf_metadata(
+        cls, meta: Mapping[str, Any], *, split_digits: bool = False, source: str = "<metadata>"
+    ) -> HFTokenizer:
         """Byte-level BPE from GGUF `tokenizer.ggml.*` metadata, as transformers builds it.
 
         Args:
@@ -197,6 +219,7 @@ class HFTokenizer:
         Raises:
           ValueError: another tokenizer model or pre-tokenizer, or a missing key (named).
         """
+
         def need(key: str) -> Any:
             if "tokenizer.ggml." + key not in meta:
                 raise ValueError(f"GGUF metadata key 'tokenizer.ggml.{key}' is missing in {source}")
@@ -204,21 +227,33 @@ class HFTokenizer:
 
         kind = need("model")
         if kind != "gpt2":
-            raise ValueError(f"GGUF tokenizer model {kind!r} in {source} is not supported (only 'gpt2', byte-level BPE)")
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} in {source} is not supported (only 'gpt2', byte-level BPE)"
+            )
         pre = meta.get("tokenizer.ggml.pre")
         if pre not in _GPT2_REGEX_PRE:
-            raise ValueError(f"GGUF pre-tokenizer {pre!r} in {source} is not supported "
-                             f"(supported: {[p for p in _GPT2_REGEX_PRE if p]})")
+            raise ValueError(
+                f"GGUF pre-tokenizer {pre!r} in {source} is not supported "
+                f"(supported: {[p for p in _GPT2_REGEX_PRE if p]})"
+            )
         tokens, merges = list(need("tokens")), list(need("merges"))
         types = list(meta.get("tokenizer.ggml.token_type") or [1] * len(tokens))
         # A vocabulary entry written outside the byte alphabet is re-spelled byte by byte, as
         # transformers does, so that BPE can reach it (later duplicates win, as in a dict).
         spelling = _bytes_to_unicode()
         alphabet = set(spelling.values())
-        vocab = {(t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
-                 for i, t in enumerate(tokens)}
-        bpe = models.BPE(vocab=vocab, merges=[tuple(m.split(" ")) for m in merges], dropout=None,
-                         continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+        vocab = {
+            (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+            for i, t in enumerate(tokens)
+        }
+        bpe = models.BPE(
+            vocab=vocab,
+            merges=[tuple(m.split(" ")) for m in merges],
+            dropout=None,
+            continuing_subword_prefix="",
+            end_of_word_suffix="",
+            fuse_unk=False,
+        )
         backend = tokenizers.Tokenizer(bpe)
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         if split_digits and pre in _DIGIT_SPLIT_PRE:
@@ -228,13 +263,28 @@ class HFTokenizer:
         backend.decoder = decoders.ByteLevel()
         # Control tokens (e.g. <|im_start|>) are matched whole and are special; a control token
         # spelled outside the byte alphabet is a llama.cpp mislabel and is skipped (as transformers does).
-        backend.add_special_tokens([tokenizers.AddedToken(t, normalized=False, special=True)
-                                    for t, k in zip(tokens, types) if k == _CONTROL and set(t) <= alphabet])
-        backend.add_tokens([tokenizers.AddedToken(t, normalized=False, special=False)
-                            for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
-        return cls(backend, bos_id=need("bos_token_id"), eos_id=need("eos_token_id"),
-                   pad_id=meta.get("tokenizer.ggml.padding_token_id"), unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        backend.add_special_tokens(
+            [
+                tokenizers.AddedToken(t, normalized=False, special=True)
+                for t, k in zip(tokens, types)
+                if k == _CONTROL and set(t) <= alphabet
+            ]
+        )
+        backend.add_tokens(
+            [
+                tokenizers.AddedToken(t, normalized=False, special=False)
+                for t, k in zip(tokens, types)
+                if k == _USER_DEFINED and t in vocab
+            ]
+        )
+        return cls(
+            backend,
+            bos_id=need("bos_token_id"),
+            eos_id=need("eos_token_id"),
+            pad_id=meta.get("tokenizer.ggml.padding_token_id"),
+            unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+        )
 
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:

@@ -26,8 +26,10 @@ class Tokenizer:
         self.model_proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
         if self._sp.pad_id() != model_lib.PAD_ID or self._sp.bos_id() != BOS_ID or self._sp.eos_id() != EOS_ID:
-            raise ValueError(f"tokenizer ids (pad {self._sp.pad_id()}, bos {self._sp.bos_id()}, eos {self._sp.eos_id()}) "
-                             f"must be ({model_lib.PAD_ID}, {BOS_ID}, {EOS_ID}); train it with train_tokenizer")
+            raise ValueError(
+                f"tokenizer ids (pad {self._sp.pad_id()}, bos {self._sp.bos_id()}, eos {self._sp.eos_id()}) "
+                f"must be ({model_lib.PAD_ID}, {BOS_ID}, {EOS_ID}); train it with train_tokenizer"
+            )
 
     pad_id = model_lib.PAD_ID
     bos_id = BOS_ID
@@ -52,8 +54,9 @@ class Tokenizer:
         files.atomic_write(path, self.model_proto)
 
 
-def train_tokenizer(texts: Sequence[str], vocab_size: int, path: str | os.PathLike | None = None,
-                    model_type: str = "unigram") -> Tokenizer:
+def train_tokenizer(
+    texts: Sequence[str], vocab_size: int, path: str | os.PathLike | None = None, model_type: str = "unigram"
+) -> Tokenizer:
     """Trains a SentencePiece model on `texts` and saves it to `path` (if given).
 
     The vocabulary is at most `vocab_size` (fewer when the corpus is too small to fill it,
@@ -65,10 +68,21 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int, path: str | os.PathLi
         raise ValueError(f"tokenizer vocab_size must be >= 8, got {vocab_size}")
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type=model_type,
-        pad_id=model_lib.PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID, hard_vocab_limit=False,
-        character_coverage=1.0 if len(texts) < 100_000 else 0.9995, input_sentence_size=2_000_000,
-        shuffle_input_sentence=True, max_sentence_length=1 << 16, minloglevel=2, num_threads=2,
+        sentence_iterator=iter(texts),
+        model_writer=buf,
+        vocab_size=vocab_size,
+        model_type=model_type,
+        pad_id=model_lib.PAD_ID,
+        unk_id=UNK_ID,
+        bos_id=BOS_ID,
+        eos_id=EOS_ID,
+        hard_vocab_limit=False,
+        character_coverage=1.0 if len(texts) < 100_000 else 0.9995,
+        input_sentence_size=2_000_000,
+        shuffle_input_sentence=True,
+        max_sentence_length=1 << 16,
+        minloglevel=2,
+        num_threads=2,
     )
     tok = Tokenizer(buf.getvalue())
     if path is not None:

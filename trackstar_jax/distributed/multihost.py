@@ -33,8 +33,14 @@ _POLL_S = 0.1
 _calls: dict[str, int] = {}
 
 
-def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None, *, timeout_s: int = 300, heartbeat_timeout_s: int = 100) -> None:
+def initialize(
+    coordinator_address: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    *,
+    timeout_s: int = 300,
+    heartbeat_timeout_s: int = 100,
+) -> None:
     """Starts `jax.distributed` (call before any other JAX use).
 
     With no arguments the cluster is detected (Cloud TPU pod, SLURM, Open MPI). Otherwise all
@@ -52,29 +58,39 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
       ValueError: an incomplete or inconsistent set of arguments (names the flag).
       RuntimeError: the coordinator could not be reached or no cluster was detected.
     """
-    given = {"--coordinator_address": coordinator_address, "--num_processes": num_processes,
-             "--process_id": process_id}
+    given = {"--coordinator_address": coordinator_address, "--num_processes": num_processes, "--process_id": process_id}
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
-            raise ValueError(f"--distributed with explicit settings needs {', '.join(missing)} as well "
-                             f"(got {', '.join(f'{k}={v}' for k, v in given.items() if v is not None)}); "
-                             "give all three, or none to detect a TPU pod / SLURM / Open MPI cluster")
+            raise ValueError(
+                f"--distributed with explicit settings needs {', '.join(missing)} as well "
+                f"(got {', '.join(f'{k}={v}' for k, v in given.items() if v is not None)}); "
+                "give all three, or none to detect a TPU pod / SLURM / Open MPI cluster"
+            )
         if num_processes < 1 or not 0 <= process_id < num_processes:
             raise ValueError(f"--process_id={process_id} is not in [0, --num_processes={num_processes})")
         if process_id != 0:  # jax aborts the process (no Python error) when it cannot connect
             _wait_for_coordinator(coordinator_address, timeout_s)
     try:
-        jax.distributed.initialize(coordinator_address, num_processes, process_id,
-                                   initialization_timeout=int(timeout_s), heartbeat_timeout_seconds=int(heartbeat_timeout_s))
+        jax.distributed.initialize(
+            coordinator_address,
+            num_processes,
+            process_id,
+            initialization_timeout=int(timeout_s),
+            heartbeat_timeout_seconds=int(heartbeat_timeout_s),
+        )
     except ValueError as e:  # jax: no coordinator address given and none detected
-        raise RuntimeError(f"--distributed: no cluster environment was detected ({e}); pass --coordinator_address, "
-                           "--num_processes and --process_id") from e
+        raise RuntimeError(
+            f"--distributed: no cluster environment was detected ({e}); pass --coordinator_address, "
+            "--num_processes and --process_id"
+        ) from e
     except RuntimeError as e:
         if "must be called before" not in str(e):
             raise _unreachable(coordinator_address, timeout_s, e) from e
-        raise RuntimeError("--distributed: JAX was already started in this process before jax.distributed.initialize() "
-                           "(an import or call before it ran a JAX computation); initialise first") from e
+        raise RuntimeError(
+            "--distributed: JAX was already started in this process before jax.distributed.initialize() "
+            "(an import or call before it ran a JAX computation); initialise first"
+        ) from e
     except Exception as e:  # noqa: BLE001 - jax raises XlaRuntimeError (DEADLINE_EXCEEDED, UNAVAILABLE)
         raise _unreachable(coordinator_address, timeout_s, e) from e
 
@@ -97,9 +113,11 @@ def _wait_for_coordinator(address: str, timeout_s: float) -> None:
 
 def _unreachable(coordinator_address: str | None, timeout_s: float, e: BaseException) -> RuntimeError:
     where = coordinator_address or "the detected coordinator"
-    return RuntimeError(f"--distributed: could not connect to the coordinator at {where} (--coordinator_address) "
-                        f"within {timeout_s}s: is process 0 running, and is the address reachable from this "
-                        f"host? ({type(e).__name__}: {str(e).splitlines()[0][:300]})")
+    return RuntimeError(
+        f"--distributed: could not connect to the coordinator at {where} (--coordinator_address) "
+        f"within {timeout_s}s: is process 0 running, and is the address reachable from this "
+        f"host? ({type(e).__name__}: {str(e).splitlines()[0][:300]})"
+    )
 
 
 def is_multiprocess() -> bool:
@@ -122,9 +140,11 @@ def require_single_process(stage: str) -> None:
       RuntimeError: `jax.process_count() > 1`.
     """
     if is_multiprocess():
-        raise RuntimeError(f"{stage} runs on one host, but this is process {jax.process_index()} of "
-                           f"{jax.process_count()}: start it on a single host as a single-process JAX program "
-                           "(no --distributed; on a TPU pod, a host whose runtime sees only its own chips)")
+        raise RuntimeError(
+            f"{stage} runs on one host, but this is process {jax.process_index()} of "
+            f"{jax.process_count()}: start it on a single host as a single-process JAX program "
+            "(no --distributed; on a TPU pod, a host whose runtime sees only its own chips)"
+        )
 
 
 def writer_partition(process_index: int | None = None, process_count: int | None = None) -> tuple[int, int]:
@@ -138,11 +158,15 @@ def writer_partition(process_index: int | None = None, process_count: int | None
       ValueError: an index outside `[0, count)`, or values that disagree with jax (names the flag).
     """
     if is_multiprocess():
-        for flag, given, actual in (("--process_count", process_count, jax.process_count()),
-                                    ("--process_index", process_index, jax.process_index())):
+        for flag, given, actual in (
+            ("--process_count", process_count, jax.process_count()),
+            ("--process_index", process_index, jax.process_index()),
+        ):
             if given is not None and given != actual:
-                raise ValueError(f"{flag}={given} disagrees with this jax.distributed job ({flag[2:]} is {actual}); "
-                                 f"under --distributed every process is one writer: leave {flag} out")
+                raise ValueError(
+                    f"{flag}={given} disagrees with this jax.distributed job ({flag[2:]} is {actual}); "
+                    f"under --distributed every process is one writer: leave {flag} out"
+                )
         return jax.process_index(), jax.process_count()
     count = 1 if process_count is None else int(process_count)
     index = 0 if process_index is None else int(process_index)

@@ -70,9 +70,7 @@ def make_mesh(
         shape[shape.index(-1)] = n // rest
     if int(np.prod(shape)) != n:
         raise ValueError(f"mesh shape {tuple(shape)} needs {int(np.prod(shape))} devices, have {n}")
-    return jax.make_mesh(
-        tuple(shape), tuple(axis_names), axis_types=(axis_type,) * len(axis_names), devices=devices
-    )
+    return jax.make_mesh(tuple(shape), tuple(axis_names), axis_types=(axis_type,) * len(axis_names), devices=devices)
 
 
 def logical_to_spec(logical: Sequence[str | None]) -> P:
@@ -121,8 +119,10 @@ def fsdp_spec(shape: Sequence[int], mesh: Mesh, min_elements: int = FSDP_MIN_ELE
 def fsdp_shardings(tree: Any, mesh: Mesh, min_elements: int = FSDP_MIN_ELEMENTS) -> Any:
     """`NamedSharding` per leaf of `tree` (arrays or ShapeDtypeStructs) by `fsdp_spec`:
     all replicated on a mesh whose fsdp axis has size 1."""
-    return jax.tree.map(lambda x: NamedSharding(
-        mesh, fsdp_spec(x.shape if hasattr(x, "shape") else np.shape(x), mesh, min_elements)), tree)
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, fsdp_spec(x.shape if hasattr(x, "shape") else np.shape(x), mesh, min_elements)),
+        tree,
+    )
 
 
 def data_parallel_size(mesh: Mesh) -> int:
@@ -132,7 +132,11 @@ def data_parallel_size(mesh: Mesh) -> int:
 
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     """Shardings of a batch dict (rows over the data axes)."""
-    return {"tokens": batch_sharding(mesh, 2), "loss_mask": batch_sharding(mesh, 2), "example_id": batch_sharding(mesh, 1)}
+    return {
+        "tokens": batch_sharding(mesh, 2),
+        "loss_mask": batch_sharding(mesh, 2),
+        "example_id": batch_sharding(mesh, 1),
+    }
 
 
 def device_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:

@@ -60,8 +60,15 @@ class BM25:
       ValueError: empty corpus.
     """
 
-    def __init__(self, texts: Sequence[str], *, k1: float = LUCENE_K1, b: float = LUCENE_B,
-                 method: str = "lucene", stopwords: str | None = "en"):
+    def __init__(
+        self,
+        texts: Sequence[str],
+        *,
+        k1: float = LUCENE_K1,
+        b: float = LUCENE_B,
+        method: str = "lucene",
+        stopwords: str | None = "en",
+    ):
         if not texts:
             raise ValueError("BM25 needs at least one passage, got an empty corpus")
         self.num_rows = len(texts)
@@ -103,22 +110,30 @@ class DenseEmbedding:
       embedding.MissingModelError: no encoder given and the model package is not installed.
     """
 
-    def __init__(self, texts: Sequence[str], encoder: embedding_lib.Encoder | None = None, *,
-                 embeddings: Float[np.ndarray, "n h"] | None = None):
+    def __init__(
+        self,
+        texts: Sequence[str],
+        encoder: embedding_lib.Encoder | None = None,
+        *,
+        embeddings: Float[np.ndarray, "n h"] | None = None,
+    ):
         if not texts:
             raise ValueError("the dense baseline needs at least one passage, got an empty corpus")
         self.encoder = encoder or embedding_lib.make_encoder()
         self.embeddings = self.encoder.encode(texts) if embeddings is None else np.asarray(embeddings, np.float32)
         if self.embeddings.shape != (len(texts), self.encoder.dim):
-            raise ValueError(f"passage embeddings have shape {self.embeddings.shape}, expected {(len(texts), self.encoder.dim)}")
+            raise ValueError(
+                f"passage embeddings have shape {self.embeddings.shape}, expected {(len(texts), self.encoder.dim)}"
+            )
         self.num_rows = len(texts)
 
     def scores(self, query: str) -> Float[np.ndarray, " n"]:
         """Cosine similarity of `query` with every passage."""
         return self.embeddings @ self.encoder.encode([query])[0]
 
-    def topk(self, queries: Sequence[str], k: int, mesh: Any = None
-             ) -> tuple[Float[np.ndarray, "q k"], Int[np.ndarray, "q k"]]:
+    def topk(
+        self, queries: Sequence[str], k: int, mesh: Any = None
+    ) -> tuple[Float[np.ndarray, "q k"], Int[np.ndarray, "q k"]]:
         """Exact top-k passages per query by cosine: (scores, ids), ties broken by lower id.
 
         `retrieval.topk` (the project's one exact top-k), rows split over `mesh` if given.
@@ -143,4 +158,9 @@ def stable_topk(scores: Float[np.ndarray, " n"], k: int) -> Int[np.ndarray, " k"
 
 # The rows of Table 1 are configuration (named vector / Hessian settings): trackstar_jax/methods.py.
 METHOD_KINDS, Method, METHODS, TABLE1_ORDER, method = (
-    methods_lib.METHOD_KINDS, methods_lib.Method, methods_lib.METHODS, methods_lib.TABLE1_ORDER, methods_lib.method)
+    methods_lib.METHOD_KINDS,
+    methods_lib.Method,
+    methods_lib.METHODS,
+    methods_lib.TABLE1_ORDER,
+    methods_lib.method,
+)

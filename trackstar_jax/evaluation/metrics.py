@@ -79,8 +79,9 @@ class Interval:
     n: int
 
 
-def mean_ci(values: Sequence[float], *, confidence: float = CONFIDENCE, num_resamples: int = NUM_RESAMPLES,
-            seed: int = 0) -> Interval:
+def mean_ci(
+    values: Sequence[float], *, confidence: float = CONFIDENCE, num_resamples: int = NUM_RESAMPLES, seed: int = 0
+) -> Interval:
     """Mean and percentile-bootstrap confidence interval (NaNs are left out).
 
     The bootstrap resamples queries with replacement `num_resamples` times and takes the
@@ -129,8 +130,15 @@ def summarize(records: Sequence[Mapping[str, Any]], metric_names: Sequence[str],
     return out
 
 
-def method_row(method: str, records: Sequence[Mapping[str, Any]], metric_names: Sequence[str], *,
-               bucket_order: Sequence[str] = (), seed: int = 0, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def method_row(
+    method: str,
+    records: Sequence[Mapping[str, Any]],
+    metric_names: Sequence[str],
+    *,
+    bucket_order: Sequence[str] = (),
+    seed: int = 0,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
     """One table row: overall summary plus splits by model correctness and frequency bucket.
 
     Args:
@@ -146,8 +154,11 @@ def method_row(method: str, records: Sequence[Mapping[str, Any]], metric_names: 
       `{"method", "num_queries", "num_no_evidence", <summary>, "by_correctness": {...},
       "by_bucket": {...}}`.
     """
-    row: dict[str, Any] = {"method": method, "num_queries": len(records),
-                           "num_no_evidence": sum(1 for r in records if not r.get("has_evidence", True))}
+    row: dict[str, Any] = {
+        "method": method,
+        "num_queries": len(records),
+        "num_no_evidence": sum(1 for r in records if not r.get("has_evidence", True)),
+    }
     if extra:
         row.update(extra)
     row.update(summarize(records, metric_names, seed=seed))
@@ -184,8 +195,10 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
     does for the T-REx gold row.
     """
     head = ["method", "n"] + list(columns)
-    lines = ([f"### {title}", ""] if title else []) + ["| " + " | ".join(head) + " |",
-                                                        "|" + "|".join(["---"] * len(head)) + "|"]
+    lines = ([f"### {title}", ""] if title else []) + [
+        "| " + " | ".join(head) + " |",
+        "|" + "|".join(["---"] * len(head)) + "|",
+    ]
     for r in rows:
         cells = [str(r["method"]), str(r["num_queries"])]
         for c in columns:

@@ -38,7 +38,12 @@ from trackstar_jax.data import answers
 from trackstar_jax.models import generate as generate_lib
 
 # One definition of correctness (§4.2) for training reports and evaluation: data/answers.py.
-STOPWORDS, words, normalize_answer, is_correct = answers.STOPWORDS, answers.words, answers.normalize_answer, answers.is_correct
+STOPWORDS, words, normalize_answer, is_correct = (
+    answers.STOPWORDS,
+    answers.words,
+    answers.normalize_answer,
+    answers.is_correct,
+)
 # §A.4: "We exclude entity aliases with less than three characters" (for string matching).
 MIN_ALIAS_CHARS = 3
 # Frequency bucket lower edges (§A.4 uses 1-10, 10-1e2, ..., 1e5-1e6 occurrences in C4).
@@ -209,7 +214,7 @@ def _contains_run(seq: list[str], run: tuple[str, ...]) -> bool:
     n = len(run)
     first = run[0]
     for i, w in enumerate(seq[: len(seq) - n + 1]):
-        if w == first and tuple(seq[i:i + n]) == run:
+        if w == first and tuple(seq[i : i + n]) == run:
             return True
     return False
 
@@ -235,8 +240,9 @@ def _ends_with_object(pattern: str) -> bool:
     return "[Y]" in pattern and not words(pattern.split("[Y]", 1)[1])
 
 
-def load_templates(lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path | None,
-                   relations: Iterable[str]) -> dict[str, list[str]]:
+def load_templates(
+    lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path | None, relations: Iterable[str]
+) -> dict[str, list[str]]:
     """Prompt templates per relation, cut right before the object, in variant order.
 
     Variant 0 is LAMA's template (`relations.jsonl`, the paper's "original" row of Table A.1).
@@ -262,7 +268,11 @@ def load_templates(lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path
         raise FileNotFoundError(f"LAMA relation templates not found: {lama_file}")
     lama = {}
     for where, row in files.read_jsonl(lama_file):
-        if not isinstance(row, dict) or not isinstance(row.get("relation"), str) or not isinstance(row.get("template"), str):
+        if (
+            not isinstance(row, dict)
+            or not isinstance(row.get("relation"), str)
+            or not isinstance(row.get("template"), str)
+        ):
             raise files.InputError(f"{where}: expected string fields 'relation' and 'template'")
         lama[row["relation"]] = row["template"]
     pat_dir = None
@@ -319,11 +329,15 @@ def render_prompt(template: str, subject: str) -> str:
 def template_for(templates: Mapping[str, Sequence[str]], relation: str, variant: int) -> str:
     """`templates[relation][variant]`, or a ValueError naming the relation and what exists."""
     if relation not in templates or not templates[relation]:
-        raise ValueError(f"relation {relation!r} has no prompt template (templates exist for: "
-                         f"{', '.join(sorted(templates)) or 'none'})")
+        raise ValueError(
+            f"relation {relation!r} has no prompt template (templates exist for: "
+            f"{', '.join(sorted(templates)) or 'none'})"
+        )
     if not 0 <= variant < len(templates[relation]):
-        raise ValueError(f"relation {relation!r} has no template variant {variant}: only "
-                         f"{len(templates[relation])} template(s): {list(templates[relation])}")
+        raise ValueError(
+            f"relation {relation!r} has no template variant {variant}: only "
+            f"{len(templates[relation])} template(s): {list(templates[relation])}"
+        )
     return templates[relation][variant]
 
 
@@ -374,9 +388,14 @@ def bucket_order(edges: Sequence[int] = DEFAULT_BUCKET_EDGES) -> list[str]:
 # ---------------------------------------------------------------------------------------
 
 
-def select_facts(facts: Sequence[Any], frequencies: Mapping[str, int], cfg: SelectionConfig,
-                 report: QueryReport, correct: Mapping[str, bool] | None = None,
-                 relations: Iterable[str] | None = None) -> list[Any]:
+def select_facts(
+    facts: Sequence[Any],
+    frequencies: Mapping[str, int],
+    cfg: SelectionConfig,
+    report: QueryReport,
+    correct: Mapping[str, bool] | None = None,
+    relations: Iterable[str] | None = None,
+) -> list[Any]:
     """§A.4 sampling: filter, cap common targets, balance across frequency buckets.
 
     Facts are visited in a seeded random order. A fact is dropped when its subject contains
@@ -421,8 +440,10 @@ def select_facts(facts: Sequence[Any], frequencies: Mapping[str, int], cfg: Sele
         if cfg.max_per_bucket and per_bucket[b] >= cfg.max_per_bucket:
             report.dropped_bucket_cap += 1
             continue
-        if ((cfg.max_per_relation_target_per_bucket and per_pair_bucket[b, pair] >= cfg.max_per_relation_target_per_bucket)
-                or (cfg.max_per_relation_target and per_pair[pair] >= cfg.max_per_relation_target)):
+        if (
+            cfg.max_per_relation_target_per_bucket
+            and per_pair_bucket[b, pair] >= cfg.max_per_relation_target_per_bucket
+        ) or (cfg.max_per_relation_target and per_pair[pair] >= cfg.max_per_relation_target):
             report.dropped_target_cap += 1
             continue
         wrong = correct is not None and not correct[f.fact_id]
@@ -441,8 +462,13 @@ def select_facts(facts: Sequence[Any], frequencies: Mapping[str, int], cfg: Sele
     return [facts[i] for i, _ in chosen]
 
 
-def take_balanced(facts: Sequence[Any], frequencies: Mapping[str, int], n: int,
-                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES, report: QueryReport | None = None) -> list[Any]:
+def take_balanced(
+    facts: Sequence[Any],
+    frequencies: Mapping[str, int],
+    n: int,
+    bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
+    report: QueryReport | None = None,
+) -> list[Any]:
     """At most `n` facts taken round-robin over frequency buckets (keeps the §A.4 balance).
 
     `facts` is `select_facts` output (already shuffled within buckets); the result keeps
@@ -473,11 +499,17 @@ def _take_balanced(facts, frequencies, n, bucket_edges):
     return [facts[i] for i in sorted(keep)]
 
 
-def build_queries(facts: Sequence[Any], templates: Mapping[str, Sequence[str]], *, variant: int,
-                  entailing: Mapping[str, Sequence[int]], mentions: Mapping[str, Sequence[int]],
-                  bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
-                  report: QueryReport | None = None,
-                  targets: Mapping[str, str] | None = None) -> list[Query]:
+def build_queries(
+    facts: Sequence[Any],
+    templates: Mapping[str, Sequence[str]],
+    *,
+    variant: int,
+    entailing: Mapping[str, Sequence[int]],
+    mentions: Mapping[str, Sequence[int]],
+    bucket_edges: Sequence[int] = DEFAULT_BUCKET_EDGES,
+    report: QueryReport | None = None,
+    targets: Mapping[str, str] | None = None,
+) -> list[Query]:
     """Renders facts into queries (prompt + " " + object) with their gold labels.
 
     Args:
@@ -511,18 +543,29 @@ def build_queries(facts: Sequence[Any], templates: Mapping[str, Sequence[str]], 
         if not ent and report is not None:
             report.no_evidence_fact_ids.append(f.fact_id)
         men = tuple(sorted(int(i) for i in mentions[f.fact_id]))
-        out.append(Query(
-            query_id=len(out), fact_id=f.fact_id, relation=f.relation, subject=f.subject,
-            object=f.object, prompt=prompt, target=" " + text,
-            aliases=tuple(dict.fromkeys((f.object,) + tuple(f.object_aliases))),
-            subject_aliases=tuple(dict.fromkeys((f.subject,) + tuple(f.subject_aliases))),
-            entailing_ids=ent, mention_ids=men, bucket=bucket_name(len(men), bucket_edges),
-            template_variant=variant))
+        out.append(
+            Query(
+                query_id=len(out),
+                fact_id=f.fact_id,
+                relation=f.relation,
+                subject=f.subject,
+                object=f.object,
+                prompt=prompt,
+                target=" " + text,
+                aliases=tuple(dict.fromkeys((f.object,) + tuple(f.object_aliases))),
+                subject_aliases=tuple(dict.fromkeys((f.subject,) + tuple(f.subject_aliases))),
+                entailing_ids=ent,
+                mention_ids=men,
+                bucket=bucket_name(len(men), bucket_edges),
+                template_variant=variant,
+            )
+        )
     return out
 
 
-def with_targets(queries: Sequence[Query], completions: Sequence[str],
-                 report: QueryReport | None = None) -> list[Query]:
+def with_targets(
+    queries: Sequence[Query], completions: Sequence[str], report: QueryReport | None = None
+) -> list[Query]:
     """Prediction mode (§5.1 "debugging incorrect predictions"): target = the model's completion.
 
     Queries whose completion is empty are skipped and counted in `report`; query ids are
@@ -539,8 +582,9 @@ def with_targets(queries: Sequence[Query], completions: Sequence[str],
     return out
 
 
-def encode_queries(queries: Sequence[Query], encode: Any, report: QueryReport | None = None
-                   ) -> tuple[list[Query], list[tuple[np.ndarray, np.ndarray]]]:
+def encode_queries(
+    queries: Sequence[Query], encode: Any, report: QueryReport | None = None
+) -> tuple[list[Query], list[tuple[np.ndarray, np.ndarray]]]:
     """Tokenizes queries with `encode(prompt, target) -> dict(tokens, loss_mask)`.
 
     `encode` is `functools.partial(data.encode_query, tok, max_len=...)`; a ValueError from
@@ -589,8 +633,16 @@ def load_queries(path: str | pathlib.Path) -> list[Query]:
 # ---------------------------------------------------------------------------------------
 
 
-def predict(graphdef: Any, params: Any, tokenizer: Any, queries: Sequence[Query], *, max_new_tokens: int,
-            max_len: int, batch_size: int = 64) -> tuple[list[str], list[bool]]:
+def predict(
+    graphdef: Any,
+    params: Any,
+    tokenizer: Any,
+    queries: Sequence[Query],
+    *,
+    max_new_tokens: int,
+    max_len: int,
+    batch_size: int = 64,
+) -> tuple[list[str], list[bool]]:
     """Greedy completions of the queries' prompts and their §4.2 correctness.
 
     Completions (`generate.complete`) are cut at the first newline or sentence end so that
@@ -601,8 +653,9 @@ def predict(graphdef: Any, params: Any, tokenizer: Any, queries: Sequence[Query]
     """
     # A prompt that leaves no room to generate gets no completion (its query cannot be
     # encoded either and is skipped, counted, by `encode_queries`).
-    completions = generate_lib.complete_batched(graphdef, params, tokenizer, [q.prompt for q in queries],
-                                                max_new_tokens, max_len, batch_size)
+    completions = generate_lib.complete_batched(
+        graphdef, params, tokenizer, [q.prompt for q in queries], max_new_tokens, max_len, batch_size
+    )
     completions = [cut_completion(c) for c in completions]
     return completions, [is_correct(c, q.aliases) for c, q in zip(completions, queries)]
 

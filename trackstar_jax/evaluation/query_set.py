@@ -39,19 +39,36 @@ class EvalQueries:
         """The queries as retrieval's `TextQuery` (with fact fields and gold ids for output files)."""
         if not with_fact_fields:
             return [retrieval_stage.TextQuery(q.query_id, q.prompt, q.target) for q in self.queries]
-        return [retrieval_stage.TextQuery(q.query_id, q.prompt, q.target, (
-            ("fact_id", q.fact_id), ("relation", q.relation), ("model_completion", c), ("model_correct", ok),
-            ("entailing_ids", list(q.entailing_ids))), gold=tuple(q.entailing_ids))
-            for q, c, ok in zip(self.queries, self.completions, self.correct)]
+        return [
+            retrieval_stage.TextQuery(
+                q.query_id,
+                q.prompt,
+                q.target,
+                (
+                    ("fact_id", q.fact_id),
+                    ("relation", q.relation),
+                    ("model_completion", c),
+                    ("model_correct", ok),
+                    ("entailing_ids", list(q.entailing_ids)),
+                ),
+                gold=tuple(q.entailing_ids),
+            )
+            for q, c, ok in zip(self.queries, self.completions, self.correct)
+        ]
 
 
 def selection_config(settings: config_lib.Settings) -> queries_lib.SelectionConfig:
     """§A.4 sampling settings from `config.eval`."""
     e = settings.eval
     return queries_lib.SelectionConfig(
-        max_per_bucket=e.max_per_bucket, max_per_relation_target_per_bucket=e.max_per_relation_target_per_bucket,
-        max_per_relation_target=e.max_per_relation_target, max_incorrect_per_bucket=e.max_incorrect_per_bucket,
-        bucket_edges=e.bucket_edges, include_unmentioned=e.include_unmentioned, seed=settings.seed)
+        max_per_bucket=e.max_per_bucket,
+        max_per_relation_target_per_bucket=e.max_per_relation_target_per_bucket,
+        max_per_relation_target=e.max_per_relation_target,
+        max_incorrect_per_bucket=e.max_incorrect_per_bucket,
+        bucket_edges=e.bucket_edges,
+        include_unmentioned=e.include_unmentioned,
+        seed=settings.seed,
+    )
 
 
 def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relations: list[str]) -> dict[str, list[str]]:
@@ -60,8 +77,9 @@ def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relatio
         return {k: list(v) for k, v in run.corpus.templates.items()}
     lama = ev.lama_dir or run.settings.data.path
     if not lama:
-        raise config_lib.ConfigError("the corpus has no prompt templates: set config.eval.lama_dir to a folder with "
-                                     "LAMA relations.jsonl")
+        raise config_lib.ConfigError(
+            "the corpus has no prompt templates: set config.eval.lama_dir to a folder with LAMA relations.jsonl"
+        )
     root = pathlib.Path(lama)
     root = root if (root / "relations.jsonl").is_file() else root.parent  # data.path may point at TREx/
     return queries_lib.load_templates(root, ev.pararel_dir or None, relations)
@@ -81,8 +99,9 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     have = sorted({f.relation for f in corpus.facts})
     missing = [r for r in ev.relation_list if r not in have]
     if missing:
-        raise config_lib.ConfigError(f"config.eval.relations {missing} have no facts in corpus {corpus.name} "
-                                     f"(it has {have})")
+        raise config_lib.ConfigError(
+            f"config.eval.relations {missing} have no facts in corpus {corpus.name} (it has {have})"
+        )
     relations = list(ev.relation_list) or have
     templates = eval_templates(run, ev, relations)
     for r in relations:
@@ -93,12 +112,25 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     entailing = queries_lib.entailing_ids(corpus.facts)
     freq = {k: len(v) for k, v in mentions.items()}
     max_len, bs = run.model_cfg.max_len, ev.completion_batch_size
-    predict = functools.partial(queries_lib.predict, run.graphdef, run.params, run.tokenizer,
-                                max_new_tokens=ev.max_new_tokens, max_len=max_len, batch_size=bs)
+    predict = functools.partial(
+        queries_lib.predict,
+        run.graphdef,
+        run.params,
+        run.tokenizer,
+        max_new_tokens=ev.max_new_tokens,
+        max_len=max_len,
+        batch_size=bs,
+    )
     correct_all = None
     if sel.max_incorrect_per_bucket > 0:  # §A.4 caps wrong predictions: needs them for every candidate
-        cand = queries_lib.build_queries(facts, templates, variant=ev.template_variant, entailing=entailing,
-                                         mentions=mentions, bucket_edges=sel.bucket_edges)
+        cand = queries_lib.build_queries(
+            facts,
+            templates,
+            variant=ev.template_variant,
+            entailing=entailing,
+            mentions=mentions,
+            bucket_edges=sel.bucket_edges,
+        )
         _, flags = predict(cand)
         correct_all = {q.fact_id: c for q, c in zip(cand, flags)}
     report = queries_lib.QueryReport()
@@ -106,8 +138,15 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     report.num_facts = len(corpus.facts) - len(facts)
     selected = queries_lib.select_facts(facts, freq, sel, report, correct=correct_all)
     selected = queries_lib.take_balanced(selected, freq, ev.max_queries, sel.bucket_edges, report)
-    qs = queries_lib.build_queries(selected, templates, variant=ev.template_variant, entailing=entailing,
-                                   mentions=mentions, bucket_edges=sel.bucket_edges, report=report)
+    qs = queries_lib.build_queries(
+        selected,
+        templates,
+        variant=ev.template_variant,
+        entailing=entailing,
+        mentions=mentions,
+        bucket_edges=sel.bucket_edges,
+        report=report,
+    )
     completions, correct = predict(qs)
     by_fact = {q.fact_id: (c, ok) for q, c, ok in zip(qs, completions, correct)}
     if ev.query_mode == "prediction":
@@ -116,4 +155,6 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     qs, enc = queries_lib.encode_queries(qs, encode, report)
     if not qs:
         raise ValueError(f"no query left after selection and encoding: {json.dumps(report.to_dict())}")
-    return EvalQueries(qs, enc, [by_fact[q.fact_id][0] for q in qs], [by_fact[q.fact_id][1] for q in qs], report, templates)
+    return EvalQueries(
+        qs, enc, [by_fact[q.fact_id][0] for q in qs], [by_fact[q.fact_id][1] for q in qs], report, templates
+    )

@@ -27,13 +27,21 @@ def eval_dir(settings: config_lib.Settings, workdir: str | os.PathLike) -> pathl
     ev = settings.eval
     if ev.output_dir:
         return pathlib.Path(workdir) / ev.output_dir
-    suffix = "" if (ev.query_mode, ev.template_variant) == ("gold", 0) else \
-        f"_{ev.query_mode}" + (f"_t{ev.template_variant}" if ev.template_variant else "")
+    suffix = (
+        ""
+        if (ev.query_mode, ev.template_variant) == ("gold", 0)
+        else f"_{ev.query_mode}" + (f"_t{ev.template_variant}" if ev.template_variant else "")
+    )
     return pathlib.Path(workdir) / (EVAL_DIR + suffix)
 
 
-def query_records(eq: query_set.EvalQueries, r: Retrieved, deltas: dict[tuple[int, int], float],
-                  top_ks: tuple[int, ...], m: baselines_lib.Method) -> list[dict]:
+def query_records(
+    eq: query_set.EvalQueries,
+    r: Retrieved,
+    deltas: dict[tuple[int, int], float],
+    top_ks: tuple[int, ...],
+    m: baselines_lib.Method,
+) -> list[dict]:
     """Per-query metric values of one row (inputs of `metrics.method_row`).
 
     Gold rows get only tail-patch (their proponents are the gold passages by definition).
@@ -45,60 +53,106 @@ def query_records(eq: query_set.EvalQueries, r: Retrieved, deltas: dict[tuple[in
         if m.kind != "gold":
             rec.update(metrics_lib.query_metrics(ids, q.entailing_ids))
             rec.update(metrics_lib.query_metrics(ids, q.mention_ids, prefix="mention_"))
-        rec.update(metrics_lib.tailpatch_at_k([deltas[(qi, int(p))] for p in ids[:max(top_ks)]], top_ks))
+        rec.update(metrics_lib.tailpatch_at_k([deltas[(qi, int(p))] for p in ids[: max(top_ks)]], top_ks))
         out.append(rec)
     return out
 
 
-def retrieval_lines(texts: list[str], eq: query_set.EvalQueries, r: Retrieved, m: baselines_lib.Method,
-                    deltas: dict[tuple[int, int], float]) -> list[dict]:
+def retrieval_lines(
+    texts: list[str],
+    eq: query_set.EvalQueries,
+    r: Retrieved,
+    m: baselines_lib.Method,
+    deltas: dict[tuple[int, int], float],
+) -> list[dict]:
     """Per-query proponents in the PAIR-code/pretraining-tda schema (+ fact fields, tail-patch deltas)."""
     out = []
     for qi, q in enumerate(eq.queries):
         ids = [int(i) for i in r.proponent_ids[qi]]
         rec = records.pair_record(
-            q.query_id, q.prompt, q.target, texts, ids, r.proponent_scores[qi],
+            q.query_id,
+            q.prompt,
+            q.target,
+            texts,
+            ids,
+            r.proponent_scores[qi],
             None if r.opponent_ids is None else r.opponent_ids[qi],
-            None if r.opponent_scores is None else r.opponent_scores[qi], gold=q.entailing_ids,
-            query_set=m.name, fact_id=q.fact_id, relation=q.relation, frequency=q.frequency,
-            frequency_bucket=q.bucket, has_trex_sentence=q.has_evidence, model_completion=eq.completions[qi],
-            model_correct=eq.correct[qi])
+            None if r.opponent_scores is None else r.opponent_scores[qi],
+            gold=q.entailing_ids,
+            query_set=m.name,
+            fact_id=q.fact_id,
+            relation=q.relation,
+            frequency=q.frequency,
+            frequency_bucket=q.bucket,
+            has_trex_sentence=q.has_evidence,
+            model_completion=eq.completions[qi],
+            model_correct=eq.correct[qi],
+        )
         rec["proponent_tailpatch"] = [deltas.get((qi, i)) for i in ids]
         out.append(rec)
     return out
 
 
-def write_retrievals(path: pathlib.Path, texts: list[str], eq: query_set.EvalQueries, r: Retrieved,
-                     m: baselines_lib.Method, deltas: dict[tuple[int, int], float]) -> None:
+def write_retrievals(
+    path: pathlib.Path,
+    texts: list[str],
+    eq: query_set.EvalQueries,
+    r: Retrieved,
+    m: baselines_lib.Method,
+    deltas: dict[tuple[int, int], float],
+) -> None:
     """`retrieval_lines` as a jsonl file (written atomically)."""
-    files.atomic_write(path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in retrieval_lines(texts, eq, r, m, deltas)))
+    files.atomic_write(
+        path, "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in retrieval_lines(texts, eq, r, m, deltas))
+    )
 
 
-def table_markdown(table: dict, eq: query_set.EvalQueries, retrieved: dict[str, Retrieved], texts: list[str],
-                   top_ks: tuple[int, ...], num_examples_shown: int) -> str:
+def table_markdown(
+    table: dict,
+    eq: query_set.EvalQueries,
+    retrieved: dict[str, Retrieved],
+    texts: list[str],
+    top_ks: tuple[int, ...],
+    num_examples_shown: int,
+) -> str:
     """table.md: the main table, the correct / incorrect split, and a few queries' top proponents."""
     rows = table["rows"]
     cols = list(metrics_lib.ATTRIBUTION_METRICS) + [f"tailpatch_at_{k}" for k in top_ks]
     shown = [{**r, "method": r["label"]} for r in rows]
-    head = (f"Fact tracing on {table['corpus']['name']} ({table['corpus']['num_examples']} passages), "
-            f"{table['num_queries']} queries ({table['query_mode']} targets, template {table['template_variant']}), "
-            f"model {table['model']['num_params']:,} params at step {table['model']['checkpoint_step']}, "
-            f"accuracy {table['model_accuracy']:.3f}. Mean [{table['ci']}]; tail-patch in percentage points.\n\n")
+    head = (
+        f"Fact tracing on {table['corpus']['name']} ({table['corpus']['num_examples']} passages), "
+        f"{table['num_queries']} queries ({table['query_mode']} targets, template {table['template_variant']}), "
+        f"model {table['model']['num_params']:,} params at step {table['model']['checkpoint_step']}, "
+        f"accuracy {table['model_accuracy']:.3f}. Mean [{table['ci']}]; tail-patch in percentage points.\n\n"
+    )
     md = "# Fact tracing table\n\n" + head + metrics_lib.markdown_table(shown, cols)
     for label in ("correct", "incorrect"):
-        sub = [{**r["by_correctness"][label], "method": r["label"], "gold_attribution": r["gold_attribution"]}
-               for r in rows if label in r["by_correctness"]]
+        sub = [
+            {**r["by_correctness"][label], "method": r["label"], "gold_attribution": r["gold_attribution"]}
+            for r in rows
+            if label in r["by_correctness"]
+        ]
         if sub:
             md += "\n" + metrics_lib.markdown_table(sub, cols, title=f"Facts the model predicts {label}ly (Table A.2)")
     md += "\n" + metrics_lib.markdown_table(
-        [{"method": r["label"], "num_queries": r["num_queries"], **{k: r.get(k) for k in r if k.startswith("mention_")}}
-         for r in rows if r["kind"] != "gold"],
+        [
+            {
+                "method": r["label"],
+                "num_queries": r["num_queries"],
+                **{k: r.get(k) for k in r if k.startswith("mention_")},
+            }
+            for r in rows
+            if r["kind"] != "gold"
+        ],
         [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS],
-        title="Looser label: proponent mentions both entities")
+        title="Looser label: proponent mentions both entities",
+    )
     md += "\n## Example queries\n"
     for qi, q in enumerate(eq.queries[:num_examples_shown]):
-        md += f"\n**{q.prompt}** →{q.target}  (model: {eq.completions[qi]!r}, {'correct' if eq.correct[qi] else 'incorrect'}; " \
-              f"{len(q.entailing_ids)} gold passages)\n\n"
+        md += (
+            f"\n**{q.prompt}** →{q.target}  (model: {eq.completions[qi]!r}, {'correct' if eq.correct[qi] else 'incorrect'}; "
+            f"{len(q.entailing_ids)} gold passages)\n\n"
+        )
         for name, r in retrieved.items():
             if baselines_lib.METHODS[name].kind == "gold":
                 continue

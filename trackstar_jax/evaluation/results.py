@@ -63,7 +63,9 @@ def load_results(workdir: str | pathlib.Path, name: str = EVAL_DIR) -> Results:
     path = pathlib.Path(workdir) / name
     for f in ("queries.jsonl", "table.json"):
         if not (path / f).is_file():
-            raise FileNotFoundError(f"no evaluation output: {path / f} is missing (run `python -m launch.evaluate` first)")
+            raise FileNotFoundError(
+                f"no evaluation output: {path / f} is missing (run `python -m launch.evaluate` first)"
+            )
     qs = queries_lib.load_queries(path / "queries.jsonl")
     retrievals = {}
     for f in sorted((path / "retrievals").glob("*.jsonl")):
@@ -71,7 +73,16 @@ def load_results(workdir: str | pathlib.Path, name: str = EVAL_DIR) -> Results:
         if len(rows) != len(qs):
             raise ValueError(f"{f} has {len(rows)} rows but the query set has {len(qs)}: mixed evaluation runs?")
         retrievals[f.stem] = rows
-    return Results(qs, retrievals, files.read_json(path / "table.json", "evaluation table", "rerun `python -m launch.evaluate` with --config.retrieval.overwrite=True"), path)
+    return Results(
+        qs,
+        retrievals,
+        files.read_json(
+            path / "table.json",
+            "evaluation table",
+            "rerun `python -m launch.evaluate` with --config.retrieval.overwrite=True",
+        ),
+        path,
+    )
 
 
 def proponent_rows(results: Results, query_id: int, method: str, kind: str = "proponents", k: int = 10) -> list[dict]:
@@ -94,8 +105,18 @@ def proponent_rows(results: Results, query_id: int, method: str, kind: str = "pr
     singular = kind[:-1]
     ids, scores, texts = row[f"{singular}_ids"][:k], row[f"{singular}_scores"][:k], row[kind][:k]
     patch = row.get("proponent_tailpatch", [None] * len(ids)) if kind == "proponents" else [None] * len(ids)
-    return [{"rank": r + 1, "example_id": i, "score": s, "entailing": i in gold, "mentions": i in mention,
-             "tailpatch": t, "text": x} for r, (i, s, x, t) in enumerate(zip(ids, scores, texts, patch))]
+    return [
+        {
+            "rank": r + 1,
+            "example_id": i,
+            "score": s,
+            "entailing": i in gold,
+            "mentions": i in mention,
+            "tailpatch": t,
+            "text": x,
+        }
+        for r, (i, s, x, t) in enumerate(zip(ids, scores, texts, patch))
+    ]
 
 
 def highlight(text: str, subject_aliases: Sequence[str], object_aliases: Sequence[str]) -> str:
@@ -126,33 +147,44 @@ def _cell(results: Results, q: queries_lib.Query, rows: list[dict]) -> str:
     for r in rows:
         label = "✓" if r["entailing"] else ("~" if r["mentions"] else "")
         patch = "" if r["tailpatch"] is None else f", Δp {100 * r['tailpatch']:+.2f}%"
-        items.append(f"<li><b>{label}</b> [{r['example_id']}] <small>({r['score']:.3g}{patch})</small> "
-                     f"{highlight(r['text'], q.subject_aliases, q.aliases)}</li>")
+        items.append(
+            f"<li><b>{label}</b> [{r['example_id']}] <small>({r['score']:.3g}{patch})</small> "
+            f"{highlight(r['text'], q.subject_aliases, q.aliases)}</li>"
+        )
     return "<ol style='margin:0;padding-left:1.2em'>" + "".join(items) + "</ol>"
 
 
-def side_by_side_html(results: Results, query_id: int, methods: Sequence[str] | None = None, k: int = 5,
-                      kind: str = "proponents") -> str:
+def side_by_side_html(
+    results: Results, query_id: int, methods: Sequence[str] | None = None, k: int = 5, kind: str = "proponents"
+) -> str:
     """An HTML table: one column per method, its top-k proponents (or opponents) for one query.
 
     ✓ marks an entailing passage (gold), ~ one that only mentions both entities.
     """
     q = results.queries[query_id]
-    methods = [m for m in (methods or results.methods) if kind == "proponents" or
-               "opponent_ids" in results.retrievals[m][query_id]]
+    methods = [
+        m
+        for m in (methods or results.methods)
+        if kind == "proponents" or "opponent_ids" in results.retrievals[m][query_id]
+    ]
     row0 = results.retrievals[methods[0]][query_id] if methods else {}
-    head = (f"<p><b>{html.escape(q.prompt)}</b> →<b>{html.escape(q.target)}</b> "
-            f"(relation {q.relation}, {len(q.entailing_ids)} gold passages, frequency {q.frequency}; "
-            f"model: {html.escape(repr(row0.get('model_completion', '')))}, "
-            f"{'correct' if row0.get('model_correct') else 'incorrect'})</p>")
+    head = (
+        f"<p><b>{html.escape(q.prompt)}</b> →<b>{html.escape(q.target)}</b> "
+        f"(relation {q.relation}, {len(q.entailing_ids)} gold passages, frequency {q.frequency}; "
+        f"model: {html.escape(repr(row0.get('model_completion', '')))}, "
+        f"{'correct' if row0.get('model_correct') else 'incorrect'})</p>"
+    )
     cols = "".join(f"<th>{html.escape(results.label(m))}</th>" for m in methods)
-    cells = "".join(f"<td style='vertical-align:top'>{_cell(results, q, proponent_rows(results, query_id, m, kind, k))}</td>"
-                    for m in methods)
+    cells = "".join(
+        f"<td style='vertical-align:top'>{_cell(results, q, proponent_rows(results, query_id, m, kind, k))}</td>"
+        for m in methods
+    )
     return head + f"<table><tr>{cols}</tr><tr>{cells}</tr></table>"
 
 
-def format_proponents(results: Results, query_id: int, method: str, kind: str = "proponents", k: int = 5,
-                      width: int = 120) -> str:
+def format_proponents(
+    results: Results, query_id: int, method: str, kind: str = "proponents", k: int = 5, width: int = 120
+) -> str:
     """Plain-text listing of one query's proponents under one method (for terminals / logs)."""
     q = results.queries[query_id]
     lines = [f"{results.label(method)} {kind} for {q.prompt!r} ->{q.target!r}:"]
@@ -163,7 +195,9 @@ def format_proponents(results: Results, query_id: int, method: str, kind: str = 
     return "\n".join(lines)
 
 
-def split_markdown(results: Results, split: str = "by_bucket", metrics: Sequence[str] = ("mrr", "recall_at_10", "tailpatch_at_10")) -> str:
+def split_markdown(
+    results: Results, split: str = "by_bucket", metrics: Sequence[str] = ("mrr", "recall_at_10", "tailpatch_at_10")
+) -> str:
     """Markdown tables of `table.json`'s splits: one table per split value ("by_bucket" / "by_correctness")."""
     from trackstar_jax.evaluation import metrics as metrics_lib  # noqa: PLC0415
 
@@ -171,7 +205,10 @@ def split_markdown(results: Results, split: str = "by_bucket", metrics: Sequence
     values = list(dict.fromkeys(v for r in rows for v in r.get(split, {})))
     out = []
     for v in values:
-        sub = [{**r[split][v], "method": r.get("label", r["method"]), "gold_attribution": r.get("gold_attribution")}
-               for r in rows if v in r.get(split, {})]
+        sub = [
+            {**r[split][v], "method": r.get("label", r["method"]), "gold_attribution": r.get("gold_attribution")}
+            for r in rows
+            if v in r.get(split, {})
+        ]
         out.append(metrics_lib.markdown_table(sub, list(metrics), title=f"{split.replace('by_', '')} = {v}"))
     return "\n".join(out)

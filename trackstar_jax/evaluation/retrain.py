@@ -61,8 +61,9 @@ def _query_losses(params: Any, batch: dict, *, graphdef: Any) -> jax.Array:
     return losses / jnp.maximum(jnp.sum(batch["loss_mask"][:, 1:], axis=-1), 1)
 
 
-def query_losses(graphdef: Any, params: Any, encoded: Sequence[tuple[np.ndarray, np.ndarray]],
-                 batch_size: int = 64) -> np.ndarray:
+def query_losses(
+    graphdef: Any, params: Any, encoded: Sequence[tuple[np.ndarray, np.ndarray]], batch_size: int = 64
+) -> np.ndarray:
     """Mean next-token NLL over each query's target tokens, float32 `[Q]`.
 
     Args:
@@ -71,14 +72,20 @@ def query_losses(graphdef: Any, params: Any, encoded: Sequence[tuple[np.ndarray,
     seq_len = max(len(t) for t, _ in encoded)
     out = []
     for lo in range(0, len(encoded), batch_size):
-        items = list(encoded[lo:lo + batch_size])
+        items = list(encoded[lo : lo + batch_size])
         batch = data_lib.pad_batch(items, list(range(len(items))), batch_size, seq_len)
         out.append(np.asarray(_query_losses(params, batch, graphdef=graphdef))[: len(items)])
     return np.concatenate(out).astype(np.float32)
 
 
-def retrain_subset(settings: config_lib.Settings, corpus: data_lib.Corpus, tok: data_lib.Tokenizer,
-                   mask: np.ndarray, num_steps: int, mesh: jax.sharding.Mesh) -> tuple[Any, Any]:
+def retrain_subset(
+    settings: config_lib.Settings,
+    corpus: data_lib.Corpus,
+    tok: data_lib.Tokenizer,
+    mask: np.ndarray,
+    num_steps: int,
+    mesh: jax.sharding.Mesh,
+) -> tuple[Any, Any]:
     """Trains the run's model from its initialisation on the examples where `mask` is True.
 
     Same init (`settings.seed`), optimizer, schedule and batch size as the run; the batches
@@ -93,8 +100,12 @@ def retrain_subset(settings: config_lib.Settings, corpus: data_lib.Corpus, tok: 
     t, model_cfg = settings.train, settings.model
     fns = loop_lib.compile_train_fns(model_cfg, t.optimizer, settings.seed, mesh, t.global_batch_size)
     ids = np.flatnonzero(mask)
-    batches = (sharding_lib.device_batch(b, mesh) for b in data_lib.train_batches(
-        corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, example_ids=ids))
+    batches = (
+        sharding_lib.device_batch(b, mesh)
+        for b in data_lib.train_batches(
+            corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, example_ids=ids
+        )
+    )
     last: list[Any] = [None]
     hooks = [loop_lib.Hook(num_steps, lambda step, state, metrics: last.__setitem__(0, metrics))]
     state = loop_lib.run_loop(fns.init(), 0, num_steps, fns.step, batches, hooks)
@@ -104,9 +115,17 @@ def retrain_subset(settings: config_lib.Settings, corpus: data_lib.Corpus, tok: 
     return fns.graphdef, state.params
 
 
-def run_subset(settings: config_lib.Settings, workdir: str | pathlib.Path, i: int, mask: np.ndarray,
-               corpus: data_lib.Corpus, tok: data_lib.Tokenizer, encoded: Sequence[tuple[np.ndarray, np.ndarray]],
-               num_steps: int, mesh: jax.sharding.Mesh) -> bool:
+def run_subset(
+    settings: config_lib.Settings,
+    workdir: str | pathlib.Path,
+    i: int,
+    mask: np.ndarray,
+    corpus: data_lib.Corpus,
+    tok: data_lib.Tokenizer,
+    encoded: Sequence[tuple[np.ndarray, np.ndarray]],
+    num_steps: int,
+    mesh: jax.sharding.Mesh,
+) -> bool:
     """Retrains subset `i` and records its query losses, unless it is already done.
 
     Returns:
@@ -123,8 +142,17 @@ def run_subset(settings: config_lib.Settings, workdir: str | pathlib.Path, i: in
     if jax.process_index() == 0:
         files.atomic_write(d / "mask.npy", files.npy_bytes(mask))
         files.atomic_write(d / "losses.npy", files.npy_bytes(losses))
-        files.create_once(d / DONE_FILE, json.dumps({"subset": i, "num_examples": int(mask.sum()),
-                                                      "num_queries": len(losses), "num_steps": num_steps}))
-    logging.info("validate: subset %d (%d examples) retrained %d steps; mean query loss %.4f", i, int(mask.sum()),
-                 num_steps, float(losses.mean()))
+        files.create_once(
+            d / DONE_FILE,
+            json.dumps(
+                {"subset": i, "num_examples": int(mask.sum()), "num_queries": len(losses), "num_steps": num_steps}
+            ),
+        )
+    logging.info(
+        "validate: subset %d (%d examples) retrained %d steps; mean query loss %.4f",
+        i,
+        int(mask.sum()),
+        num_steps,
+        float(losses.mean()),
+    )
     return True

@@ -85,12 +85,21 @@ class GradientRetriever:
 
     def retrieve(self, eq: query_set.EvalQueries, k: int) -> Retrieved:
         summary = build_lib.build_index(self.settings, self.ctx.workdir)
-        recs, info = retrieval_stage.retrieve_queries(self.ctx.run, self.settings, self.ctx.workdir, eq.text_queries(),
-                                                      mesh=self.ctx.mesh, k=k)
-        return Retrieved([r["proponent_ids"] for r in recs], [r["proponent_scores"] for r in recs],
-                         [r["opponent_ids"] for r in recs], [r["opponent_scores"] for r in recs],
-                         info={"index": info["index"], "index_seconds": summary.get("seconds"),
-                               "whitening": info["whitening"], "retrieval_seconds": info.get("retrieval_seconds")})
+        recs, info = retrieval_stage.retrieve_queries(
+            self.ctx.run, self.settings, self.ctx.workdir, eq.text_queries(), mesh=self.ctx.mesh, k=k
+        )
+        return Retrieved(
+            [r["proponent_ids"] for r in recs],
+            [r["proponent_scores"] for r in recs],
+            [r["opponent_ids"] for r in recs],
+            [r["opponent_scores"] for r in recs],
+            info={
+                "index": info["index"],
+                "index_seconds": summary.get("seconds"),
+                "whitening": info["whitening"],
+                "retrieval_seconds": info.get("retrieval_seconds"),
+            },
+        )
 
 
 def method_settings(settings: config_lib.Settings, m: baselines_lib.Method) -> config_lib.Settings:
@@ -110,9 +119,14 @@ def dense_index(ctx: Context) -> baselines_lib.DenseEmbedding:
     """
     run = ctx.run
     enc = embedding_lib.make_encoder(mesh=ctx.mesh)
-    want = {"model": embedding_lib.MODEL_NAME, "model_sha256": embedding_lib.model_fingerprint(enc.directory),
-            "max_seq_length": enc.cfg.max_seq_length, "corpus_fingerprint": run.corpus.fingerprint,
-            "num_rows": len(run.corpus.examples), "dim": enc.dim}
+    want = {
+        "model": embedding_lib.MODEL_NAME,
+        "model_sha256": embedding_lib.model_fingerprint(enc.directory),
+        "max_seq_length": enc.cfg.max_seq_length,
+        "corpus_fingerprint": run.corpus.fingerprint,
+        "num_rows": len(run.corpus.examples),
+        "dim": enc.dim,
+    }
     d = ctx.workdir / DENSE_DIR
     if (d / "manifest.json").is_file() and (d / "embeddings.npy").is_file():
         if json.loads((d / "manifest.json").read_text()) == want:
@@ -121,8 +135,12 @@ def dense_index(ctx: Context) -> baselines_lib.DenseEmbedding:
         logging.info("eval: %s was made for another corpus or model; recomputing it", d)
     t0 = time.perf_counter()
     dense = baselines_lib.DenseEmbedding(run.corpus.texts, enc)
-    logging.info("eval: embedded %d passages with %s in %.1fs", len(run.corpus.examples), embedding_lib.MODEL_NAME,
-                 time.perf_counter() - t0)
+    logging.info(
+        "eval: embedded %d passages with %s in %.1fs",
+        len(run.corpus.examples),
+        embedding_lib.MODEL_NAME,
+        time.perf_counter() - t0,
+    )
     if jax.process_index() == 0:
         files.atomic_write(d / "embeddings.npy", files.npy_bytes(dense.embeddings))
         files.atomic_write_json(d / "manifest.json", want)  # written last: marks the cache complete

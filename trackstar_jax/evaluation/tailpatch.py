@@ -53,9 +53,16 @@ def target_log_prob(params: Any, query: Mapping[str, Int[Array, " t"]], *, graph
     return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)[0]
 
 
-def tailpatch_step(params: Any, opt_state: Any, proponent: Mapping[str, Int[Array, " t"]],
-                   query: Mapping[str, Int[Array, " tq"]], *, graphdef: nnx.GraphDef,
-                   opt: optax.GradientTransformation, lr_scale: float | Array = 1.0) -> Float[Array, ""]:
+def tailpatch_step(
+    params: Any,
+    opt_state: Any,
+    proponent: Mapping[str, Int[Array, " t"]],
+    query: Mapping[str, Int[Array, " tq"]],
+    *,
+    graphdef: nnx.GraphDef,
+    opt: optax.GradientTransformation,
+    lr_scale: float | Array = 1.0,
+) -> Float[Array, ""]:
     """One pretraining step on `proponent`, then log p(query target) under the new parameters.
 
     Args:
@@ -78,9 +85,16 @@ def tailpatch_step(params: Any, opt_state: Any, proponent: Mapping[str, Int[Arra
     return target_log_prob(optax.apply_updates(params, updates), query, graphdef=graphdef)
 
 
-def tailpatch_pairs(params: Any, opt_state: Any, proponents: Mapping[str, Int[Array, "p t"]],
-                    queries: Mapping[str, Int[Array, "p tq"]], *, graphdef: nnx.GraphDef,
-                    opt: optax.GradientTransformation, lr_scale: float | Array = 1.0) -> dict[str, Float[Array, " p"]]:
+def tailpatch_pairs(
+    params: Any,
+    opt_state: Any,
+    proponents: Mapping[str, Int[Array, "p t"]],
+    queries: Mapping[str, Int[Array, "p tq"]],
+    *,
+    graphdef: nnx.GraphDef,
+    opt: optax.GradientTransformation,
+    lr_scale: float | Array = 1.0,
+) -> dict[str, Float[Array, " p"]]:
     """`tailpatch_step` vmapped over pairs (row i: proponent i patched, query i measured).
 
     Returns:
@@ -91,7 +105,11 @@ def tailpatch_pairs(params: Any, opt_state: Any, proponents: Mapping[str, Int[Ar
     after = jax.vmap(step, in_axes=(None, None, 0, 0))(params, opt_state, proponents, queries)
     before = jax.vmap(functools.partial(target_log_prob, graphdef=graphdef), in_axes=(None, 0))(params, queries)
     # p' - p = p (exp(log p' - log p) - 1): expm1 keeps small changes exact in float32.
-    return {"log_prob_before": before, "log_prob_after": after, "delta_prob": jnp.exp(before) * jnp.expm1(after - before)}
+    return {
+        "log_prob_before": before,
+        "log_prob_after": after,
+        "delta_prob": jnp.exp(before) * jnp.expm1(after - before),
+    }
 
 
 def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: optax.GradientTransformation):
@@ -136,13 +154,25 @@ def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_
     if learning_rate < 0:
         return 1.0
     if opt_cfg.weight_decay_rate is not None:
-        raise ValueError("tailpatch.learning_rate override needs weight_decay_rate=None (the update is not linear in lr)")
+        raise ValueError(
+            "tailpatch.learning_rate override needs weight_decay_rate=None (the update is not linear in lr)"
+        )
     scheduled = float(train_lib.make_schedule(opt_cfg)(step))
     return float(learning_rate) / scheduled
 
 
-def run_pairs(jit_fn, params: Any, opt_state: Any, prop_rows: Mapping[str, np.ndarray], query_rows: Mapping[str, np.ndarray],
-              pairs: np.ndarray, *, batch_size: int, lr_scale: float, progress=None) -> dict[str, np.ndarray]:
+def run_pairs(
+    jit_fn,
+    params: Any,
+    opt_state: Any,
+    prop_rows: Mapping[str, np.ndarray],
+    query_rows: Mapping[str, np.ndarray],
+    pairs: np.ndarray,
+    *,
+    batch_size: int,
+    lr_scale: float,
+    progress=None,
+) -> dict[str, np.ndarray]:
     """Runs `jit_fn` over index pairs in fixed-size batches (the last one padded by repetition).
 
     Args:
@@ -161,7 +191,7 @@ def run_pairs(jit_fn, params: Any, opt_state: Any, prop_rows: Mapping[str, np.nd
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     out = {k: np.zeros((len(pairs),), np.float64) for k in ("log_prob_before", "log_prob_after", "delta_prob")}
     for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start:start + batch_size]
+        chunk = pairs[start : start + batch_size]
         n = len(chunk)
         if n < batch_size:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - n, axis=0)])
@@ -169,7 +199,7 @@ def run_pairs(jit_fn, params: Any, opt_state: Any, prop_rows: Mapping[str, np.nd
         qs = {k: jnp.asarray(query_rows[k][chunk[:, 0]]) for k in ("tokens", "loss_mask")}
         res = jax.device_get(jit_fn(params, opt_state, props, qs, jnp.float32(lr_scale)))
         for k in out:
-            out[k][start:start + n] = np.asarray(res[k][:n], np.float64)
+            out[k][start : start + n] = np.asarray(res[k][:n], np.float64)
         if progress is not None:
             progress(start + n)
     return out

@@ -47,8 +47,9 @@ from trackstar_jax.models import lm as model_lib
 
 
 @jax.custom_vjp
-def _capture_dense(y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"],
-                   z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+def _capture_dense(
+    y: Float[Array, "b t n"], xp: Float[Array, "b t k"], p1: Float[Array, "k n"], z: Float[Array, "b k k"]
+) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `sum_t xp_t (P1' g_t)^T` to `z` (xp = P0' x, projected)."""
     del xp, p1, z
     return y
@@ -70,8 +71,13 @@ _capture_dense.defvjp(_capture_dense_fwd, _capture_dense_bwd)
 
 
 @jax.custom_vjp
-def _capture_dense_lazy(y: Float[Array, "b t n"], x: Float[Array, "b t m"], p0: Float[Array, "k m"],
-                        p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+def _capture_dense_lazy(
+    y: Float[Array, "b t n"],
+    x: Float[Array, "b t m"],
+    p0: Float[Array, "k m"],
+    p1: Float[Array, "k n"],
+    z: Float[Array, "b k k"],
+) -> Float[Array, "b t n"]:
     """As `_capture_dense`, but keeps `x` and projects it in the backward pass (for m <= k,
     where `x` is no larger than `P0' x`, and shared by the layers reading the same input)."""
     del x, p0, p1, z
@@ -94,8 +100,13 @@ _capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
 
 
 @jax.custom_vjp
-def _capture_scale(y: Float[Array, "b t n"], xhat: Float[Array, "b t n"], p0: Float[Array, " k"],
-                   p1: Float[Array, "k n"], z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+def _capture_scale(
+    y: Float[Array, "b t n"],
+    xhat: Float[Array, "b t n"],
+    p0: Float[Array, " k"],
+    p1: Float[Array, "k n"],
+    z: Float[Array, "b k k"],
+) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `p0 (P1' sum_t xhat_t * g_t)^T` to `z` (a norm scale)."""
     del xhat, p0, p1, z
     return y
@@ -118,8 +129,9 @@ _capture_scale.defvjp(_capture_scale_fwd, _capture_scale_bwd)
 
 
 @jax.custom_vjp
-def _capture_bias(y: Float[Array, "b t n"], p0: Float[Array, " k"], p1: Float[Array, "k n"],
-                  z: Float[Array, "b k k"]) -> Float[Array, "b t n"]:
+def _capture_bias(
+    y: Float[Array, "b t n"], p0: Float[Array, " k"], p1: Float[Array, "k n"], z: Float[Array, "b k k"]
+) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `p0 (P1' sum_t g_t)^T` to `z` (a bias: it multiplies 1)."""
     del p0, p1, z
     return y
@@ -139,8 +151,9 @@ def _capture_bias_bwd(res, g):
 _capture_bias.defvjp(_capture_bias_fwd, _capture_bias_bwd)
 
 
-def folded_projections(plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None,
-                       seed: int) -> dict[str, tuple[Array, Array]]:
+def folded_projections(
+    plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None, seed: int
+) -> dict[str, tuple[Array, Array]]:
     """`{path: (P0 diag(a) [k, m], P1 diag(b) [k, n])}`: projections with the correction folded in."""
     out = {}
     for e in plan.entries:
@@ -152,9 +165,17 @@ def folded_projections(plan: proj_lib.BlockPlan, correction: precond_lib.Correct
     return out
 
 
-def factored_vectors(params: Any, correction: precond_lib.Correction | None, batch: Mapping[str, Array], *,
-                     graphdef: nnx.GraphDef, plan: proj_lib.BlockPlan, output_fn: str = "loss",
-                     role: str = "index", seed: int = 0) -> Float[Array, "b d"]:
+def factored_vectors(
+    params: Any,
+    correction: precond_lib.Correction | None,
+    batch: Mapping[str, Array],
+    *,
+    graphdef: nnx.GraphDef,
+    plan: proj_lib.BlockPlan,
+    output_fn: str = "loss",
+    role: str = "index",
+    seed: int = 0,
+) -> Float[Array, "b d"]:
     """Projected, corrected per-example gradients by the factored path (same signature as
     `grads.reference_vectors`).
 

@@ -42,8 +42,13 @@ OUTPUT_FNS = ("loss", "margin", "logit", "trak")
 ROLES = ("index", "query")
 
 
-def token_objective(logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"],
-                    output_fn: str = "loss", role: str = "index") -> Float[Array, " b"]:
+def token_objective(
+    logits: Float[Array, "b t v"],
+    targets: Int[Array, "b t"],
+    weights: Float[Array, "b t"],
+    output_fn: str = "loss",
+    role: str = "index",
+) -> Float[Array, " b"]:
     """Per-example objective whose gradient is the (Q-weighted) output-function gradient.
 
     Args:
@@ -101,8 +106,15 @@ def unflatten(flat: Mapping[str, Any]) -> dict:
     return out
 
 
-def per_example_grads(params: Any, batch: Mapping[str, Array], plan: proj_lib.BlockPlan, *,
-                      graphdef: nnx.GraphDef, output_fn: str = "loss", role: str = "index") -> dict[str, Array]:
+def per_example_grads(
+    params: Any,
+    batch: Mapping[str, Array],
+    plan: proj_lib.BlockPlan,
+    *,
+    graphdef: nnx.GraphDef,
+    output_fn: str = "loss",
+    role: str = "index",
+) -> dict[str, Array]:
     """Per-example gradients of the objective w.r.t. every attributed parameter (vmap(grad)).
 
     Args:
@@ -129,9 +141,17 @@ def per_example_grads(params: Any, batch: Mapping[str, Array], plan: proj_lib.Bl
     return {p: g.astype(jnp.float32) for p, g in grads.items()}
 
 
-def reference_vectors(params: Any, correction: precond_lib.Correction | None, batch: Mapping[str, Array], *,
-                      graphdef: nnx.GraphDef, plan: proj_lib.BlockPlan, output_fn: str = "loss",
-                      role: str = "index", seed: int = 0) -> Float[Array, "b d"]:
+def reference_vectors(
+    params: Any,
+    correction: precond_lib.Correction | None,
+    batch: Mapping[str, Array],
+    *,
+    graphdef: nnx.GraphDef,
+    plan: proj_lib.BlockPlan,
+    output_fn: str = "loss",
+    role: str = "index",
+    seed: int = 0,
+) -> Float[Array, "b d"]:
     """Eq. 2 as written: materialised per-example gradients -> g / sqrt(V) -> P0 G P1^T, summed per block.
 
     Args:

@@ -75,7 +75,7 @@ def _moment_leaves(opt_state: Any, field: str, paths: set[str]) -> dict[str, Arr
         segs = model_lib.param_path_str(key_path).split("/")
         for i, s in enumerate(segs):
             if s == field:
-                rest = "/".join(segs[i + 1:])
+                rest = "/".join(segs[i + 1 :])
                 if rest in paths:
                     if rest in found:
                         raise ValueError(f"optimizer state holds two '{field}' entries for parameter {rest!r}")

@@ -62,7 +62,7 @@ class PlanEntry:
 
     @property
     def kind(self) -> str:
-        """"kernel", "scale" or "bias" (the last path component)."""
+        """ "kernel", "scale" or "bias" (the last path component)."""
         return self.path.rsplit("/", 1)[-1]
 
 
@@ -102,11 +102,13 @@ def _side_of(path: str, num_layers: int, num_blocks: int) -> int:
         return 2 * (num_blocks - 1) + MLP
     if parts[0].startswith("layer_") and len(parts) >= 3:
         try:
-            layer = int(parts[0][len("layer_"):])
+            layer = int(parts[0][len("layer_") :])
         except ValueError:
             layer = -1
         if not 0 <= layer < num_layers:
-            raise ValueError(f"parameter {path!r}: layer index outside 0..{num_layers - 1} (model.num_layers={num_layers})")
+            raise ValueError(
+                f"parameter {path!r}: layer index outside 0..{num_layers - 1} (model.num_layers={num_layers})"
+            )
         block = layer * num_blocks // num_layers
         if parts[1] in _ATTN_PARTS:
             return 2 * block + ATTN
@@ -142,8 +144,9 @@ def block_plan(shapes: Mapping[str, tuple[int, ...]], num_layers: int, num_block
     for path in sorted(shapes):
         shape = tuple(int(s) for s in shapes[path])
         if len(shape) not in (1, 2):
-            raise ValueError(f"parameter {path!r} has shape {shape}: only 1-D norm scales / biases and 2-D kernels "
-                             "can be projected")
+            raise ValueError(
+                f"parameter {path!r} has shape {shape}: only 1-D norm scales / biases and 2-D kernels can be projected"
+            )
         if (len(shape) == 2) != (path.endswith("/kernel")):
             raise ValueError(f"parameter {path!r} has shape {shape}: kernels must be 2-D, norm scales and biases 1-D")
         side = _side_of(path, num_layers, num_blocks)
@@ -160,8 +163,9 @@ def path_hash(path: str) -> int:
     return int.from_bytes(hashlib.sha256(path.encode("utf-8")).digest()[:4], "little") & 0x7FFFFFFF
 
 
-def side_matrices(seed: int, path: str, shape: tuple[int, int], k: int,
-                  dtype: Any = jnp.float32) -> tuple[Float[Array, "k m"], Float[Array, "k n"]]:
+def side_matrices(
+    seed: int, path: str, shape: tuple[int, int], k: int, dtype: Any = jnp.float32
+) -> tuple[Float[Array, "k m"], Float[Array, "k n"]]:
     """The two Gaussian projection matrices of one parameter, N(0, 1/k) entries.
 
     Args:
@@ -214,7 +218,5 @@ def project_grads(grads: Mapping[str, Float[Array, "b ..."]], plan: BlockPlan, s
         g = grads[e.path].astype(jnp.float32)
         g = as_matrix(g) if e.ndim == 1 else g
         p0, p1 = side_matrices(seed, e.path, e.shape, k)
-        sides[e.side] = sides[e.side] + jnp.einsum(
-            "km,bmn,ln->bkl", p0, g, p1, precision=jax.lax.Precision.HIGHEST
-        )
+        sides[e.side] = sides[e.side] + jnp.einsum("km,bmn,ln->bkl", p0, g, p1, precision=jax.lax.Precision.HIGHEST)
     return jnp.stack(sides, axis=1)

@@ -44,8 +44,9 @@ def sample_ids(num_examples: int, size: int, seed: int) -> list[int]:
     return sorted(int(i) for i in np.random.default_rng(seed).choice(num_examples, size=size, replace=False))
 
 
-def example_batches(corpus: data_lib.Corpus, tok: Any, ids: Sequence[int], batch_size: int, max_len: int
-                    ) -> Iterable[dict[str, np.ndarray]]:
+def example_batches(
+    corpus: data_lib.Corpus, tok: Any, ids: Sequence[int], batch_size: int, max_len: int
+) -> Iterable[dict[str, np.ndarray]]:
     """Batches of the passages `ids` under the pretraining loss, padded to power-of-two lengths.
 
     Yields:
@@ -54,14 +55,15 @@ def example_batches(corpus: data_lib.Corpus, tok: Any, ids: Sequence[int], batch
     """
     items, _ = data_lib.encode_passages(tok, [corpus.examples[i].text for i in ids], max_len)
     for s in range(0, len(items), batch_size):
-        chunk = items[s: s + batch_size]
+        chunk = items[s : s + batch_size]
         length = data_lib.bucket_len(max(len(t) for t, _ in chunk), max_len)
-        yield data_lib.pad_batch(chunk, list(ids[s: s + batch_size]), batch_size, length)
+        yield data_lib.pad_batch(chunk, list(ids[s : s + batch_size]), batch_size, length)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnums=0)
-def _add_squared_grads(acc: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array, *,
-                       graphdef: nnx.GraphDef) -> Any:
+def _add_squared_grads(
+    acc: Any, params: Any, tokens: jax.Array, loss_mask: jax.Array, *, graphdef: nnx.GraphDef
+) -> Any:
     """`acc + sum_rows g_row^2` (float32), one example's gradient at a time (`lax.scan`), so
     memory holds one gradient, not a batch of them. Padding rows have zero loss and gradient."""
 
@@ -74,8 +76,9 @@ def _add_squared_grads(acc: Any, params: Any, tokens: jax.Array, loss_mask: jax.
     return acc
 
 
-def mean_squared_grads(graphdef: nnx.GraphDef, params: Any, batches: Iterable[Mapping[str, np.ndarray]]
-                       ) -> tuple[Any, int]:
+def mean_squared_grads(
+    graphdef: nnx.GraphDef, params: Any, batches: Iterable[Mapping[str, np.ndarray]]
+) -> tuple[Any, int]:
     """`(S, n)`: `S = mean_n g_n^2` per parameter (float32, params' tree) over the n real rows of
     `batches` (rows with `example_id >= 0`), g_n the gradient of `training.step.loss_fn` on row n alone.
 
@@ -88,7 +91,9 @@ def mean_squared_grads(graphdef: nnx.GraphDef, params: Any, batches: Iterable[Ma
         n += int(np.sum(np.asarray(b["example_id"]) >= 0))
         acc = _add_squared_grads(acc, params, jnp.asarray(b["tokens"]), jnp.asarray(b["loss_mask"]), graphdef=graphdef)
     if n == 0:
-        raise ValueError("estimating V needs at least one example (vectors.estimate_v_examples >= 1, a non-empty corpus)")
+        raise ValueError(
+            "estimating V needs at least one example (vectors.estimate_v_examples >= 1, a non-empty corpus)"
+        )
     return jax.tree.map(lambda a: a / n, acc), n
 
 
@@ -107,7 +112,11 @@ def factored_state(mean_sq: Any, params: Any, min_dim_size_to_factor: int, count
             z = jnp.zeros((1,), dt)
             return z, z, (s + EPSILON).astype(dt)
         d1, d0 = dims
-        return (jnp.mean(s, axis=d0) + EPSILON).astype(dt), (jnp.mean(s, axis=d1) + EPSILON).astype(dt), jnp.zeros((1,), dt)
+        return (
+            (jnp.mean(s, axis=d0) + EPSILON).astype(dt),
+            (jnp.mean(s, axis=d1) + EPSILON).astype(dt),
+            jnp.zeros((1,), dt),
+        )
 
     out = jax.tree.map(one, mean_sq, params)
     is_triple = lambda x: isinstance(x, tuple) and len(x) == 3 and all(isinstance(y, jax.Array) for y in x)  # noqa: E731
@@ -135,9 +144,13 @@ def with_second_moments(opt_state: Any, factored: FactoredState) -> Any:
     return out
 
 
-def estimate_opt_state(graphdef: nnx.GraphDef, params: Any, opt: optax.GradientTransformation,
-                       opt_cfg: step_lib.OptimizerConfig, batches: Iterable[Mapping[str, np.ndarray]]
-                       ) -> tuple[Any, int]:
+def estimate_opt_state(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    opt: optax.GradientTransformation,
+    opt_cfg: step_lib.OptimizerConfig,
+    batches: Iterable[Mapping[str, np.ndarray]],
+) -> tuple[Any, int]:
     """`(opt.init(params) with estimated v_row / v_col / v, number of examples used)`.
 
     `opt` must be `training.step.make_optimizer(opt_cfg)` (Adafactor), so the state restores

@@ -94,9 +94,13 @@ def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorC
     return proj_lib.block_plan(shapes, model_cfg.num_layers, vec_cfg.num_blocks, vec_cfg.proj_dim)
 
 
-def make_precond(params: Any, opt_state: Any, vec_cfg: VectorConfig,
-                 plan: proj_lib.BlockPlan | None = None, model_cfg: model_lib.LMConfig | None = None
-                 ) -> precond_lib.Correction | None:
+def make_precond(
+    params: Any,
+    opt_state: Any,
+    vec_cfg: VectorConfig,
+    plan: proj_lib.BlockPlan | None = None,
+    model_cfg: model_lib.LMConfig | None = None,
+) -> precond_lib.Correction | None:
     """The correction for `vec_cfg`: None when `correction=False`; otherwise read from `opt_state`
     (exact element-wise V kept only for the reference path). Raises if `opt_state` is None."""
     if not vec_cfg.correction:
@@ -108,9 +112,16 @@ def make_precond(params: Any, opt_state: Any, vec_cfg: VectorConfig,
     return precond_lib.from_opt_state(params, opt_state, plan.paths, exact=vec_cfg.path == "reference")
 
 
-def vector_step(params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Array], *,
-                graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
-                role: str = "index") -> tuple[Float[Array, "b d"], dict[str, Array]]:
+def vector_step(
+    params: Any,
+    precond: precond_lib.Correction | None,
+    batch: Mapping[str, Array],
+    *,
+    graphdef: nnx.GraphDef,
+    vec_cfg: VectorConfig,
+    plan: proj_lib.BlockPlan,
+    role: str = "index",
+) -> tuple[Float[Array, "b d"], dict[str, Array]]:
     """Pure featurize step: vectors plus per-row checks (jit it with `jit_vector_step`).
 
     Args:
@@ -126,8 +137,16 @@ def vector_step(params: Any, precond: precond_lib.Correction | None, batch: Mapp
     """
     fn = factored_lib.factored_vectors if vec_cfg.path == "fast" else grads_lib.reference_vectors
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
-    vecs = fn(params, precond, batch, graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn,
-              role=role, seed=vec_cfg.proj_seed)
+    vecs = fn(
+        params,
+        precond,
+        batch,
+        graphdef=graphdef,
+        plan=plan,
+        output_fn=vec_cfg.output_fn,
+        role=role,
+        seed=vec_cfg.proj_seed,
+    )
     aux = {
         "num_targets": jnp.sum(batch["loss_mask"][:, 1:] > 0, axis=-1).astype(jnp.int32),
         "finite": jnp.all(jnp.isfinite(vecs), axis=-1),
@@ -143,8 +162,14 @@ def param_shardings(params: Any, mesh: Mesh) -> Any:
     return sharding_lib.fsdp_shardings(params, mesh)
 
 
-def jit_vector_step(graphdef: nnx.GraphDef, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan,
-                    mesh: Mesh, role: str = "index", params: Any = None):
+def jit_vector_step(
+    graphdef: nnx.GraphDef,
+    vec_cfg: VectorConfig,
+    plan: proj_lib.BlockPlan,
+    mesh: Mesh,
+    role: str = "index",
+    params: Any = None,
+):
     """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), correction
     replicated, vectors `[B, d]` split like the batch; parameters replicated, or split over the
     `fsdp` axis when it has size > 1 (pass `params`, possibly abstract, to derive those).
@@ -237,8 +262,16 @@ class VectorFn:
         return np.asarray(vecs)
 
 
-def make_vector_fn(graphdef: nnx.GraphDef, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig, params: Any,
-                   opt_state: Any, *, mesh: Mesh | None = None, role: str = "index") -> VectorFn:
+def make_vector_fn(
+    graphdef: nnx.GraphDef,
+    model_cfg: model_lib.LMConfig,
+    vec_cfg: VectorConfig,
+    params: Any,
+    opt_state: Any,
+    *,
+    mesh: Mesh | None = None,
+    role: str = "index",
+) -> VectorFn:
     """Builds the checked, jit-compiled featurizer for one model + optimizer state.
 
     Args:

@@ -43,8 +43,9 @@ def index_dir(settings: config_lib.Settings, workdir: str | os.PathLike) -> path
     return pathlib.Path(workdir) / settings.index.dir
 
 
-def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig,
-                   dim: int) -> dict:
+def index_manifest(
+    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig, dim: int
+) -> dict:
     """The manifest of the index of `run` under `vec_cfg` (what a resume or a reader must match)."""
     fp_tree = {"params": run.params, "opt_state": run.opt_state} if vec_cfg.correction else {"params": run.params}
     num_blocks_total, _ = vectors_lib.block_layout(vec_cfg)
@@ -58,14 +59,27 @@ def index_manifest(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, s
     if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
         model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
     return store_lib.make_manifest(
-        num_rows=len(run.corpus.examples), dim=dim, num_blocks_total=num_blocks_total, storage=storage,
+        num_rows=len(run.corpus.examples),
+        dim=dim,
+        num_blocks_total=num_blocks_total,
+        storage=storage,
         model=model,
         vectors=vec,
-        corpus={"name": run.corpus.name, "fingerprint": run.corpus.fingerprint, "num_examples": len(run.corpus.examples)},
-        featurizer={"batch_size": int(vec_cfg.batch_size), "max_len": int(run.model_cfg.max_len),
-                    "length_buckets": f"pow2>={data_lib.MIN_BUCKET_LEN}"},
-        info={"workdir": str(run.workdir), "devices": [str(d) for d in jax.local_devices()],
-              "jax_version": jax.__version__},
+        corpus={
+            "name": run.corpus.name,
+            "fingerprint": run.corpus.fingerprint,
+            "num_examples": len(run.corpus.examples),
+        },
+        featurizer={
+            "batch_size": int(vec_cfg.batch_size),
+            "max_len": int(run.model_cfg.max_len),
+            "length_buckets": f"pow2>={data_lib.MIN_BUCKET_LEN}",
+        },
+        info={
+            "workdir": str(run.workdir),
+            "devices": [str(d) for d in jax.local_devices()],
+            "jax_version": jax.__version__,
+        },
     )
 
 
@@ -76,8 +90,7 @@ def expected_identity(run: checkpoint_lib.Run, settings: config_lib.Settings, di
     return {section: m[section] for section in ("model", "vectors", "corpus")}
 
 
-def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: jax.sharding.Mesh,
-                 counters: dict) -> Any:
+def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: jax.sharding.Mesh, counters: dict) -> Any:
     """`rows_fn(start, stop)` for `IndexBuilder`: featurizes examples `[start, stop)`.
 
     Batches never straddle the call's row range (so a resumed or split build forms the same
@@ -97,16 +110,25 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: ja
             counters["tokens"] += sum(len(t) for t, _ in items)
             seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
             batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
-            vecs, _ = vec_fn.jitted(run.params, vec_fn.precond, sharding_lib.device_batch(
-                {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh))
+            vecs, _ = vec_fn.jitted(
+                run.params,
+                vec_fn.precond,
+                sharding_lib.device_batch({"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh),
+            )
             outs.append(vecs[: hi - lo])
         return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
 
     return rows_fn
 
 
-def build_index(settings: config_lib.Settings, workdir: str | os.PathLike, *, process_index: int | None = None,
-                process_count: int | None = None, sync_timeout_s: float = SYNC_TIMEOUT_S) -> dict:
+def build_index(
+    settings: config_lib.Settings,
+    workdir: str | os.PathLike,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    sync_timeout_s: float = SYNC_TIMEOUT_S,
+) -> dict:
     """Stage 2: featurize every example of the run's corpus into the index (§3, §A.1.3).
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
@@ -134,12 +156,15 @@ def build_index(settings: config_lib.Settings, workdir: str | os.PathLike, *, pr
     mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
     dp = sharding_lib.data_parallel_size(mesh)
     if vec_cfg.batch_size % dp:
-        raise config_lib.ConfigError(f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} "
-                                     f"data shards of mesh {dict(mesh.shape)}")
+        raise config_lib.ConfigError(
+            f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} "
+            f"data shards of mesh {dict(mesh.shape)}"
+        )
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
-    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh,
-                                        role="index")
+    vec_fn = vectors_lib.make_vector_fn(
+        run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
+    )
     num_blocks_total, block_dim = vectors_lib.block_layout(vec_cfg)
     if vec_fn.dim != num_blocks_total * block_dim:
         raise ValueError(f"featurizer dim {vec_fn.dim} != {num_blocks_total} blocks x {block_dim}")
@@ -150,12 +175,27 @@ def build_index(settings: config_lib.Settings, workdir: str | os.PathLike, *, pr
         builder = builder_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
         counters = {"tokens": 0, "truncated": 0}
         rows_fn = make_rows_fn(run, vec_fn, mesh, counters)
-        logging.info("index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)", path,
-                     builder.num_rows, vec_fn.dim, storage.dtype, builder.chunk_rows, builder.chunks.start,
-                     builder.chunks.stop)
-        bar = tqdm.tqdm(total=len(builder.chunks), desc="index", unit="chunk", disable=jax.process_index() > 0,
-                        mininterval=2.0, dynamic_ncols=True)
-        stats = builder.build(rows_fn, progress=lambda done, total: bar.update(done - bar.n), finalize_when_done=not spmd)
+        logging.info(
+            "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)",
+            path,
+            builder.num_rows,
+            vec_fn.dim,
+            storage.dtype,
+            builder.chunk_rows,
+            builder.chunks.start,
+            builder.chunks.stop,
+        )
+        bar = tqdm.tqdm(
+            total=len(builder.chunks),
+            desc="index",
+            unit="chunk",
+            disable=jax.process_index() > 0,
+            mininterval=2.0,
+            dynamic_ncols=True,
+        )
+        stats = builder.build(
+            rows_fn, progress=lambda done, total: bar.update(done - bar.n), finalize_when_done=not spmd
+        )
         bar.close()
     if spmd:  # every writer is done: finalise exactly once, on process 0
         with multihost.step("build_index:finalized", sync_timeout_s):
@@ -163,30 +203,52 @@ def build_index(settings: config_lib.Settings, workdir: str | os.PathLike, *, pr
                 builder_lib.finalize(path, finalized_by=f"process {process_index} of {process_count}")
         stats.finalized = (path / "COMPLETE").exists()
     if counters["truncated"]:
-        logging.warning("%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len)
+        logging.warning(
+            "%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len
+        )
     return _write_summary(path, builder, stats, counters, vec_fn.dim, storage, process_index, process_count)
 
 
-def _write_summary(path: pathlib.Path, builder: builder_lib.IndexBuilder, stats: builder_lib.BuildStats,
-                   counters: dict, dim: int, storage: store_lib.StorageConfig, process_index: int,
-                   process_count: int) -> dict:
+def _write_summary(
+    path: pathlib.Path,
+    builder: builder_lib.IndexBuilder,
+    stats: builder_lib.BuildStats,
+    counters: dict,
+    dim: int,
+    storage: store_lib.StorageConfig,
+    process_index: int,
+    process_count: int,
+) -> dict:
     itemsize = np.dtype(store_lib.NP_DTYPES[storage.dtype]).itemsize
     summary = {
-        "index": str(path), "process_index": process_index, "process_count": process_count,
-        "rows": builder.num_rows, "dim": dim, "dtype": storage.dtype,
-        "rows_written": stats.rows_written, "chunks_written": stats.chunks_written,
-        "chunks_skipped": stats.chunks_skipped, "chunks_read_back": stats.chunks_read_back,
-        "tokens": counters["tokens"], "seconds": stats.seconds,
+        "index": str(path),
+        "process_index": process_index,
+        "process_count": process_count,
+        "rows": builder.num_rows,
+        "dim": dim,
+        "dtype": storage.dtype,
+        "rows_written": stats.rows_written,
+        "chunks_written": stats.chunks_written,
+        "chunks_skipped": stats.chunks_skipped,
+        "chunks_read_back": stats.chunks_read_back,
+        "tokens": counters["tokens"],
+        "seconds": stats.seconds,
         "examples_per_s": stats.rows_written / stats.seconds if stats.seconds else None,
         "tokens_per_s": counters["tokens"] / stats.seconds if stats.seconds else None,
-        "write_seconds": stats.write_seconds, "write_fraction": stats.write_fraction,
+        "write_seconds": stats.write_seconds,
+        "write_fraction": stats.write_fraction,
         "bytes_per_example": dim * itemsize + (4 if storage.dtype == "int8" else 0),
         "complete": stats.finalized,
         "finalized_by": builder_lib.finalized_by(path) if stats.finalized else None,
     }
     files.atomic_write_json(path / f"build_summary-p{process_index:04d}.json", summary)
-    logging.info("index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s",
-                 stats.rows_written, stats.seconds, summary["examples_per_s"] or 0, summary["tokens_per_s"] or 0,
-                 100 * stats.write_fraction, "; complete" if stats.finalized else "")
+    logging.info(
+        "index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s",
+        stats.rows_written,
+        stats.seconds,
+        summary["examples_per_s"] or 0,
+        summary["tokens_per_s"] or 0,
+        100 * stats.write_fraction,
+        "; complete" if stats.finalized else "",
+    )
     return summary
-

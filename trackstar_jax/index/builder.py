@@ -61,8 +61,16 @@ class IndexBuilder:
     overlaps computing chunk c+1 with moving chunk c to the host and writing it.
     """
 
-    def __init__(self, path: str | os.PathLike, manifest: Mapping[str, Any], *, process_index: int = 0,
-                 process_count: int = 1, max_writes_in_flight: int = 2, device: jax.Device | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        manifest: Mapping[str, Any],
+        *,
+        process_index: int = 0,
+        process_count: int = 1,
+        max_writes_in_flight: int = 2,
+        device: jax.Device | None = None,
+    ):
         self.path = pathlib.Path(path)
         self.manifest = json.loads(json.dumps(dict(manifest)))
         if self.manifest.get("format") != store.FORMAT:
@@ -102,8 +110,10 @@ class IndexBuilder:
         files.create_once(p / "progress" / "partition.json", part)
         started = store.read_partition(p)
         if started != self.process_count:
-            raise store.IndexMismatchError(f"refusing to resume index {p}: it was started with process_count={started}, "
-                                     f"not {self.process_count} (R_train partial sums are per process range)")
+            raise store.IndexMismatchError(
+                f"refusing to resume index {p}: it was started with process_count={started}, "
+                f"not {self.process_count} (R_train partial sums are per process range)"
+            )
         self._vectors, self._scale = store._open_arrays(p, self.manifest, create=True)
 
     # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
@@ -122,7 +132,8 @@ class IndexBuilder:
                 holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
                 raise store.IndexWriteError(
                     f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
-                    f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first") from None
+                    f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
+                ) from None
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
             yield
@@ -180,8 +191,9 @@ class IndexBuilder:
 
     # -- the build -------------------------------------------------------------------------
 
-    def build(self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None,
-              finalize_when_done: bool = True) -> BuildStats:
+    def build(
+        self, rows_fn: RowsFn, *, progress: Callable[[int, int], None] | None = None, finalize_when_done: bool = True
+    ) -> BuildStats:
         """Writes every incomplete chunk of this process's range, then finalises if all are done.
 
         Args:
@@ -211,8 +223,11 @@ class IndexBuilder:
         if missing:
             # Rows are a deterministic function of the run, so rewriting a lost chunk restores
             # its bytes; R_train (already summed over it) stays valid.
-            logging.warning("index %s: chunk(s) %s are marked complete but their files are missing; rewriting them",
-                            self.path, missing[:20])
+            logging.warning(
+                "index %s: chunk(s) %s are marked complete but their files are missing; rewriting them",
+                self.path,
+                missing[:20],
+            )
             for c in missing:
                 self._marker(c).unlink(missing_ok=True)
             complete = complete - frozenset(missing)
@@ -221,13 +236,16 @@ class IndexBuilder:
         running = np.load(parts[upto], allow_pickle=False) if upto in parts else None
         k2 = self.dim // self.num_blocks_total
         if running is not None and running.shape != (self.num_blocks_total, k2, k2):
-            raise store.IndexCorruptError(f"index {self.path}: R_train running sum {parts[upto].name} has shape {running.shape}")
+            raise store.IndexCorruptError(
+                f"index {self.path}: R_train running sum {parts[upto].name} has shape {running.shape}"
+            )
         if running is None:
             running = np.zeros((self.num_blocks_total, k2, k2), np.float64)
         return complete, upto, running
 
-    def _build(self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None,
-               finalize_when_done: bool) -> BuildStats:
+    def _build(
+        self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None, finalize_when_done: bool
+    ) -> BuildStats:
         """The build's steps: what is already done (`_resume_point`), then per chunk either a
         read-back for R_train or featurize + quantise + write (`_ChunkWriter`), with the R_train
         running sum saved at every segment end (`_save_running`)."""
@@ -245,15 +263,21 @@ class IndexBuilder:
                     if c >= upto:  # completed after the last saved running sum: re-read for R
                         t0 = time.perf_counter()
                         stored, scale = self._read_chunk(c)
-                        part = self._partial(self._pad(stored, hi - lo), None if scale is None else self._pad(scale, hi - lo))
+                        part = self._partial(
+                            self._pad(stored, hi - lo), None if scale is None else self._pad(scale, hi - lo)
+                        )
                         seg_acc = part if seg_acc is None else seg_acc + part
                         stats.chunks_read_back += 1
                         stats.readback_seconds += time.perf_counter() - t0
                 else:
                     rows = rows_fn(lo, hi)
                     if tuple(rows.shape) != (hi - lo, self.dim):
-                        raise ValueError(f"rows_fn({lo}, {hi}) returned shape {tuple(rows.shape)}, expected {(hi - lo, self.dim)}")
-                    stored, scale, bad = store._quantize_step(self._pad(jnp.asarray(rows, jnp.float32), hi - lo), dtype=self.dtype)
+                        raise ValueError(
+                            f"rows_fn({lo}, {hi}) returned shape {tuple(rows.shape)}, expected {(hi - lo, self.dim)}"
+                        )
+                    stored, scale, bad = store._quantize_step(
+                        self._pad(jnp.asarray(rows, jnp.float32), hi - lo), dtype=self.dtype
+                    )
                     if c >= upto:
                         part = self._partial(stored, scale)
                         seg_acc = part if seg_acc is None else seg_acc + part
@@ -297,15 +321,18 @@ class IndexBuilder:
             stored = self._vectors[lo:hi].read().result()
             scale = self._scale[lo:hi].read().result() if self._scale is not None else None
         except ValueError as e:
-            raise store.IndexCorruptError(f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}") from e
+            raise store.IndexCorruptError(
+                f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}"
+            ) from e
         return stored, scale
 
     def _write_failure(self, c: int, lo: int, hi: int, e: BaseException) -> str:
         full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "no space" in str(e).lower()
         why = "the disk is full" if full else "the write failed"
-        return (f"index {self.path}: writing chunk {c}, rows [{lo}, {hi}) failed ({why}: {e}); chunks with "
-                f"markers in progress/ are complete and intact; fix the cause and run the build again to resume")
-
+        return (
+            f"index {self.path}: writing chunk {c}, rows [{lo}, {hi}) failed ({why}: {e}); chunks with "
+            f"markers in progress/ are complete and intact; fix the cause and run the build again to resume"
+        )
 
 
 class _ChunkWriter:
@@ -332,8 +359,12 @@ class _ChunkWriter:
         """Collects finished chunks (oldest first); re-raises the first failed write."""
         t0 = time.perf_counter()
         failure = None
-        while self.in_flight and (block_all or failure is not None or len(self.in_flight) > self.b.max_writes_in_flight
-                                  or self.in_flight[0][1].done()):
+        while self.in_flight and (
+            block_all
+            or failure is not None
+            or len(self.in_flight) > self.b.max_writes_in_flight
+            or self.in_flight[0][1].done()
+        ):
             c, fut = self.in_flight.pop(0)
             lo, hi = self.b.chunk_rows_range(c)
             try:
@@ -353,8 +384,10 @@ class _ChunkWriter:
         bad = np.asarray(bad)[: hi - lo]
         if bad.any():
             rows = (lo + np.flatnonzero(bad)).tolist()
-            raise ValueError(f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
-                             f"NaN/inf from the featurizer or overflow of storage dtype {self.b.dtype})")
+            raise ValueError(
+                f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
+                f"NaN/inf from the featurizer or overflow of storage dtype {self.b.dtype})"
+            )
         stored_h = np.asarray(stored)[: hi - lo]
         scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
         t0 = time.perf_counter()
@@ -370,6 +403,7 @@ class _ChunkWriter:
 
     def close(self) -> None:
         self.committer.shutdown(wait=True)
+
 
 def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
     """If every chunk is complete, sums the processes' R_train running sums into r_train.npy and
@@ -405,10 +439,21 @@ def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
         part = np.load(f, allow_pickle=False)
         total = part if total is None else total + part
     files.create_once(p / "r_train.npy", files.npy_bytes(total))
-    files.create_once(p / "r_train.json", json.dumps({"count": num_rows, "shape": list(total.shape), "dtype": "float64",
-                                                 "sha256": hashlib.sha256(total.tobytes()).hexdigest()}).encode())
-    files.create_once(p / "COMPLETE", json.dumps({"num_rows": num_rows, "finished_unix": time.time(),
-                                             "finalized_by": finalized_by}).encode())
+    files.create_once(
+        p / "r_train.json",
+        json.dumps(
+            {
+                "count": num_rows,
+                "shape": list(total.shape),
+                "dtype": "float64",
+                "sha256": hashlib.sha256(total.tobytes()).hexdigest(),
+            }
+        ).encode(),
+    )
+    files.create_once(
+        p / "COMPLETE",
+        json.dumps({"num_rows": num_rows, "finished_unix": time.time(), "finalized_by": finalized_by}).encode(),
+    )
     return True
 
 

@@ -72,7 +72,9 @@ class HessianConfig:
         if self.mix_lambda > 1.0:
             raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
         if not 0.0 < self.lambda_component_fraction <= 1.0:
-            raise ValueError(f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}")
+            raise ValueError(
+                f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}"
+            )
         if not 0.0 <= self.damping < 1.0:
             raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
 
@@ -257,8 +259,13 @@ class Whitening(NamedTuple):
 
     def describe(self) -> dict:
         """JSON-able summary for logs and result files."""
-        return {"mode": self.mode, "unit_norm": self.unit_norm, "mix_lambda": self.mix_lambda,
-                "lambda_component": self.component, "num_floored_eigenvalues": self.num_floored}
+        return {
+            "mode": self.mode,
+            "unit_norm": self.unit_norm,
+            "mix_lambda": self.mix_lambda,
+            "lambda_component": self.component,
+            "num_floored_eigenvalues": self.num_floored,
+        }
 
 
 def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RStats | None = None) -> Whitening:
@@ -323,7 +330,9 @@ def finalize_rows(x: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, uni
     return normalize(y) if unit_norm else y
 
 
-def finalize_queries(q_raw: Float[Array, "q d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool) -> Float[Array, "q d"]:
+def finalize_queries(
+    q_raw: Float[Array, "q d"], w: Float[Array, "b k2 k2"] | None, unit_norm: bool
+) -> Float[Array, "q d"]:
     """Queries for on-the-fly scoring against raw rows: `q' = W normalise(W q)` (W = R^{-1/2}).
 
     Scores are then `(raw_row · q') * row_scale` with `row_scale = 1/||W raw_row||`
@@ -344,7 +353,9 @@ def row_scale(rows: Float[Array, "n d"], w: Float[Array, "b k2 k2"] | None, unit
     return jnp.where(norm > 0, 1.0 / jnp.where(norm > 0, norm, 1.0), 0.0)
 
 
-def scores_on_the_fly(q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], scale: Float[Array, " n"]) -> Float[Array, "q n"]:
+def scores_on_the_fly(
+    q_prime: Float[Array, "q d"], rows: Float[Array, "n d"], scale: Float[Array, " n"]
+) -> Float[Array, "q n"]:
     """`(q' · row) * row_scale`: the streamed-retrieval form of Eq. 1 (reference for retrieval.py)."""
     s = jnp.einsum("qd,nd->qn", q_prime, jnp.asarray(rows, jnp.float32), precision=jax.lax.Precision.HIGHEST)
     return s * scale[None, :]

@@ -51,7 +51,7 @@ def compute_row_scale(reader: store.IndexReader, whitening: hessian.Whitening, *
     w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
     out = np.empty(reader.num_rows, np.float32)
     for start, rows, scale in reader.iter_blocks():
-        out[start:start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
+        out[start : start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
     if cache:
         f.parent.mkdir(exist_ok=True)
         data = files.npy_bytes(out)
@@ -77,8 +77,9 @@ def _load_cached_scale(f: pathlib.Path, num_rows: int) -> np.ndarray:
         raise store.IndexCorruptError(f"cached row scales {f} do not match their sha256 (the file was damaged); {fix}")
     out = np.load(io.BytesIO(data), allow_pickle=False)
     if out.shape != (num_rows,) or out.dtype != np.float32:
-        raise store.IndexCorruptError(f"cached row scales {f} have shape {out.shape} {out.dtype}, expected "
-                                      f"({num_rows},) float32; {fix}")
+        raise store.IndexCorruptError(
+            f"cached row scales {f} have shape {out.shape} {out.dtype}, expected ({num_rows},) float32; {fix}"
+        )
     return out
 
 
@@ -98,8 +99,13 @@ class Scoring:
         return np.asarray(hessian.finalize_queries(jnp.asarray(q_raw, jnp.float32), w, self.whitening.unit_norm))
 
 
-def prepare_scoring(reader: store.IndexReader, cfg: hessian.HessianConfig, query_vectors: Float[Array, "q d"] | None = None,
-                    *, cache: bool = True) -> Scoring:
+def prepare_scoring(
+    reader: store.IndexReader,
+    cfg: hessian.HessianConfig,
+    query_vectors: Float[Array, "q d"] | None = None,
+    *,
+    cache: bool = True,
+) -> Scoring:
     """Resolves R (none / train / mixed with automatic λ), R^{-1/2} and the per-row scales.
 
     Args:
@@ -113,15 +119,24 @@ def prepare_scoring(reader: store.IndexReader, cfg: hessian.HessianConfig, query
     """
     r_train = reader.r_train() if cfg.mode != "none" else None
     if cfg.mode != "none" and r_train is None:
-        raise store.IndexIncompleteError(f"index {reader.path} has no R_train yet (build incomplete: "
-                                   f"{len(reader.complete_chunks)}/{reader.num_chunks} chunks)")
+        raise store.IndexIncompleteError(
+            f"index {reader.path} has no R_train yet (build incomplete: "
+            f"{len(reader.complete_chunks)}/{reader.num_chunks} chunks)"
+        )
     r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
     whit = hessian.make_whitening(cfg, r_train, r_ev)
     return Scoring(whit, compute_row_scale(reader, whit, cache=cache))
 
 
-def write_finalized(reader: store.IndexReader, whitening: hessian.Whitening, out_path: str | os.PathLike, *,
-                    dtype: str = "float32", process_index: int = 0, process_count: int = 1) -> store.IndexReader:
+def write_finalized(
+    reader: store.IndexReader,
+    whitening: hessian.Whitening,
+    out_path: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    process_index: int = 0,
+    process_count: int = 1,
+) -> store.IndexReader:
     """The other finalisation path: a second index whose rows are Ḡ_m = normalise(W g_m).
 
     Retrieval over it is a plain dot product with `hessian.finalize_rows(q, W, unit_norm)`.
@@ -134,11 +149,23 @@ def write_finalized(reader: store.IndexReader, whitening: hessian.Whitening, out
     w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
     storage = store.StorageConfig(dtype=dtype, chunk_rows=reader.chunk_rows)
     manifest = store.make_manifest(
-        num_rows=reader.num_rows, dim=reader.dim, num_blocks_total=reader.num_blocks_total, storage=storage,
-        model=src["model"], vectors=src["vectors"], corpus=src["corpus"], featurizer=src.get("featurizer", {}),
-        info={"source_index": str(reader.path)})
-    manifest["finalized"] = {**whitening.describe(), "source": store.manifest_fingerprint(src),
-                             "whitening_sha256": None if whitening.matrix is None else hashlib.sha256(np.ascontiguousarray(whitening.matrix).tobytes()).hexdigest()}
+        num_rows=reader.num_rows,
+        dim=reader.dim,
+        num_blocks_total=reader.num_blocks_total,
+        storage=storage,
+        model=src["model"],
+        vectors=src["vectors"],
+        corpus=src["corpus"],
+        featurizer=src.get("featurizer", {}),
+        info={"source_index": str(reader.path)},
+    )
+    manifest["finalized"] = {
+        **whitening.describe(),
+        "source": store.manifest_fingerprint(src),
+        "whitening_sha256": None
+        if whitening.matrix is None
+        else hashlib.sha256(np.ascontiguousarray(whitening.matrix).tobytes()).hexdigest(),
+    }
     fn = jax.jit(lambda rows, scale: hessian.finalize_rows(store.dequantize(rows, scale), w, whitening.unit_norm))
 
     def rows_fn(lo, hi):

@@ -61,8 +61,12 @@ from trackstar_jax.models import lm
 
 FORMAT = "trackstar_jax.index/1"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-NP_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16),
-              "float16": np.dtype(np.float16), "int8": np.dtype(np.int8)}
+NP_DTYPES = {
+    "float32": np.dtype(np.float32),
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "int8": np.dtype(np.int8),
+}
 _INFO = "info"  # manifest section that is recorded but never compared
 _MARKER_RE = re.compile(r"^chunk_(\d{8})\.done$")
 _PART_RE = re.compile(r"^part-(\d{4})-of-(\d{4})-upto-(\d{8})\.npy$")
@@ -127,9 +131,18 @@ def auto_r_every_chunks(dim: int, num_blocks_total: int, dtype: str, chunk_rows:
     return max(1, math.ceil(r_bytes / (_R_SAVE_BUDGET * chunk_bytes)))
 
 
-def make_manifest(*, num_rows: int, dim: int, num_blocks_total: int, storage: StorageConfig,
-                  model: Mapping[str, Any], vectors: Mapping[str, Any], corpus: Mapping[str, Any],
-                  featurizer: Mapping[str, Any] | None = None, info: Mapping[str, Any] | None = None) -> dict:
+def make_manifest(
+    *,
+    num_rows: int,
+    dim: int,
+    num_blocks_total: int,
+    storage: StorageConfig,
+    model: Mapping[str, Any],
+    vectors: Mapping[str, Any],
+    corpus: Mapping[str, Any],
+    featurizer: Mapping[str, Any] | None = None,
+    info: Mapping[str, Any] | None = None,
+) -> dict:
     """Builds the manifest dict of a new index.
 
     Every section except `info` is part of the index identity: a resume, or a reader with
@@ -157,10 +170,18 @@ def make_manifest(*, num_rows: int, dim: int, num_blocks_total: int, storage: St
         "format": FORMAT,
         "code_version": trackstar_jax.__version__,
         "model": dict(model),
-        "vectors": {**dict(vectors), "dim": int(dim), "num_blocks_total": int(num_blocks_total),
-                    "block_dim": int(dim // num_blocks_total)},
-        "storage": {"dtype": storage.dtype, "chunk_rows": int(storage.chunk_rows),
-                    "r_every_chunks": int(r_every), "num_rows": int(num_rows)},
+        "vectors": {
+            **dict(vectors),
+            "dim": int(dim),
+            "num_blocks_total": int(num_blocks_total),
+            "block_dim": int(dim // num_blocks_total),
+        },
+        "storage": {
+            "dtype": storage.dtype,
+            "chunk_rows": int(storage.chunk_rows),
+            "r_every_chunks": int(r_every),
+            "num_rows": int(num_rows),
+        },
         "corpus": dict(corpus),
         "featurizer": dict(featurizer or {}),
         _INFO: {"created_unix": time.time(), **dict(info or {})},
@@ -298,19 +319,24 @@ def _scale_spec(path: pathlib.Path, manifest: Mapping[str, Any]) -> dict:
     return _array_spec(path / "row_scale", [s["num_rows"]], [s["chunk_rows"]], "float32")
 
 
-def _open_arrays(path: pathlib.Path, manifest: Mapping[str, Any], *, create: bool) -> tuple[ts.TensorStore, ts.TensorStore | None]:
+def _open_arrays(
+    path: pathlib.Path, manifest: Mapping[str, Any], *, create: bool
+) -> tuple[ts.TensorStore, ts.TensorStore | None]:
     """Opens (or creates) the vectors and (int8) row-scale arrays.
 
     The full metadata is passed, so tensorstore refuses an existing array whose shape, dtype,
     chunking or codecs differ from the manifest. Missing chunks are read errors, not zeros.
     """
+
     def open_one(spec):
         spec = {**spec, "fill_missing_data_reads": False}
         try:
             return ts.open(spec, open=True, create=create).result()
         except ValueError as e:
-            raise IndexMismatchError(f"index {path}: array {spec['kvstore']['path']} does not match the manifest "
-                                     f"(or is missing/corrupt): {e}") from e
+            raise IndexMismatchError(
+                f"index {path}: array {spec['kvstore']['path']} does not match the manifest "
+                f"(or is missing/corrupt): {e}"
+            ) from e
 
     vec = open_one(_vectors_spec(path, manifest))
     scale = open_one(_scale_spec(path, manifest)) if manifest["storage"]["dtype"] == "int8" else None
@@ -395,12 +421,15 @@ class IndexReader:
     def _check_range(self, start: int, stop: int) -> None:
         if not 0 <= start < stop <= self.num_rows:
             raise ValueError(f"row range [{start}, {stop}) is outside the index's [0, {self.num_rows})")
-        missing = [c for c in range(start // self.chunk_rows, -(-stop // self.chunk_rows)) if c not in self.complete_chunks]
+        missing = [
+            c for c in range(start // self.chunk_rows, -(-stop // self.chunk_rows)) if c not in self.complete_chunks
+        ]
         if missing:
             lo, hi = self.chunk_range(missing[0])
             raise IndexIncompleteError(
                 f"index {self.path}: rows [{lo}, {hi}) (chunk {missing[0]}) are not complete "
-                f"({len(missing)} incomplete chunk(s) in the requested rows [{start}, {stop}); resume the build)")
+                f"({len(missing)} incomplete chunk(s) in the requested rows [{start}, {stop}); resume the build)"
+            )
 
     def read_block_async(self, start: int, stop: int) -> "_PendingBlock":
         """Starts reading rows `[start, stop)`; `.result()` returns what `read_block` returns."""
@@ -424,7 +453,9 @@ class IndexReader:
         rows, scale = self.read_block(start, stop)
         return np.asarray(dequantize(rows, scale))
 
-    def iter_blocks(self, block_rows: int | None = None, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+    def iter_blocks(
+        self, block_rows: int | None = None, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """Yields `(start, rows, scale)` over `[start, stop)` with one block of read-ahead."""
         block_rows = block_rows or self.chunk_rows
         stop = self.num_rows if stop is None else stop
@@ -523,10 +554,13 @@ def load_r_train(path: str | os.PathLike) -> hessian.RStats | None:
         raise IndexCorruptError(f"index {p}: r_train.npy cannot be read ({e}); {fix}") from None
     # r_train.json records the sha256 of the array's bytes (written by builder.finalize).
     if want is not None and hashlib.sha256(np.ascontiguousarray(total).tobytes()).hexdigest() != want:
-        raise IndexCorruptError(f"index {p}: r_train.npy does not match the sha256 recorded in r_train.json "
-                                f"(the file was damaged); {fix}")
+        raise IndexCorruptError(
+            f"index {p}: r_train.npy does not match the sha256 recorded in r_train.json (the file was damaged); {fix}"
+        )
     if list(total.shape) != meta.get("shape"):
-        raise IndexCorruptError(f"index {p}: r_train.npy has shape {list(total.shape)}, r_train.json says {meta.get('shape')}")
+        raise IndexCorruptError(
+            f"index {p}: r_train.npy has shape {list(total.shape)}, r_train.json says {meta.get('shape')}"
+        )
     return hessian.RStats(total, int(meta["count"]))
 
 
@@ -548,7 +582,6 @@ def process_chunk_range(num_chunks: int, r_every_chunks: int, process_index: int
     lo = segments * process_index // process_count
     hi = segments * (process_index + 1) // process_count
     return range(min(lo * r_every_chunks, num_chunks), min(hi * r_every_chunks, num_chunks))
-
 
 
 # ------------------------------------------------------------------------------------------
@@ -604,17 +637,26 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
             pad = reader.chunk_rows - (hi - lo)
             stored_p = np.pad(stored, [(0, pad), (0, 0)])
             scale_p = None if scale is None else np.pad(scale, [(0, pad)])
-            part = _chunk_autocorrelation(jax.device_put(stored_p, device), None if scale_p is None else jax.device_put(scale_p, device),
-                                          num_blocks_total=reader.num_blocks_total)
+            part = _chunk_autocorrelation(
+                jax.device_put(stored_p, device),
+                None if scale_p is None else jax.device_put(scale_p, device),
+                num_blocks_total=reader.num_blocks_total,
+            )
             seg_acc = part if seg_acc is None else seg_acc + part
             # Same grouping as the builder: float32 within a segment, float64 across segments.
             rng = next(r for r in ranges if c in r)
             if (c + 1 - rng.start) % r_every == 0 or c + 1 == rng.stop:
                 recomputed += np.asarray(seg_acc, np.float64)
                 seg_acc = None
-    report = {"path": str(p), "num_rows": reader.num_rows, "dim": reader.dim, "dtype": reader.dtype_name,
-              "chunks": reader.num_chunks, "complete_chunks": len(reader.complete_chunks),
-              "bytes_on_disk": _du(p / "vectors") + (_du(p / "row_scale") if reader.dtype_name == "int8" else 0)}
+    report = {
+        "path": str(p),
+        "num_rows": reader.num_rows,
+        "dim": reader.dim,
+        "dtype": reader.dtype_name,
+        "chunks": reader.num_chunks,
+        "complete_chunks": len(reader.complete_chunks),
+        "bytes_on_disk": _du(p / "vectors") + (_du(p / "row_scale") if reader.dtype_name == "int8" else 0),
+    }
     try:
         r = load_r_train(p) if reader.is_complete else None
     except IndexCorruptError as e:

@@ -19,9 +19,16 @@ from trackstar_jax.models import palm as model_lib
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "vocab_limit"))
-def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array, " b"], *, graphdef: nnx.GraphDef,
-                     max_new_tokens: int, eos_id: int, vocab_limit: int | None = None
-                     ) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
+def greedy_step_loop(
+    params: Any,
+    tokens: Int[Array, "b t"],
+    lengths: Int[Array, " b"],
+    *,
+    graphdef: nnx.GraphDef,
+    max_new_tokens: int,
+    eos_id: int,
+    vocab_limit: int | None = None,
+) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
     """Appends up to `max_new_tokens` argmax tokens after each row's first `lengths[b]` tokens.
 
     Rows are right-padded; causal attention means padding after position `lengths[b]-1`
@@ -43,7 +50,8 @@ def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array,
         nxt = jnp.argmax(last[:, :vocab_limit], axis=-1).astype(tokens.dtype)
         write = ~done & (lengths < t)
         tokens = tokens.at[rows, jnp.clip(lengths, 0, t - 1)].set(
-            jnp.where(write, nxt, tokens[rows, jnp.clip(lengths, 0, t - 1)]))
+            jnp.where(write, nxt, tokens[rows, jnp.clip(lengths, 0, t - 1)])
+        )
         lengths = lengths + write.astype(lengths.dtype)
         done = done | (write & (nxt == eos_id)) | (lengths >= t)
         return tokens, lengths, done
@@ -52,8 +60,15 @@ def greedy_step_loop(params: Any, tokens: Int[Array, "b t"], lengths: Int[Array,
     return tokens, lengths
 
 
-def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    max_len: int, eos_id: int, vocab_limit: int | None = None) -> list[list[int]]:
+def greedy_generate(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    max_len: int,
+    eos_id: int,
+    vocab_limit: int | None = None,
+) -> list[list[int]]:
     """Greedy continuations (token ids, without the prompt; EOS kept if emitted).
 
     Args:
@@ -74,13 +89,23 @@ def greedy_generate(graphdef: nnx.GraphDef, params: Any, prompts: Sequence[Seque
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    out, new_len = jax.device_get(greedy_step_loop(params, jnp.asarray(buf), jnp.asarray(lengths), graphdef=graphdef,
-                                                   max_new_tokens=max_new_tokens, eos_id=eos_id, vocab_limit=vocab_limit))
-    return [out[i, len(p): new_len[i]].tolist() for i, p in enumerate(prompts)]
+    out, new_len = jax.device_get(
+        greedy_step_loop(
+            params,
+            jnp.asarray(buf),
+            jnp.asarray(lengths),
+            graphdef=graphdef,
+            max_new_tokens=max_new_tokens,
+            eos_id=eos_id,
+            vocab_limit=vocab_limit,
+        )
+    )
+    return [out[i, len(p) : new_len[i]].tolist() for i, p in enumerate(prompts)]
 
 
-def complete(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int,
-             max_len: int) -> list[str]:
+def complete(
+    graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int, max_len: int
+) -> list[str]:
     """Greedy text completions of `prompts` (decoded up to the first EOS)."""
     ids = [[tok.bos_id] + tok.encode(p) for p in prompts]
     outs = greedy_generate(graphdef, params, ids, max_new_tokens, max_len, tok.eos_id, vocab_limit=tok.vocab_size)
@@ -91,12 +116,19 @@ def complete(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[st
         # Decode with the prompt so that the leading space of the first new word survives.
         head = tok.decode(p)
         full = tok.decode(p + o)
-        texts.append(full[len(head):] if full.startswith(head) else tok.decode(o))
+        texts.append(full[len(head) :] if full.startswith(head) else tok.decode(o))
     return texts
 
 
-def complete_batched(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Sequence[str], max_new_tokens: int,
-                     max_len: int, batch_size: int = 64) -> list[str]:
+def complete_batched(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    tok: Any,
+    prompts: Sequence[str],
+    max_new_tokens: int,
+    max_len: int,
+    batch_size: int = 64,
+) -> list[str]:
     """`complete` over any number of prompts in batches of exactly `batch_size` (one compiled shape).
 
     A prompt that leaves no room to generate below `max_len` gets the completion "".
@@ -104,7 +136,9 @@ def complete_batched(graphdef: nnx.GraphDef, params: Any, tok: Any, prompts: Seq
     fits = [len(tok.encode(p)) + 1 < max_len for p in prompts]
     out: list[str] = []
     for start in range(0, len(prompts), batch_size):
-        chunk = [p if ok else "" for p, ok in zip(prompts[start:start + batch_size], fits[start:start + batch_size])]
+        chunk = [
+            p if ok else "" for p, ok in zip(prompts[start : start + batch_size], fits[start : start + batch_size])
+        ]
         padded = chunk + [""] * (batch_size - len(chunk))  # one batch shape: one compilation
         out += complete(graphdef, params, tok, padded, max_new_tokens, max_len)[: len(chunk)]
     return [c if ok else "" for c, ok in zip(out, fits)]

@@ -40,8 +40,7 @@ SUPPORTED_ARCHITECTURES = ("llama",)
 # Float types and the "classic" block quantizations (llama.cpp's k-quants included) whose numpy
 # dequantizers in gguf-py port llama.cpp's reference code. The i-quants, ternary and FP4 types
 # are refused rather than trusted unchecked; integer types are never weights of a Llama.
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
-                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DTYPES = ("float32", "bfloat16")
 
 # GGUF tensor name -> Hugging Face Llama name ({i} = layer index).
@@ -134,8 +133,9 @@ def _required(meta: Mapping[str, Any], key: str, path: Any) -> Any:
     return meta[key]
 
 
-def hf_config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(),
-                            path: Any = "<metadata>") -> dict[str, Any]:
+def hf_config_from_metadata(
+    meta: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(), path: Any = "<metadata>"
+) -> dict[str, Any]:
     """The Hugging Face Llama `config.json` dict that GGUF metadata describes.
 
     Args:
@@ -153,7 +153,9 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str] | fr
     """
     arch = _required(meta, "general.architecture", path)
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {SUPPORTED_ARCHITECTURES})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} in {path} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+        )
     a = arch + "."
     scaling = meta.get(a + "rope.scaling.type", "none")
     if scaling not in ("none", None) or a + "rope.scaling.factor" in meta:
@@ -164,8 +166,10 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str] | fr
     kv_heads = int(meta.get(a + "attention.head_count_kv", heads))
     head_dim = int(meta.get(a + "rope.dimension_count", hidden // heads))
     if head_dim * heads != hidden:
-        raise ValueError(f"{path}: rope.dimension_count {head_dim} x head_count {heads} != embedding_length {hidden} "
-                         "(partial rotary or a separate head_dim is not supported)")
+        raise ValueError(
+            f"{path}: rope.dimension_count {head_dim} x head_count {heads} != embedding_length {hidden} "
+            "(partial rotary or a separate head_dim is not supported)"
+        )
     if "tokenizer.ggml.tokens" in meta:
         default_vocab = len(meta["tokenizer.ggml.tokens"])
     else:
@@ -193,8 +197,11 @@ def hf_config_from_metadata(meta: Mapping[str, Any], tensor_names: set[str] | fr
         "mlp_bias": False,
         "tie_word_embeddings": "output.weight" not in tensor_names,
     }
-    for gguf_key, hf_key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                             ("padding_token_id", "pad_token_id")):
+    for gguf_key, hf_key in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
         if "tokenizer.ggml." + gguf_key in meta:
             config[hf_key] = int(meta["tokenizer.ggml." + gguf_key])
     return config
@@ -239,8 +246,10 @@ def dequantize(tensor: Any) -> np.ndarray:
     """
     qtype = tensor.tensor_type
     if qtype.name not in SUPPORTED_TYPES:
-        raise ValueError(f"GGUF tensor {tensor.name!r} has quantization type {qtype.name} (id {int(qtype)}), "
-                         f"which is not supported (supported: {', '.join(SUPPORTED_TYPES)})")
+        raise ValueError(
+            f"GGUF tensor {tensor.name!r} has quantization type {qtype.name} (id {int(qtype)}), "
+            f"which is not supported (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
     w = _gguf().quants.dequantize(tensor.data, qtype)
     shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ne[0] is the innermost dim
     # F32 comes back as a view of the read-only memory map: copy so callers own their arrays.
@@ -289,6 +298,7 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[dict[str
     _check_shapes(config, tensors, path)
     if dtype == "bfloat16":
         import ml_dtypes  # pylint: disable=import-outside-toplevel
+
         tensors = {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
     return config, tensors
 
@@ -300,10 +310,17 @@ def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = (v, h)
-    per_layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
-                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
-                 "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "mlp.gate_proj.weight": (f, h),
+        "mlp.up_proj.weight": (f, h),
+        "mlp.down_proj.weight": (h, f),
+    }
     for i in range(config["num_hidden_layers"]):
         shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
     return shapes
@@ -316,5 +333,6 @@ def _check_shapes(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], 
         raise ValueError(f"GGUF file {path} lacks tensors for {missing[:5]} ({len(missing)} missing)")
     for name, shape in want.items():
         if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"GGUF tensor for {name} in {path} has shape {tuple(tensors[name].shape)}, "
-                             f"the config implies {shape}")
+            raise ValueError(
+                f"GGUF tensor for {name} in {path} has shape {tuple(tensors[name].shape)}, the config implies {shape}"
+            )

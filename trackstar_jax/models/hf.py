@@ -68,16 +68,18 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, float]:
     for what, d in (("rope_parameters", params), ("rope_scaling", scaling or {})):
         kind = d.get("rope_type", d.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"config.json {what} has rope_type {kind!r}: only the default (unscaled) RoPE "
-                             "is implemented")
+            raise ValueError(
+                f"config.json {what} has rope_type {kind!r}: only the default (unscaled) RoPE is implemented"
+            )
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10_000.0)))
     default_pct = 0.25 if hf["model_type"] == "gpt_neox" else 1.0  # GPTNeoXConfig's default rotary_pct
     pct = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", default_pct)))
     return float(theta), float(pct)
 
 
-def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype: str = "float32",
-                   max_len: int | None = None) -> lm.LMConfig:
+def config_from_hf(
+    hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype: str = "float32", max_len: int | None = None
+) -> lm.LMConfig:
     """Translates an HF `config.json` dict into an `LMConfig`.
 
     Args:
@@ -98,8 +100,9 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
             raise ValueError(f"model.{name} must be one of {DTYPES} for an imported model, got {value!r}")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"config.json model_type {model_type!r} is not supported (supported: "
-                         f"{', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"config.json model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     for key in _KNOWN_UNSUPPORTED:
         if hf.get(key) is not None:
             raise ValueError(f"config.json sets {key!r}, which the {model_type} import does not implement")
@@ -117,21 +120,39 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
     if window is not None:
         length = min(length, int(window))  # full attention == sliding attention up to the window
     common = dict(
-        vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]), embed_dim=d, num_heads=h,
-        head_dim=head_dim, mlp_dim=int(hf["intermediate_size"]), max_len=int(max_len or length),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), rope_base=theta, dtype=dtype,
+        vocab_size=int(hf["vocab_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        embed_dim=d,
+        num_heads=h,
+        head_dim=head_dim,
+        mlp_dim=int(hf["intermediate_size"]),
+        max_len=int(max_len or length),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        rope_base=theta,
+        dtype=dtype,
         param_dtype=param_dtype,
     )
     if model_type == "gpt_neox":
         act = hf.get("hidden_act", "gelu")
         if act not in _NEOX_ACTIVATIONS:
-            raise ValueError(f"config.json hidden_act {act!r} is not supported for gpt_neox "
-                             f"(supported: {', '.join(_NEOX_ACTIVATIONS)})")
+            raise ValueError(
+                f"config.json hidden_act {act!r} is not supported for gpt_neox "
+                f"(supported: {', '.join(_NEOX_ACTIVATIONS)})"
+            )
         attn_bias = bool(hf.get("attention_bias", True))
-        return lm.LMConfig(arch="gpt_neox", norm="layer", norm_bias=True, norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
-                           rotary_pct=pct, qkv_bias=attn_bias, out_bias=attn_bias, mlp_bias=True,
-                           parallel_residual=bool(hf.get("use_parallel_residual", True)),
-                           activation=_NEOX_ACTIVATIONS[act], **common)
+        return lm.LMConfig(
+            arch="gpt_neox",
+            norm="layer",
+            norm_bias=True,
+            norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+            rotary_pct=pct,
+            qkv_bias=attn_bias,
+            out_bias=attn_bias,
+            mlp_bias=True,
+            parallel_residual=bool(hf.get("use_parallel_residual", True)),
+            activation=_NEOX_ACTIVATIONS[act],
+            **common,
+        )
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"config.json hidden_act {act!r} is not supported for {model_type} (only 'silu', SwiGLU)")
@@ -144,9 +165,16 @@ def config_from_hf(hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype
         mlp_bias = bool(hf.get("mlp_bias", False))
     else:  # mistral: no biases
         qkv_bias = out_bias = mlp_bias = False
-    return lm.LMConfig(arch="llama", norm="rms", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                       num_kv_heads=int(hf.get("num_key_value_heads") or h), qkv_bias=qkv_bias, out_bias=out_bias,
-                       mlp_bias=mlp_bias, **common)
+    return lm.LMConfig(
+        arch="llama",
+        norm="rms",
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        num_kv_heads=int(hf.get("num_key_value_heads") or h),
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        **common,
+    )
 
 
 def _t(path: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
@@ -167,8 +195,10 @@ def _linear(hf_name: str, path: str, n_in: int, n_out: int, bias: bool) -> list[
 
 def _llama_spec(cfg: lm.LMConfig) -> list[_Tensor]:
     d, h, g, hd, m = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
-    spec = [_Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), _same("embed")),
-            _Tensor("model.norm.weight", (d,), _same("final_norm/scale"))]
+    spec = [
+        _Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), _same("embed")),
+        _Tensor("model.norm.weight", (d,), _same("final_norm/scale")),
+    ]
     for i in range(cfg.num_layers):
         hf, ours = f"model.layers.{i}", f"layer_{i}"
         spec += _linear(f"{hf}.self_attn.q_proj", f"{ours}/attn/query", d, h * hd, cfg.qkv_bias)
@@ -178,8 +208,10 @@ def _llama_spec(cfg: lm.LMConfig) -> list[_Tensor]:
         spec += _linear(f"{hf}.mlp.gate_proj", f"{ours}/mlp/gate", d, m, cfg.mlp_bias)
         spec += _linear(f"{hf}.mlp.up_proj", f"{ours}/mlp/up", d, m, cfg.mlp_bias)
         spec += _linear(f"{hf}.mlp.down_proj", f"{ours}/mlp/down", m, d, cfg.mlp_bias)
-        spec += [_Tensor(f"{hf}.input_layernorm.weight", (d,), _same(f"{ours}/attn_norm/scale")),
-                 _Tensor(f"{hf}.post_attention_layernorm.weight", (d,), _same(f"{ours}/mlp_norm/scale"))]
+        spec += [
+            _Tensor(f"{hf}.input_layernorm.weight", (d,), _same(f"{ours}/attn_norm/scale")),
+            _Tensor(f"{hf}.post_attention_layernorm.weight", (d,), _same(f"{ours}/mlp_norm/scale")),
+        ]
     return spec
 
 
@@ -200,9 +232,11 @@ def _neox_qkv(path: str, h: int, hd: int, what: str) -> Callable[[np.ndarray], d
 
 def _neox_spec(cfg: lm.LMConfig) -> list[_Tensor]:
     d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-    spec = [_Tensor("gpt_neox.embed_in.weight", (cfg.vocab_size, d), _same("embed")),
-            _Tensor("gpt_neox.final_layer_norm.weight", (d,), _same("final_norm/scale")),
-            _Tensor("gpt_neox.final_layer_norm.bias", (d,), _same("final_norm/bias"))]
+    spec = [
+        _Tensor("gpt_neox.embed_in.weight", (cfg.vocab_size, d), _same("embed")),
+        _Tensor("gpt_neox.final_layer_norm.weight", (d,), _same("final_norm/scale")),
+        _Tensor("gpt_neox.final_layer_norm.bias", (d,), _same("final_norm/bias")),
+    ]
     for i in range(cfg.num_layers):
         hf, ours = f"gpt_neox.layers.{i}", f"layer_{i}"
         qkv = f"{hf}.attention.query_key_value"
@@ -213,8 +247,10 @@ def _neox_spec(cfg: lm.LMConfig) -> list[_Tensor]:
         spec += _linear(f"{hf}.mlp.dense_h_to_4h", f"{ours}/mlp/up", d, m, cfg.mlp_bias)
         spec += _linear(f"{hf}.mlp.dense_4h_to_h", f"{ours}/mlp/down", m, d, cfg.mlp_bias)
         for norm, ln in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
-            spec += [_Tensor(f"{hf}.{ln}.weight", (d,), _same(f"{ours}/{norm}/scale")),
-                     _Tensor(f"{hf}.{ln}.bias", (d,), _same(f"{ours}/{norm}/bias"))]
+            spec += [
+                _Tensor(f"{hf}.{ln}.weight", (d,), _same(f"{ours}/{norm}/scale")),
+                _Tensor(f"{hf}.{ln}.bias", (d,), _same(f"{ours}/{norm}/bias")),
+            ]
     return spec
 
 
@@ -238,9 +274,15 @@ def _float_array(x: Any, name: str, source: str) -> np.ndarray:
     return x
 
 
-def from_hf_state_dict(hf_config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], *, dtype: str = "float32",
-                       param_dtype: str = "float32", max_len: int | None = None, source: str = "the state dict",
-                       ) -> tuple[lm.LMConfig, dict]:
+def from_hf_state_dict(
+    hf_config: Mapping[str, Any],
+    tensors: Mapping[str, np.ndarray],
+    *,
+    dtype: str = "float32",
+    param_dtype: str = "float32",
+    max_len: int | None = None,
+    source: str = "the state dict",
+) -> tuple[lm.LMConfig, dict]:
     """HF-named tensors + an HF config dict -> `(LMConfig, params)` in our layout.
 
     Args:
@@ -266,7 +308,9 @@ def from_hf_state_dict(hf_config: Mapping[str, Any], tensors: Mapping[str, np.nd
         for n in out_names:  # some tied checkpoints still store the output embedding: it must be the input one
             embed_name = spec[0].name
             if embed_name in names and not np.array_equal(np.asarray(tensors[n]), np.asarray(tensors[embed_name])):
-                raise ValueError(f"tie_word_embeddings is true but tensor {n!r} in {source} differs from {embed_name!r}")
+                raise ValueError(
+                    f"tie_word_embeddings is true but tensor {n!r} in {source} differs from {embed_name!r}"
+                )
     else:
         if len(out_names) > 1:
             raise ValueError(f"{source} holds both {' and '.join(out_names)}: which is the output embedding?")
@@ -280,8 +324,10 @@ def from_hf_state_dict(hf_config: Mapping[str, Any], tensors: Mapping[str, np.nd
     unknown = sorted(n for n in names - used if not _BUFFERS.search(n))
     if unknown:
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
-        raise ValueError(f"unknown tensor(s) in {source} for {hf_config['model_type']} with this config.json: "
-                         f"{', '.join(unknown[:5])}{more}")
+        raise ValueError(
+            f"unknown tensor(s) in {source} for {hf_config['model_type']} with this config.json: "
+            f"{', '.join(unknown[:5])}{more}"
+        )
     pdt = np.dtype(jnp.dtype(param_dtype))
     flat: dict[str, np.ndarray] = {}
     for t in spec:
@@ -366,12 +412,15 @@ def open_safetensors(folder: str | pathlib.Path) -> tuple[_SafetensorsFolder, st
             names = list(f.keys())
         return _SafetensorsFolder({n: single for n in names}), str(single)
     present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
-    raise ValueError(f"no {SINGLE_FILE} or {INDEX_FILE} in {folder} (found: {', '.join(present) or 'nothing'}); "
-                     "only safetensors checkpoints are read")
+    raise ValueError(
+        f"no {SINGLE_FILE} or {INDEX_FILE} in {folder} (found: {', '.join(present) or 'nothing'}); "
+        "only safetensors checkpoints are read"
+    )
 
 
-def load_hf(folder: str | pathlib.Path, *, dtype: str = "float32", param_dtype: str = "float32",
-            max_len: int | None = None) -> tuple[lm.LMConfig, dict]:
+def load_hf(
+    folder: str | pathlib.Path, *, dtype: str = "float32", param_dtype: str = "float32", max_len: int | None = None
+) -> tuple[lm.LMConfig, dict]:
     """Loads an HF model folder as `(LMConfig, params)` (see `from_hf_state_dict`).
 
     Usage:

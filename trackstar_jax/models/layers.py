@@ -62,7 +62,9 @@ def param_path_str(path: tuple[Any, ...]) -> str:
 
 def flat_params(params: Any) -> dict[str, Any]:
     """`{'layer_0/attn/query/kernel': array, ...}` for a parameter tree (state or dict)."""
-    leaves = jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params)[0]
+    leaves = jax.tree_util.tree_flatten_with_path(
+        nnx.to_pure_dict(params) if isinstance(params, nnx.State) else params
+    )[0]
     return {param_path_str(path): leaf for path, leaf in leaves}
 
 
@@ -74,8 +76,9 @@ def param_count(params: Any) -> int:
 class Linear(nnx.Module):
     """Dense layer `y = x @ kernel (+ bias)`, kernel `[in, out]`, optional bias `[out]`."""
 
-    def __init__(self, in_features: int, out_features: int, path: str, cfg: LMConfig, *, rngs: nnx.Rngs,
-                 bias: bool = False):
+    def __init__(
+        self, in_features: int, out_features: int, path: str, cfg: LMConfig, *, rngs: nnx.Rngs, bias: bool = False
+    ):
         init = nnx.initializers.normal(stddev=1.0 / math.sqrt(in_features))
         pdt = jnp.dtype(cfg.param_dtype)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), pdt))
@@ -102,8 +105,16 @@ class Norm(nnx.Module):
     `cfg.dtype` before the scale.
     """
 
-    def __init__(self, dim: int, path: str, cfg: LMConfig, eps: float | None = None, *, kind: str | None = None,
-                 bias: bool | None = None):
+    def __init__(
+        self,
+        dim: int,
+        path: str,
+        cfg: LMConfig,
+        eps: float | None = None,
+        *,
+        kind: str | None = None,
+        bias: bool | None = None,
+    ):
         pdt = jnp.dtype(cfg.param_dtype)
         self.scale = nnx.Param(jnp.ones((dim,), pdt))
         use_bias = cfg.norm_bias if bias is None else bias
@@ -145,12 +156,13 @@ def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = Non
     shape = (1, t) + (1,) * (x.ndim - 3) + (r // 2,)
     sin, cos = jnp.sin(angles).reshape(shape), jnp.cos(angles).reshape(shape)
     xf = x.astype(jnp.float32)
-    x1, x2, rest = xf[..., : r // 2], xf[..., r // 2: r], xf[..., r:]
+    x1, x2, rest = xf[..., : r // 2], xf[..., r // 2 : r], xf[..., r:]
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
 
 
-def causal_attention(q: Float[Array, "b t h d"], k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]
-                     ) -> Float[Array, "b t h d"]:
+def causal_attention(
+    q: Float[Array, "b t h d"], k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]
+) -> Float[Array, "b t h d"]:
     """Causal softmax attention with `h` query heads over `g` key/value heads (h % g == 0).
 
     Query head j reads key/value head `j // (h / g)` (HF's `repeat_kv` order), which covers

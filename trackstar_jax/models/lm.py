@@ -119,8 +119,13 @@ class LMConfig:
         if not 0.0 < self.rotary_pct <= 1.0:
             raise ValueError(f"model.rotary_pct must be in (0, 1], got {self.rotary_pct}")
         if self.rotary_dim % 2:
-            what = "model.head_dim must be even for RoPE" if self.rotary_pct == 1.0 else (
-                f"model.rotary_pct={self.rotary_pct} x model.head_dim={self.head_dim} must give an even rotary dim")
+            what = (
+                "model.head_dim must be even for RoPE"
+                if self.rotary_pct == 1.0
+                else (
+                    f"model.rotary_pct={self.rotary_pct} x model.head_dim={self.head_dim} must give an even rotary dim"
+                )
+            )
             raise ValueError(f"{what}, got {self.rotary_dim}")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps}")
@@ -134,16 +139,30 @@ class LMConfig:
     def _check_arch(self):
         """Fields an architecture does not implement must keep their defaults (no silent ignoring)."""
         if self.arch == "palm":
-            fixed = {"num_kv_heads": (None, 1), "rotary_pct": (1.0,), "qkv_bias": (False,), "out_bias": (False,),
-                     "mlp_bias": (False,), "parallel_residual": (False,), "activation": ("silu",), "norm_bias": (False,)}
+            fixed = {
+                "num_kv_heads": (None, 1),
+                "rotary_pct": (1.0,),
+                "qkv_bias": (False,),
+                "out_bias": (False,),
+                "mlp_bias": (False,),
+                "parallel_residual": (False,),
+                "activation": ("silu",),
+                "norm_bias": (False,),
+            }
         elif self.arch == "llama":
             fixed = {"norm": ("rms",), "rotary_pct": (1.0,), "parallel_residual": (False,), "activation": ("silu",)}
         else:  # gpt_neox
-            fixed = {"norm": ("layer",), "num_kv_heads": (None, self.num_heads), "activation": ("gelu", "gelu_tanh", "relu")}
+            fixed = {
+                "norm": ("layer",),
+                "num_kv_heads": (None, self.num_heads),
+                "activation": ("gelu", "gelu_tanh", "relu"),
+            }
         for field, allowed in fixed.items():
             if getattr(self, field) not in allowed:
-                raise ValueError(f"model.{field}={getattr(self, field)!r} is not supported by model.arch={self.arch!r} "
-                                 f"(allowed: {', '.join(map(repr, allowed))})")
+                raise ValueError(
+                    f"model.{field}={getattr(self, field)!r} is not supported by model.arch={self.arch!r} "
+                    f"(allowed: {', '.join(map(repr, allowed))})"
+                )
 
     @property
     def kv_heads(self) -> int:
@@ -175,8 +194,9 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, params
 
 
-def apply(graphdef: nnx.GraphDef, params: Any, tokens: Int[Array, "b t"], tap: Tap | None = None
-          ) -> Float[Array, "b t v"]:
+def apply(
+    graphdef: nnx.GraphDef, params: Any, tokens: Int[Array, "b t"], tap: Tap | None = None
+) -> Float[Array, "b t v"]:
     """Pure forward pass: logits for `tokens` under `params` (any architecture: the graphdef knows)."""
     return nnx.merge(graphdef, params)(tokens, tap)
 
@@ -225,7 +245,9 @@ class DecoderLM(nnx.Module):
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs):
         if cfg.arch != self.ARCH:
-            raise ValueError(f"{type(self).__module__}.{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}")
+            raise ValueError(
+                f"{type(self).__module__}.{type(self).__name__} needs model.arch={self.ARCH!r}, got {cfg.arch!r}"
+            )
         self.cfg = cfg
         # Imported models bring their own weights; this init matters only for pretraining.
         emb_init = nnx.initializers.normal(stddev=1.0)

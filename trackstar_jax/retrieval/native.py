@@ -44,8 +44,10 @@ from jaxtyping import Array, Float
 ENV_ENABLE = "TRACKSTAR_JAX_NATIVE"  # "0" forces the XLA fallback
 ENV_CACHE = "TRACKSTAR_JAX_CACHE"
 # FFI target names -> handler symbols in the library, by row dtype.
-TARGETS = {"bfloat16": ("trackstar_bf16_scores", "TrackstarBf16Scores"),
-           "float32": ("trackstar_f32_scores", "TrackstarF32Scores")}
+TARGETS = {
+    "bfloat16": ("trackstar_bf16_scores", "TrackstarBf16Scores"),
+    "float32": ("trackstar_f32_scores", "TrackstarF32Scores"),
+}
 SOURCE = pathlib.Path(__file__).resolve().parent / "kernels" / "scores.cc"
 FLAGS = ("-O3", "-shared", "-fPIC", "-std=c++17")
 _LIB_NAME = "libtrackstar_kernels.so"
@@ -78,8 +80,14 @@ def _build_key(compiler: str) -> str:
 
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), jaxlib.__version__.encode(), compiler.encode(), version.encode(),
-                 " ".join(FLAGS).encode(), platform.machine().encode()):
+    for part in (
+        SOURCE.read_bytes(),
+        jaxlib.__version__.encode(),
+        compiler.encode(),
+        version.encode(),
+        " ".join(FLAGS).encode(),
+        platform.machine().encode(),
+    ):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:20]
 
@@ -91,7 +99,7 @@ def _sha256(path: pathlib.Path) -> str:
 def _is_valid(so: pathlib.Path) -> bool:
     """The library exists and its bytes match the digest recorded after it was complete."""
     try:
-        return (so.with_name(so.name + ".sha256").read_text().strip() == _sha256(so))
+        return so.with_name(so.name + ".sha256").read_text().strip() == _sha256(so)
     except OSError:
         return False
 
@@ -168,8 +176,10 @@ def _library() -> ctypes.CDLL | None:
                 _state["lib"] = _load()
             except Exception as e:  # noqa: BLE001  (any failure means: use the XLA path)
                 _state["error"] = f"{type(e).__name__}: {e}"
-                logging.warning("trackstar_jax native CPU kernels unavailable, retrieval uses its slower XLA "
-                                "formulations: %s", _state["error"])
+                logging.warning(
+                    "trackstar_jax native CPU kernels unavailable, retrieval uses its slower XLA formulations: %s",
+                    _state["error"],
+                )
         return _state.get("lib")
 
 
@@ -209,11 +219,15 @@ def scores(rows: Array, queries: Float[Array, "q d"]) -> Float[Array, "q b"]:
       ValueError: other dtypes or mismatched shapes.
     """
     if not available():
-        raise RuntimeError(f"native kernels unavailable ({ENV_ENABLE}={os.environ.get(ENV_ENABLE)!r}, "
-                           f"{_state.get('error')}); use an XLA plan")
+        raise RuntimeError(
+            f"native kernels unavailable ({ENV_ENABLE}={os.environ.get(ENV_ENABLE)!r}, "
+            f"{_state.get('error')}); use an XLA plan"
+        )
     name = jnp.dtype(rows.dtype).name
     if name not in TARGETS or rows.ndim != 2 or queries.ndim != 2 or queries.shape[1] != rows.shape[1]:
-        raise ValueError(f"expected rows [b, d] in {tuple(TARGETS)} and queries [Q, d], got {rows.shape} "
-                         f"{rows.dtype} and {queries.shape}")
+        raise ValueError(
+            f"expected rows [b, d] in {tuple(TARGETS)} and queries [Q, d], got {rows.shape} "
+            f"{rows.dtype} and {queries.shape}"
+        )
     out = jax.ShapeDtypeStruct((queries.shape[0], rows.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGETS[name][0], out, vmap_method="sequential")(rows, queries.astype(jnp.float32))

@@ -11,10 +11,18 @@ from __future__ import annotations
 from typing import Any, Iterable, Sequence
 
 
-def pair_record(example_id: Any, prompt: str, target: str, texts: Sequence[str], top_ids: Iterable[int],
-                top_scores: Iterable[float], bottom_ids: Iterable[int] | None = None,
-                bottom_scores: Iterable[float] | None = None, gold: Iterable[int] | None = None,
-                **extra: Any) -> dict:
+def pair_record(
+    example_id: Any,
+    prompt: str,
+    target: str,
+    texts: Sequence[str],
+    top_ids: Iterable[int],
+    top_scores: Iterable[float],
+    bottom_ids: Iterable[int] | None = None,
+    bottom_scores: Iterable[float] | None = None,
+    gold: Iterable[int] | None = None,
+    **extra: Any,
+) -> dict:
     """One query's line.
 
     Args:
@@ -25,14 +33,25 @@ def pair_record(example_id: Any, prompt: str, target: str, texts: Sequence[str],
       extra: further fields placed first (fact_id, relation, model_completion, ...).
     """
     ids = [int(i) for i in top_ids]
-    rec = {**extra, "example_id": example_id, "inputs_plaintext": prompt, "targets_plaintext": target,
-           "proponents": [texts[i] for i in ids], "proponent_ids": ids,
-           "proponent_scores": [float(s) for s in top_scores]}
+    rec = {
+        **extra,
+        "example_id": example_id,
+        "inputs_plaintext": prompt,
+        "targets_plaintext": target,
+        "proponents": [texts[i] for i in ids],
+        "proponent_ids": ids,
+        "proponent_scores": [float(s) for s in top_scores],
+    }
     if gold is not None:
         g = set(int(i) for i in gold)
         rec["proponent_correct"] = [i in g for i in ids]
     if bottom_ids is not None:
         oids = [int(i) for i in bottom_ids]
-        rec.update({"opponents": [texts[i] for i in oids], "opponent_ids": oids,
-                    "opponent_scores": [float(s) for s in bottom_scores]})
+        rec.update(
+            {
+                "opponents": [texts[i] for i in oids],
+                "opponent_ids": oids,
+                "opponent_scores": [float(s) for s in bottom_scores],
+            }
+        )
     return rec

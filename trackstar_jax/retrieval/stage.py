@@ -70,21 +70,23 @@ def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
     return out
 
 
-def query_vectors(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded: list[tuple[np.ndarray, np.ndarray]]
-                  ) -> np.ndarray:
+def query_vectors(
+    run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded: list[tuple[np.ndarray, np.ndarray]]
+) -> np.ndarray:
     """Raw query vectors `[Q, d]` (loss on the target tokens only), in batches of `vectors.batch_size`."""
     bs = vec_fn.vec_cfg.batch_size
     seq_len = max(len(t) for t, _ in encoded)
     out = []
     for lo in range(0, len(encoded), bs):
-        items = encoded[lo:lo + bs]
+        items = encoded[lo : lo + bs]
         batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
         out.append(vec_fn(run.params, vec_fn.precond, batch)[: len(items)])
     return np.concatenate(out)
 
 
-def open_checked_index(run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike
-                       ) -> store_lib.IndexReader:
+def open_checked_index(
+    run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike
+) -> store_lib.IndexReader:
     """The index of `settings`, refused (naming the manifest field) unless it was built from
     this run's model, optimizer state, vector settings and corpus."""
     path = build_lib.index_dir(settings, workdir)
@@ -96,13 +98,20 @@ def open_checked_index(run: checkpoint_lib.Run, settings: config_lib.Settings, w
         raise store_lib.IndexMismatchError(
             f"config.index.dtype={settings.index.dtype!r}, but the index at {path} stores {reader.dtype_name!r}: pass "
             f"--config.index.dtype={reader.dtype_name} to use it, or build a {settings.index.dtype} index under another "
-            "--config.index.dir")
+            "--config.index.dir"
+        )
     return reader
 
 
-def retrieve_queries(run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike,
-                     queries: Sequence[TextQuery], *, mesh: jax.sharding.Mesh | None = None,
-                     k: int | None = None) -> tuple[list[dict], dict]:
+def retrieve_queries(
+    run: checkpoint_lib.Run,
+    settings: config_lib.Settings,
+    workdir: str | os.PathLike,
+    queries: Sequence[TextQuery],
+    *,
+    mesh: jax.sharding.Mesh | None = None,
+    k: int | None = None,
+) -> tuple[list[dict], dict]:
     """Featurizes text queries like the index and retrieves their proponents / opponents.
 
     Notebook use: `records, info = retrieval.retrieve_queries(run, settings, workdir,
@@ -122,29 +131,59 @@ def retrieve_queries(run: checkpoint_lib.Run, settings: config_lib.Settings, wor
     mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
     reader = open_checked_index(run, settings, workdir)
     if k < 1 or k > reader.num_rows:
-        raise ValueError(f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)")
+        raise ValueError(
+            f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)"
+        )
     info = {"index": str(reader.path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k}
     if not queries:
         return [], info
     t0 = time.perf_counter()
-    encoded = [data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len,
-                                     query_id=q.where or q.example_id) for q in queries]
-    vec_fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state,
-                                        mesh=mesh, role="query")
+    encoded = [
+        data_lib.encode_query(
+            run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.where or q.example_id
+        )
+        for q in queries
+    ]
+    vec_fn = vectors_lib.make_vector_fn(
+        run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
+    )
     q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
     scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
     q_prime = scoring.finalize_queries(q_raw)
     t2 = time.perf_counter()
-    res = topk.stream_topk(q_prime, reader, k, st.read_chunk_rows, mesh=mesh, row_scale=scoring.row_scale,
-                           query_batch_size=st.query_batch_size)
+    res = topk.stream_topk(
+        q_prime,
+        reader,
+        k,
+        st.read_chunk_rows,
+        mesh=mesh,
+        row_scale=scoring.row_scale,
+        query_batch_size=st.query_batch_size,
+    )
     t3 = time.perf_counter()
-    info.update(whitening=scoring.whitening.describe(), scoring_prep_seconds=t2 - t1, retrieval_seconds=t3 - t2,
-                dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9))
-    out = [records.pair_record(q.example_id, q.prompt, q.target, run.corpus.texts, res.top_ids[qi], res.top_scores[qi],
-                               res.bottom_ids[qi], res.bottom_scores[qi], gold=q.gold, **dict(q.extra))
-           for qi, q in enumerate(queries)]
+    info.update(
+        whitening=scoring.whitening.describe(),
+        scoring_prep_seconds=t2 - t1,
+        retrieval_seconds=t3 - t2,
+        dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9),
+    )
+    out = [
+        records.pair_record(
+            q.example_id,
+            q.prompt,
+            q.target,
+            run.corpus.texts,
+            res.top_ids[qi],
+            res.top_scores[qi],
+            res.bottom_ids[qi],
+            res.bottom_scores[qi],
+            gold=q.gold,
+            **dict(q.extra),
+        )
+        for qi, q in enumerate(queries)
+    ]
     return out, info
 
 
@@ -154,8 +193,15 @@ def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, p
     return out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
 
 
-def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike, queries: Sequence[TextQuery] | None = None,
-             *, name: str | None = None, source: dict | None = None, run: checkpoint_lib.Run | None = None) -> dict:
+def retrieve(
+    settings: config_lib.Settings,
+    workdir: str | os.PathLike,
+    queries: Sequence[TextQuery] | None = None,
+    *,
+    name: str | None = None,
+    source: dict | None = None,
+    run: checkpoint_lib.Run | None = None,
+) -> dict:
     """Stage 3: retrieve for a query set and write its jsonl + manifest.
 
     Args:
@@ -177,7 +223,7 @@ def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike, queries:
     st = settings.retrieval
     if queries is None:
         if not st.queries:
-            raise config_lib.ConfigError("config.retrieval.queries is empty: give a jsonl of {\"prompt\", \"target\"}")
+            raise config_lib.ConfigError('config.retrieval.queries is empty: give a jsonl of {"prompt", "target"}')
         queries = load_text_queries(st.queries)  # a bad file is refused before the run loads
         source = source or {"kind": "jsonl", "path": str(st.queries)}
         name = name or st.output or pathlib.Path(st.queries).stem
@@ -186,8 +232,10 @@ def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike, queries:
         raise config_lib.ConfigError("no output name: set config.retrieval.output")
     out, man_path = output_paths(workdir, name)
     if not st.overwrite and (out.exists() or man_path.exists()):
-        raise FileExistsError(f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
-                              "or --config.retrieval.output=<another name>")
+        raise FileExistsError(
+            f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
+            "or --config.retrieval.output=<another name>"
+        )
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
     run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh)
@@ -195,12 +243,27 @@ def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike, queries:
     files.atomic_write(out, "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs))
     reader = store_lib.open_index(info["index"])
     manifest = {
-        "format": RETRIEVAL_FORMAT, "name": name, "queries": source or {"kind": "given"}, "num_queries": len(recs),
-        "output": str(out), "index_fingerprint": store_lib.manifest_fingerprint(reader.manifest),
-        "checkpoint_step": int(run.step), "vectors": dataclasses.asdict(settings.vectors),
-        "hessian": dataclasses.asdict(settings.hessian), "retrieval": dataclasses.asdict(st),
-        "mesh": dict(mesh.shape), "devices": [str(d) for d in jax.devices()], "jax_version": jax.__version__, **info}
+        "format": RETRIEVAL_FORMAT,
+        "name": name,
+        "queries": source or {"kind": "given"},
+        "num_queries": len(recs),
+        "output": str(out),
+        "index_fingerprint": store_lib.manifest_fingerprint(reader.manifest),
+        "checkpoint_step": int(run.step),
+        "vectors": dataclasses.asdict(settings.vectors),
+        "hessian": dataclasses.asdict(settings.hessian),
+        "retrieval": dataclasses.asdict(st),
+        "mesh": dict(mesh.shape),
+        "devices": [str(d) for d in jax.devices()],
+        "jax_version": jax.__version__,
+        **info,
+    }
     files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
-    logging.info("retrieve: %d queries x %d rows in %.2fs -> %s", len(recs), info["index_rows"],
-                 info.get("retrieval_seconds", 0.0), out)
+    logging.info(
+        "retrieve: %d queries x %d rows in %.2fs -> %s",
+        len(recs),
+        info["index_rows"],
+        info.get("retrieval_seconds", 0.0),
+        out,
+    )
     return manifest

@@ -166,9 +166,17 @@ class Plan:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
 
 
-def make_score_plan(num_queries: int, dim: int, dtype: Any, *, backend: str | None = None,
-              block_rows: int | None = None, query_major: bool | None = None, upcast: str | None = None,
-              contract: str | None = None) -> Plan:
+def make_score_plan(
+    num_queries: int,
+    dim: int,
+    dtype: Any,
+    *,
+    backend: str | None = None,
+    block_rows: int | None = None,
+    query_major: bool | None = None,
+    upcast: str | None = None,
+    contract: str | None = None,
+) -> Plan:
     """Chooses the fastest known formulation for a regime (see the module docstring).
 
     Args:
@@ -291,8 +299,16 @@ def _merge(carry: tuple[Array, ...], cand: tuple[Array, ...], k: int) -> tuple[A
     return tuple(out)
 
 
-def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, " m"] | None, base: Int[Array, ""],
-                 n_valid: Int[Array, ""], *, k: int, plan: Plan) -> tuple[Array, ...]:
+def _device_topk(
+    q: Float[Array, "q d"],
+    rows: Array,
+    scale: Float[Array, " m"] | None,
+    base: Int[Array, ""],
+    n_valid: Int[Array, ""],
+    *,
+    k: int,
+    plan: Plan,
+) -> tuple[Array, ...]:
     """Running top-k / bottom-k of one device's rows `[m, d]` (ids `base + local index`).
 
     Returns `(top_s, top_i, neg_bot_s, bot_i)`, each `[Q, min(k, m)]`, sorted (value desc, id asc).
@@ -327,7 +343,9 @@ def _device_topk(q: Float[Array, "q d"], rows: Array, scale: Float[Array, " m"] 
         s = jnp.where(s == 0, jnp.float32(0), s)
         ids = jnp.broadcast_to(jnp.where(valid, ids, SENTINEL)[None, :], (nq, m))
         empty = (jnp.zeros((nq, 0), jnp.float32), jnp.zeros((nq, 0), jnp.int32)) * 2
-        return _merge(empty, (jnp.where(valid[None, :], s, -jnp.inf), ids, jnp.where(valid[None, :], -s, -jnp.inf), ids), kk)
+        return _merge(
+            empty, (jnp.where(valid[None, :], s, -jnp.inf), ids, jnp.where(valid[None, :], -s, -jnp.inf), ids), kk
+        )
 
     def block(i, carry):
         # The last block is clamped to end at m; rows it shares with the previous block are masked.
@@ -363,7 +381,9 @@ def _sharded_fn(mesh: Mesh, k: int, plan: Plan, has_scale: bool):
         base = offset + lax.axis_index(axes) * rows.shape[0]
         local = _device_topk(q, rows, scale, base, n_valid, k=k, plan=plan)
         # [D, Q, kk] -> [Q, D*kk] in device order, i.e. ascending-id order of the lists.
-        gathered = [jnp.moveaxis(lax.all_gather(x, axes, axis=0, to="invarying"), 0, 1).reshape(x.shape[0], -1) for x in local]
+        gathered = [
+            jnp.moveaxis(lax.all_gather(x, axes, axis=0, to="invarying"), 0, 1).reshape(x.shape[0], -1) for x in local
+        ]
         kk = local[0].shape[1]
         heads = tuple(g[:, :kk] for g in gathered)
         tails = tuple(g[:, kk:] for g in gathered)
@@ -419,8 +439,10 @@ def _finish(res: tuple[Any, ...], num_queries: int) -> TopK:
     ts, ti, nbs, bi = (np.asarray(x)[:num_queries] for x in jax.device_get(res))
     if not (np.isfinite(ts).all() and np.isfinite(nbs).all()) or (ti == SENTINEL).any() or (bi == SENTINEL).any():
         bad = sorted({int(i) for a, s in ((ti, ts), (bi, nbs)) for i in a[~np.isfinite(s)] if i != SENTINEL})
-        raise ValueError("non-finite retrieval scores (NaN/inf in index rows, queries or row_scale, or float32 "
-                         f"overflow); affected row id(s): {bad[:10]}")
+        raise ValueError(
+            "non-finite retrieval scores (NaN/inf in index rows, queries or row_scale, or float32 "
+            f"overflow); affected row id(s): {bad[:10]}"
+        )
     return TopK(ts, ti.astype(np.int64), -nbs, bi.astype(np.int64))
 
 
@@ -437,9 +459,9 @@ def _host_rows(x: np.ndarray, n: int) -> np.ndarray:
     nbytes = int(np.prod(shape)) * x.dtype.itemsize
     buf = np.empty(nbytes + 64, np.uint8)
     off = (-buf.ctypes.data) % 64
-    out = buf[off: off + nbytes].view(x.dtype).reshape(shape)
+    out = buf[off : off + nbytes].view(x.dtype).reshape(shape)
     out[: x.shape[0]] = x
-    out[x.shape[0]:] = 0
+    out[x.shape[0] :] = 0
     return out
 
 
@@ -473,8 +495,15 @@ def _scalars(mesh: Mesh, offset: int, n_valid: int) -> tuple[jax.Array, jax.Arra
     return _put_replicated(mesh, np.int32(offset)), _put_replicated(mesh, np.int32(n_valid))
 
 
-def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array, " n"] | None = None,
-         mesh: Mesh | None = None, *, plan: Plan | None = None) -> TopK:
+def topk(
+    queries: Float[Array, "q d"],
+    rows: Any,
+    k: int,
+    row_scale: Float[Array, " n"] | None = None,
+    mesh: Mesh | None = None,
+    *,
+    plan: Plan | None = None,
+) -> TopK:
     """Exact top-k proponents and bottom-k opponents of every query over in-memory rows.
 
     score(query j, row m) = (queries[j] · rows[m]) * row_scale[m], accumulated in float32.
@@ -518,8 +547,9 @@ def topk(queries: Float[Array, "q d"], rows: Any, k: int, row_scale: Float[Array
     return _finish(fn(*args), q.shape[0])
 
 
-def _chunks(reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh, plan: Plan
-            ) -> Iterator[tuple[int, jax.Array, jax.Array | None]]:
+def _chunks(
+    reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, mesh: Mesh, plan: Plan
+) -> Iterator[tuple[int, jax.Array, jax.Array | None]]:
     """Yields `(start, rows, scale)` on the mesh, every chunk padded to `chunk_rows` rows.
 
     A background thread reads (and puts on the devices) chunk i+1 while the caller scores
@@ -531,8 +561,10 @@ def _chunks(reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, me
         stop = min(start + chunk_rows, reader.num_rows)
         rows, scale = reader.read_block(start, stop)
         if tuple(rows.shape) != (stop - start, reader.dim):
-            raise ValueError(f"reader returned shape {tuple(rows.shape)} for rows [{start}, {stop}), "
-                             f"expected {(stop - start, reader.dim)}")
+            raise ValueError(
+                f"reader returned shape {tuple(rows.shape)} for rows [{start}, {stop}), "
+                f"expected {(stop - start, reader.dim)}"
+            )
         scale = _combine_scale(scale, None if row_scale is None else row_scale[start:stop])
         rows = _host_rows(rows, chunk_rows)
         scale = None if scale is None else _host_rows(scale, chunk_rows)
@@ -547,9 +579,17 @@ def _chunks(reader: RowSource, chunk_rows: int, row_scale: np.ndarray | None, me
             yield cur
 
 
-def stream_topk(queries: Float[Array, "q d"], reader: RowSource, k: int, chunk_rows: int, mesh: Mesh | None = None,
-                row_scale: Float[Array, " n"] | None = None, *, query_batch_size: int | None = None,
-                plan: Plan | None = None) -> TopK:
+def stream_topk(
+    queries: Float[Array, "q d"],
+    reader: RowSource,
+    k: int,
+    chunk_rows: int,
+    mesh: Mesh | None = None,
+    row_scale: Float[Array, " n"] | None = None,
+    *,
+    query_batch_size: int | None = None,
+    plan: Plan | None = None,
+) -> TopK:
     """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
 
     Each chunk of `chunk_rows` rows is read by a background thread while the previous one is
@@ -591,7 +631,7 @@ def stream_topk(queries: Float[Array, "q d"], reader: RowSource, k: int, chunk_r
     num_dev = mesh.devices.size
     chunk_rows = -(-min(int(chunk_rows), n) // num_dev) * num_dev
     qbs = min(int(query_batch_size or q.shape[0]), q.shape[0])
-    batches = [_host_rows(q[i: i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
+    batches = [_host_rows(q[i : i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
     plan = plan or make_score_plan(qbs, d, reader.dtype)
     merge = _merge_fn(k)
     results: list[tuple[Any, ...] | None] = [None] * len(batches)
@@ -606,8 +646,16 @@ def stream_topk(queries: Float[Array, "q d"], reader: RowSource, k: int, chunk_r
     return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))
 
 
-def search(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any = None, mesh: Mesh | None = None,
-             chunk_rows: int = 65_536, query_batch_size: int | None = 64) -> TopK:
+def search(
+    queries: Float[Array, "q d"],
+    index: Any,
+    k: int,
+    *,
+    row_scale: Any = None,
+    mesh: Mesh | None = None,
+    chunk_rows: int = 65_536,
+    query_batch_size: int | None = 64,
+) -> TopK:
     """Notebook API: exact top-k / bottom-k of query vectors over an index.
 
     Args:
@@ -634,8 +682,9 @@ def search(queries: Float[Array, "q d"], index: Any, k: int, *, row_scale: Any =
     return stream_topk(q, index, k, chunk_rows, mesh=mesh, row_scale=row_scale, query_batch_size=query_batch_size)
 
 
-def reference_topk(queries: np.ndarray, rows: np.ndarray, k: int, row_scale: np.ndarray | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def reference_topk(
+    queries: np.ndarray, rows: np.ndarray, k: int, row_scale: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Slow numpy reference: full float64 score matrix, lexsort by (score, id).
 
     Returns `(top_scores, top_ids, bottom_scores, bottom_ids)` like `TopK`. Used by tests and
@@ -651,5 +700,14 @@ def reference_topk(queries: np.ndarray, rows: np.ndarray, k: int, row_scale: np.
     return (np.take_along_axis(s, top_i, 1), top_i, np.take_along_axis(s, bot_i, 1), bot_i)
 
 
-__all__: Sequence[str] = ("TopK", "ArrayReader", "Plan", "make_score_plan", "topk", "stream_topk", "search",
-                          "reference_topk", "SENTINEL")
+__all__: Sequence[str] = (
+    "TopK",
+    "ArrayReader",
+    "Plan",
+    "make_score_plan",
+    "topk",
+    "stream_topk",
+    "search",
+    "reference_topk",
+    "SENTINEL",
+)

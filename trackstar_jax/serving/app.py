@@ -35,7 +35,12 @@ def _error(status: int, message: str) -> responses.JSONResponse:
 def resolve_inside(root: pathlib.Path, rel: str) -> pathlib.Path:
     """`root / rel`, refused (PermissionError) unless it stays inside `root` after resolving
     `..` and symlinks; an absolute `rel` is refused too."""
-    if not rel or pathlib.PurePosixPath(rel).is_absolute() or pathlib.PureWindowsPath(rel).is_absolute() or "\x00" in rel:
+    if (
+        not rel
+        or pathlib.PurePosixPath(rel).is_absolute()
+        or pathlib.PureWindowsPath(rel).is_absolute()
+        or "\x00" in rel
+    ):
         raise PermissionError(f"path {rel!r}: give a path relative to the workdir")
     root = root.resolve()
     path = (root / rel).resolve()
@@ -82,8 +87,9 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
         return responses.JSONResponse(engine.describe())
 
     def run_query(body: dict) -> dict:
-        return engine.query(body.get("prompt"), body.get("target"), body.get("k", 10),
-                            body.get("method", engine.describe()["default"]))
+        return engine.query(
+            body.get("prompt"), body.get("target"), body.get("k", 10), body.get("method", engine.describe()["default"])
+        )
 
     async def query(request: requests.Request) -> responses.Response:
         raw = await request.body()
@@ -131,11 +137,13 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
     async def index(request: requests.Request) -> responses.Response:
         return responses.FileResponse(STATIC_DIR / "index.html")
 
-    return applications.Starlette(routes=[
-        routing.Route("/", index),
-        routing.Route("/api/methods", methods),
-        routing.Route("/api/query", query, methods=["POST"]),
-        routing.Route("/api/file", file),
-        routing.Route("/api/eval", evaluation),
-        routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
-    ])
+    return applications.Starlette(
+        routes=[
+            routing.Route("/", index),
+            routing.Route("/api/methods", methods),
+            routing.Route("/api/query", query, methods=["POST"]),
+            routing.Route("/api/file", file),
+            routing.Route("/api/eval", evaluation),
+            routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
+        ]
+    )

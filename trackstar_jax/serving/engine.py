@@ -68,8 +68,14 @@ class Engine:
         embeddings are computed, or reused from `workdir/dense_embeddings/`, on first use).
     """
 
-    def __init__(self, settings: config_lib.Settings, workdir: str | os.PathLike, *,
-                 mesh: jax.sharding.Mesh | None = None, dense: bool = True):
+    def __init__(
+        self,
+        settings: config_lib.Settings,
+        workdir: str | os.PathLike,
+        *,
+        mesh: jax.sharding.Mesh | None = None,
+        dense: bool = True,
+    ):
         self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
         config_lib.check_matches_run(settings, self.workdir)
@@ -84,7 +90,9 @@ class Engine:
         self._text: dict[str, Any] = {}
         self._text_kinds = ["bm25"] + (["dense"] if dense and embedding_lib.is_available() else [])
         if "dense" not in self._text_kinds:
-            self.skipped["dense"] = "disabled" if not dense else f"model not installed ({embedding_lib.INSTALL_COMMAND})"
+            self.skipped["dense"] = (
+                "disabled" if not dense else f"model not installed ({embedding_lib.INSTALL_COMMAND})"
+            )
 
     def _open_gradient_row(self, name: str, m: methods_lib.Method) -> None:
         ms = rows_lib.method_settings(self.settings, m)
@@ -96,9 +104,15 @@ class Engine:
             reader = retrieval_stage.open_checked_index(self.run, ms, self.workdir)
             key = (ms.vectors.output_fn, ms.vectors.correction, str(path))
             if key not in self._vec_fns:
-                self._vec_fns[key] = vectors_lib.make_vector_fn(self.run.graphdef, self.run.model_cfg, ms.vectors,
-                                                                self.run.params, self.run.opt_state, mesh=self.mesh,
-                                                                role="query")
+                self._vec_fns[key] = vectors_lib.make_vector_fn(
+                    self.run.graphdef,
+                    self.run.model_cfg,
+                    ms.vectors,
+                    self.run.params,
+                    self.run.opt_state,
+                    mesh=self.mesh,
+                    role="query",
+                )
             scoring = None if ms.hessian.mode == "mixed" else scoring_lib.prepare_scoring(reader, ms.hessian)
         except Exception as e:  # noqa: BLE001 -- an unusable index is skipped, not fatal: say why
             self.skipped[name] = f"{type(e).__name__}: {e}"
@@ -123,13 +137,24 @@ class Engine:
             entry = {"name": name, "kind": m.kind, "label": m.label}
             if name in self._rows:
                 s = self._rows[name].settings
-                entry.update(index=str(self._rows[name].reader.path.relative_to(self.workdir)),
-                             output_fn=s.vectors.output_fn, correction=s.vectors.correction,
-                             hessian=s.hessian.mode, unit_norm=s.hessian.unit_norm)
+                entry.update(
+                    index=str(self._rows[name].reader.path.relative_to(self.workdir)),
+                    output_fn=s.vectors.output_fn,
+                    correction=s.vectors.correction,
+                    hessian=s.hessian.mode,
+                    unit_norm=s.hessian.unit_norm,
+                )
             out.append(entry)
         default = "trackstar" if "trackstar" in self._rows else (self.methods[0] if self.methods else None)
-        return {"methods": out, "default": default, "skipped": self.skipped, "num_passages": self.num_passages,
-                "max_k": self.max_k, "max_len": self.run.model_cfg.max_len, "step": int(self.run.step)}
+        return {
+            "methods": out,
+            "default": default,
+            "skipped": self.skipped,
+            "num_passages": self.num_passages,
+            "max_k": self.max_k,
+            "max_len": self.run.model_cfg.max_len,
+            "step": int(self.run.step),
+        }
 
     @property
     def num_passages(self) -> int:
@@ -146,8 +171,15 @@ class Engine:
     def complete(self, prompt: str) -> str:
         """The model's greedy completion of `prompt`, as a target (" answer"), cut like the
         evaluation's prediction-mode targets (`evaluation.queries.cut_completion`)."""
-        c = generate_lib.complete_batched(self.run.graphdef, self.run.params, self.run.tokenizer, [prompt],
-                                          self.settings.eval.max_new_tokens, self.run.model_cfg.max_len, batch_size=1)[0]
+        c = generate_lib.complete_batched(
+            self.run.graphdef,
+            self.run.params,
+            self.run.tokenizer,
+            [prompt],
+            self.settings.eval.max_new_tokens,
+            self.run.model_cfg.max_len,
+            batch_size=1,
+        )[0]
         c = queries_lib.cut_completion(c)
         return " " + c if c else ""
 
@@ -170,11 +202,14 @@ class Engine:
             if not target.strip() or not tok.encode(target):
                 raise QueryError(f"target: {target!r} encodes to no tokens")
             if n + len(tok.encode(target)) > max_len:
-                raise QueryError(f"prompt + target: {n + len(tok.encode(target))} tokens exceed model.max_len={max_len}")
+                raise QueryError(
+                    f"prompt + target: {n + len(tok.encode(target))} tokens exceed model.max_len={max_len}"
+                )
         return prompt, target, k, method
 
-    def query(self, prompt: Any, target: Any = None, k: Any = 10, method: Any = "trackstar",
-              example_id: Any = 0) -> dict:
+    def query(
+        self, prompt: Any, target: Any = None, k: Any = 10, method: Any = "trackstar", example_id: Any = 0
+    ) -> dict:
         """One query: `{"completion", "target", "proponents", "opponents", "method", "seconds", "record"}`.
 
         `record` is the query's PAIR-code-schema line (as `retrieve_queries` writes it).
@@ -195,11 +230,22 @@ class Engine:
             q = retrieval_stage.TextQuery(example_id, prompt, target)
             rec = self._gradient(q, k, method) if method in self._rows else self._text_query(q, k, method)
             seconds = time.perf_counter() - t0
+
         def items(kind):
-            return [{"example_id": i, "score": s, "text": t}
-                    for i, s, t in zip(rec.get(f"{kind}_ids", []), rec.get(f"{kind}_scores", []), rec.get(f"{kind}s", []))]
-        return {"completion": completion, "target": target, "proponents": items("proponent"),
-                "opponents": items("opponent"), "method": method, "seconds": seconds, "record": rec}
+            return [
+                {"example_id": i, "score": s, "text": t}
+                for i, s, t in zip(rec.get(f"{kind}_ids", []), rec.get(f"{kind}_scores", []), rec.get(f"{kind}s", []))
+            ]
+
+        return {
+            "completion": completion,
+            "target": target,
+            "proponents": items("proponent"),
+            "opponents": items("opponent"),
+            "method": method,
+            "seconds": seconds,
+            "record": rec,
+        }
 
     def _gradient(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
         """`retrieve_queries` for one query, on the loaded index / featurizer / scoring."""
@@ -210,11 +256,25 @@ class Engine:
             raise QueryError(str(e)) from e
         q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
         scoring = row.scoring or scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
-        res = topk.stream_topk(scoring.finalize_queries(q_raw), row.reader, k, row.settings.retrieval.read_chunk_rows,
-                               mesh=self.mesh, row_scale=scoring.row_scale,
-                               query_batch_size=row.settings.retrieval.query_batch_size)
-        return records.pair_record(q.example_id, q.prompt, q.target, run.corpus.texts, res.top_ids[0],
-                                   res.top_scores[0], res.bottom_ids[0], res.bottom_scores[0])
+        res = topk.stream_topk(
+            scoring.finalize_queries(q_raw),
+            row.reader,
+            k,
+            row.settings.retrieval.read_chunk_rows,
+            mesh=self.mesh,
+            row_scale=scoring.row_scale,
+            query_batch_size=row.settings.retrieval.query_batch_size,
+        )
+        return records.pair_record(
+            q.example_id,
+            q.prompt,
+            q.target,
+            run.corpus.texts,
+            res.top_ids[0],
+            res.top_scores[0],
+            res.bottom_ids[0],
+            res.bottom_scores[0],
+        )
 
     def _text_query(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
         """BM25 / dense ranking of prompt + target (the evaluation's `TextRetriever` query text)."""

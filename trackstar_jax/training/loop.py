@@ -51,8 +51,14 @@ def prepare_corpus(settings: config_lib.Settings, workdir: str | os.PathLike) ->
     else:
         corpus = data_lib.build_corpus(settings.data, settings.seed)
         data_lib.save_corpus(corpus, corpus_dir)
-        logging.info("built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
-                     corpus.name, len(corpus.examples), len(corpus.facts), len(corpus.eval_texts), corpus.fingerprint[:12])
+        logging.info(
+            "built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
+            corpus.name,
+            len(corpus.examples),
+            len(corpus.facts),
+            len(corpus.eval_texts),
+            corpus.fingerprint[:12],
+        )
     return corpus
 
 
@@ -60,12 +66,19 @@ def report_truncation(corpus: data_lib.Corpus, tok: data_lib.Tokenizer, max_len:
     """Logs how many passages exceed `max_len` tokens (they are truncated when encoded)."""
     long = data_lib.truncation_report(corpus.texts, tok, max_len)
     if long:
-        logging.warning("%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
-                        len(long), len(corpus.examples), max_len, long[:10], " ..." if len(long) > 10 else "")
+        logging.warning(
+            "%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
+            len(long),
+            len(corpus.examples),
+            max_len,
+            long[:10],
+            " ..." if len(long) > 10 else "",
+        )
 
 
-def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
-                 ) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
+def prepare_data(
+    settings: config_lib.Settings, workdir: str | os.PathLike
+) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
     """Builds the corpus and trains the tokenizer, or reloads both from `workdir`.
 
     `workdir/corpus/` and `workdir/tokenizer.model` are written once; a rerun reuses them
@@ -82,9 +95,13 @@ def prepare_data(settings: config_lib.Settings, workdir: str | os.PathLike
         tok = data_lib.load_tokenizer(tok_path)
     else:
         tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, settings.data.tokenizer_model_type)
-        logging.info("trained %s tokenizer: %d pieces -> %s", settings.data.tokenizer_model_type, tok.vocab_size, tok_path)
+        logging.info(
+            "trained %s tokenizer: %d pieces -> %s", settings.data.tokenizer_model_type, tok.vocab_size, tok_path
+        )
     if tok.vocab_size > model_cfg.vocab_size:
-        raise ValueError(f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}")
+        raise ValueError(
+            f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}"
+        )
     report_truncation(corpus, tok, model_cfg.max_len)
     return corpus, tok
 
@@ -106,8 +123,9 @@ class TrainFns:
     eval: Any  # jit(eval_step)
 
 
-def init_train_state(model_cfg: model_lib.LMConfig, opt: Any, seed: int,
-                     mesh: jax.sharding.Mesh) -> tuple[Any, step_lib.TrainState]:
+def init_train_state(
+    model_cfg: model_lib.LMConfig, opt: Any, seed: int, mesh: jax.sharding.Mesh
+) -> tuple[Any, step_lib.TrainState]:
     """`(graphdef, state)` initialised directly into its shardings on `mesh` (jit out_shardings)."""
     graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, target)
@@ -119,21 +137,33 @@ def init_train_state(model_cfg: model_lib.LMConfig, opt: Any, seed: int,
 # (tests, notebooks, the LDS retraining loop), reuses the compiled step instead of spending
 # seconds to minutes recompiling it. Keys are hashable typed configs and the mesh.
 @functools.lru_cache(maxsize=4)
-def compile_train_fns(model_cfg: model_lib.LMConfig, opt_cfg: step_lib.OptimizerConfig, seed: int,
-                      mesh: jax.sharding.Mesh, batch_size: int) -> TrainFns:
+def compile_train_fns(
+    model_cfg: model_lib.LMConfig,
+    opt_cfg: step_lib.OptimizerConfig,
+    seed: int,
+    mesh: jax.sharding.Mesh,
+    batch_size: int,
+) -> TrainFns:
     """Builds and AOT-compiles the train step; logs its memory analysis once."""
     opt = step_lib.make_optimizer(opt_cfg)
     graphdef, target = checkpoint_lib.abstract_state(model_cfg, opt, mesh)
     shardings = jax.tree.map(lambda x: x.sharding, target)
     init = jax.jit(lambda: step_lib.init_state(model_cfg, opt, seed)[1], out_shardings=shardings)
-    abstract_batch = {k: jax.ShapeDtypeStruct((batch_size,) + ((model_cfg.max_len,) if k != "example_id" else ()),
-                                              np.int32, sharding=sh) for k, sh in sharding_lib.batch_shardings(mesh).items()}
+    abstract_batch = {
+        k: jax.ShapeDtypeStruct(
+            (batch_size,) + ((model_cfg.max_len,) if k != "example_id" else ()), np.int32, sharding=sh
+        )
+        for k, sh in sharding_lib.batch_shardings(mesh).items()
+    }
     compiled = step_lib.make_jit_train_step(graphdef, opt, mesh, target).lower(target, abstract_batch).compile()
     mem = compiled.memory_analysis()
     if mem is not None:
-        logging.info("train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
-                     mem.argument_size_in_bytes / 2**20, mem.output_size_in_bytes / 2**20,
-                     mem.temp_size_in_bytes / 2**20)
+        logging.info(
+            "train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
+            mem.argument_size_in_bytes / 2**20,
+            mem.output_size_in_bytes / 2**20,
+            mem.temp_size_in_bytes / 2**20,
+        )
     return TrainFns(graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params))
 
 
@@ -150,9 +180,15 @@ class Hook:
     fn: Callable[[int, step_lib.TrainState, Any], None]
 
 
-def run_loop(state: step_lib.TrainState, start: int, num_steps: int, step_fn: Any,
-             batches: Iterator[dict[str, jax.Array]], hooks: list[Hook], progress: Callable[[], None] = lambda: None
-             ) -> step_lib.TrainState:
+def run_loop(
+    state: step_lib.TrainState,
+    start: int,
+    num_steps: int,
+    step_fn: Any,
+    batches: Iterator[dict[str, jax.Array]],
+    hooks: list[Hook],
+    progress: Callable[[], None] = lambda: None,
+) -> step_lib.TrainState:
     """Steps `start+1 .. num_steps`; the next batch is placed while the device runs the step.
 
     Each hook sees the step's on-device metrics (it decides whether to fetch them).
@@ -197,13 +233,19 @@ class MetricsLog:
         loss = sum(float(x["loss"]) * float(x["num_tokens"]) for x in fetched) / max(n_tok, 1.0)
         if not np.isfinite(loss):
             bad = next(step - len(fetched) + 1 + i for i, x in enumerate(fetched) if not np.isfinite(float(x["loss"])))
-            raise FloatingPointError(f"training loss is {loss} at step {bad} (nothing after step "
-                                     f"{step - len(fetched)} was saved); lower train.learning_rate or check the data")
+            raise FloatingPointError(
+                f"training loss is {loss} at step {bad} (nothing after step "
+                f"{step - len(fetched)} was saved); lower train.learning_rate or check the data"
+            )
         self.train_loss = loss
         self._tokens += len(fetched) * self.tokens_per_step
         self.tokens_per_sec = self._tokens / (time.perf_counter() - self._t0)
-        rec = {"step": step, "train/loss": loss, "train/grad_norm": float(fetched[-1]["grad_norm"]),
-               "train/tokens_per_sec": self.tokens_per_sec}
+        rec = {
+            "step": step,
+            "train/loss": loss,
+            "train/grad_norm": float(fetched[-1]["grad_norm"]),
+            "train/tokens_per_sec": self.tokens_per_sec,
+        }
         self.bar.set_postfix(loss=f"{loss:.3f}")
         logging.info("step %d: %s", step, " ".join(f"{k}={v:.4g}" for k, v in rec.items() if k != "step"))
         self.write(rec)
@@ -263,14 +305,31 @@ def fact_prompts(corpus: data_lib.Corpus, max_facts: int = 0) -> list[tuple[str,
     return out
 
 
-def evaluate_completions(graphdef: Any, params: Any, tok: data_lib.Tokenizer, corpus: data_lib.Corpus, max_len: int,
-                         max_new_tokens: int, max_facts: int, batch_size: int = 64) -> list[dict]:
+def evaluate_completions(
+    graphdef: Any,
+    params: Any,
+    tok: data_lib.Tokenizer,
+    corpus: data_lib.Corpus,
+    max_len: int,
+    max_new_tokens: int,
+    max_facts: int,
+    batch_size: int = 64,
+) -> list[dict]:
     """Greedy completions of fact prompts, scored by the one correctness rule (`data.is_correct`, §4.2)."""
     pairs = [(p, f) for p, f in fact_prompts(corpus, max_facts) if len(tok.encode(p)) + 1 < max_len]
-    outs = generate_lib.complete_batched(graphdef, params, tok, [p for p, _ in pairs], max_new_tokens, max_len,
-                                         batch_size)
-    return [{"fact_id": f.fact_id, "prompt": p, "completion": o, "target": f.object,
-             "correct": data_lib.is_correct(o, f.object_aliases)} for (p, f), o in zip(pairs, outs)]
+    outs = generate_lib.complete_batched(
+        graphdef, params, tok, [p for p, _ in pairs], max_new_tokens, max_len, batch_size
+    )
+    return [
+        {
+            "fact_id": f.fact_id,
+            "prompt": p,
+            "completion": o,
+            "target": f.object,
+            "correct": data_lib.is_correct(o, f.object_aliases),
+        }
+        for (p, f), o in zip(pairs, outs)
+    ]
 
 
 # ---------------------------------------------------------------------------------------
@@ -304,40 +363,62 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     workdir = pathlib.Path(workdir)
     logs.quiet_library_logs()
     if settings.model.source:
-        raise config_lib.ConfigError(f"config.model.source={settings.model.source!r}: an imported model is set up with "
-                                     "`python -m launch.import_model`, not trained (continued pretraining is not "
-                                     "implemented)" + (f" (in {settings.source})" if settings.source else ""))
+        raise config_lib.ConfigError(
+            f"config.model.source={settings.model.source!r}: an imported model is set up with "
+            "`python -m launch.import_model`, not trained (continued pretraining is not "
+            "implemented)" + (f" (in {settings.source})" if settings.source else "")
+        )
     t, model_cfg = settings.train, settings.model
     corpus, tok = _open_run_dir(settings, workdir)
 
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     dp = sharding_lib.data_parallel_size(mesh)
     if t.global_batch_size % dp:
-        raise ValueError(f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
-                         f"{dp} data-parallel shards of mesh {dict(mesh.shape)}")
+        raise ValueError(
+            f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
+            f"{dp} data-parallel shards of mesh {dict(mesh.shape)}"
+        )
     mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
-    must_match = dict(sections=config_lib.RUN_SECTIONS + ("train",),
-                      ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS))
+    must_match = dict(
+        sections=config_lib.RUN_SECTIONS + ("train",),
+        ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS),
+    )
     if mngr.latest_step() is not None:  # refuse a foreign checkpoint before compiling anything
         bad = config_lib.mismatches(mngr.saved_config(), settings, **must_match)
         if bad:
-            raise config_lib.ConfigError(f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: "
-                                         + "; ".join(bad))
+            raise config_lib.ConfigError(
+                f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: " + "; ".join(bad)
+            )
     fns = compile_train_fns(model_cfg, t.optimizer, settings.seed, mesh, t.global_batch_size)
     if mngr.latest_step() is not None:
         start, state = mngr.restore_latest(fns.target, expect_config=settings, **must_match)
         logging.info("resumed from %s at step %d", mngr.directory, start)
     else:
         state, start = fns.init(), 0
-    logging.info("model: %d parameters; mesh %s; %d examples; batch %d x %d tokens", model_lib.param_count(state.params),
-                 dict(mesh.shape), len(corpus.examples), t.global_batch_size, model_cfg.max_len)
+    logging.info(
+        "model: %d parameters; mesh %s; %d examples; batch %d x %d tokens",
+        model_lib.param_count(state.params),
+        dict(mesh.shape),
+        len(corpus.examples),
+        t.global_batch_size,
+        model_cfg.max_len,
+    )
 
-    eval_batches = [sharding_lib.device_batch(b, mesh) for b in
-                    data_lib.eval_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, t.num_eval_batches)]
-    bar = tqdm.tqdm(total=t.num_steps, initial=start, desc="train", disable=jax.process_index() > 0,
-                    mininterval=2.0, dynamic_ncols=True)
-    log = MetricsLog(workdir / METRICS_FILE if multihost.is_primary() else None,
-                     t.global_batch_size * model_cfg.max_len, bar)
+    eval_batches = [
+        sharding_lib.device_batch(b, mesh)
+        for b in data_lib.eval_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, t.num_eval_batches)
+    ]
+    bar = tqdm.tqdm(
+        total=t.num_steps,
+        initial=start,
+        desc="train",
+        disable=jax.process_index() > 0,
+        mininterval=2.0,
+        dynamic_ncols=True,
+    )
+    log = MetricsLog(
+        workdir / METRICS_FILE if multihost.is_primary() else None, t.global_batch_size * model_cfg.max_len, bar
+    )
     eval_loss: list[float | None] = [None]
 
     def eval_hook(step: int, state: step_lib.TrainState, metrics: Any) -> None:
@@ -347,49 +428,83 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             logging.info("step %d: eval/loss=%.4f", step, eval_loss[0])
             log.write({"step": step, "eval/loss": eval_loss[0]})
 
-    hooks = [Hook(1, log.collect), Hook(t.log_every_steps, log.flush), Hook(t.eval_every_steps, eval_hook),
-             Hook(t.checkpoint_every_steps, lambda step, state, m: mngr.save(state, settings))]
+    hooks = [
+        Hook(1, log.collect),
+        Hook(t.log_every_steps, log.flush),
+        Hook(t.eval_every_steps, eval_hook),
+        Hook(t.checkpoint_every_steps, lambda step, state, m: mngr.save(state, settings)),
+    ]
     summary_path = workdir / SUMMARY_FILE
     if start >= t.num_steps and summary_path.exists():  # a finished run only reports
         mngr.close()
-        logging.info("checkpoint step %d >= train.num_steps=%d: already trained; %s unchanged", start, t.num_steps,
-                     summary_path)
+        logging.info(
+            "checkpoint step %d >= train.num_steps=%d: already trained; %s unchanged", start, t.num_steps, summary_path
+        )
         return config_lib.read_json(summary_path)
     try:
         if start >= t.num_steps:
             logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, t.num_steps)
         else:
-            batches = (sharding_lib.device_batch(b, mesh) for b in data_lib.train_batches(
-                corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, start_step=start))
+            batches = (
+                sharding_lib.device_batch(b, mesh)
+                for b in data_lib.train_batches(
+                    corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, start_step=start
+                )
+            )
             state = run_loop(state, start, t.num_steps, fns.step, batches, hooks, progress=lambda: bar.update(1))
     finally:
         bar.close()
         log.close()
         mngr.wait_until_finished()
         mngr.close()
-    return _report(settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0],
-                   log.tokens_per_sec)
+    return _report(
+        settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0], log.tokens_per_sec
+    )
 
 
-def _report(settings: config_lib.Settings, workdir: pathlib.Path, state: step_lib.TrainState, fns: TrainFns,
-            tok: data_lib.Tokenizer, corpus: data_lib.Corpus, eval_batches: list, train_loss: float | None,
-            eval_loss: float | None, tokens_per_sec: float | None) -> dict:
+def _report(
+    settings: config_lib.Settings,
+    workdir: pathlib.Path,
+    state: step_lib.TrainState,
+    fns: TrainFns,
+    tok: data_lib.Tokenizer,
+    corpus: data_lib.Corpus,
+    eval_batches: list,
+    train_loss: float | None,
+    eval_loss: float | None,
+    tokens_per_sec: float | None,
+) -> dict:
     """Held-out loss and fact completions of the final state -> `train_summary.json`."""
     t = settings.train
     final_step = int(jax.device_get(state.step))
     if eval_loss is None:
         eval_loss = held_out_loss(fns.eval, state.params, eval_batches)
-    rows = evaluate_completions(fns.graphdef, state.params, tok, corpus, settings.model.max_len, t.max_new_tokens,
-                                t.max_fact_prompts)
+    rows = evaluate_completions(
+        fns.graphdef, state.params, tok, corpus, settings.model.max_len, t.max_new_tokens, t.max_fact_prompts
+    )
     accuracy = sum(r["correct"] for r in rows) / len(rows) if rows else None
     for r in rows[: t.num_completions]:
-        logging.info("%s %r -> %r (target %r)", "OK " if r["correct"] else "   ", r["prompt"], r["completion"], r["target"])
-    summary = {"step": final_step, "train_loss": train_loss, "eval_loss": eval_loss, "fact_accuracy": accuracy,
-               "num_fact_prompts": len(rows), "tokens_per_sec": tokens_per_sec,
-               "num_params": model_lib.param_count(state.params), "completions": rows[: t.num_completions]}
+        logging.info(
+            "%s %r -> %r (target %r)", "OK " if r["correct"] else "   ", r["prompt"], r["completion"], r["target"]
+        )
+    summary = {
+        "step": final_step,
+        "train_loss": train_loss,
+        "eval_loss": eval_loss,
+        "fact_accuracy": accuracy,
+        "num_fact_prompts": len(rows),
+        "tokens_per_sec": tokens_per_sec,
+        "num_params": model_lib.param_count(state.params),
+        "completions": rows[: t.num_completions],
+    }
     if multihost.is_primary():
         files.atomic_write_json(workdir / SUMMARY_FILE, summary)
-    logging.info("trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)", final_step,
-                 None if train_loss is None else f"{train_loss:.4f}", None if eval_loss is None else f"{eval_loss:.4f}",
-                 None if accuracy is None else f"{accuracy:.3f}", len(rows))
+    logging.info(
+        "trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)",
+        final_step,
+        None if train_loss is None else f"{train_loss:.4f}",
+        None if eval_loss is None else f"{eval_loss:.4f}",
+        None if accuracy is None else f"{accuracy:.3f}",
+        len(rows),
+    )
     return summary

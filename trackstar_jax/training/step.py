@@ -69,7 +69,9 @@ class TrainState(flax.struct.PyTreeNode):
     opt_state: Any
 
 
-def init_state(model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation, seed: int) -> tuple[nnx.GraphDef, TrainState]:
+def init_state(
+    model_cfg: model_lib.LMConfig, opt: optax.GradientTransformation, seed: int
+) -> tuple[nnx.GraphDef, TrainState]:
     """Initialises parameters and optimizer state; returns `(graphdef, state)`."""
     graphdef, params = model_lib.split_model(model_lib.make_model(model_cfg, seed))
     params = nnx.to_pure_dict(params)
@@ -84,8 +86,9 @@ def loss_fn(params: Any, graphdef: nnx.GraphDef, batch: Mapping[str, Array]) -> 
     return loss, {"loss_sum": jnp.sum(losses), "num_tokens": num_tokens}
 
 
-def train_step(state: TrainState, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef,
-               opt: optax.GradientTransformation) -> tuple[TrainState, dict]:
+def train_step(
+    state: TrainState, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef, opt: optax.GradientTransformation
+) -> tuple[TrainState, dict]:
     """One optimizer step on `batch`. Pure; bind `graphdef`/`opt` with functools.partial and jit."""
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, batch)
     updates, opt_state = opt.update(grads, state.opt_state, state.params)
@@ -105,21 +108,28 @@ def eval_step(params: Any, batch: Mapping[str, Array], *, graphdef: nnx.GraphDef
 # ---------------------------------------------------------------------------------------
 
 
-def make_jit_train_step(graphdef: nnx.GraphDef, opt: optax.GradientTransformation, mesh: jax.sharding.Mesh,
-                        state: Any) -> Any:
+def make_jit_train_step(
+    graphdef: nnx.GraphDef, opt: optax.GradientTransformation, mesh: jax.sharding.Mesh, state: Any
+) -> Any:
     """`jit(train_step)` with explicit state / batch shardings over `mesh`, state donated.
 
     Args:
       state: a TrainState (or its abstract form) whose leaves carry their shardings.
     """
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    return jax.jit(functools.partial(train_step, graphdef=graphdef, opt=opt),
-                   in_shardings=(state_sh, sharding_lib.batch_shardings(mesh)),
-                   out_shardings=(state_sh, sharding_lib.replicated(mesh)), donate_argnums=0)
+    return jax.jit(
+        functools.partial(train_step, graphdef=graphdef, opt=opt),
+        in_shardings=(state_sh, sharding_lib.batch_shardings(mesh)),
+        out_shardings=(state_sh, sharding_lib.replicated(mesh)),
+        donate_argnums=0,
+    )
 
 
 def make_jit_eval_step(graphdef: nnx.GraphDef, mesh: jax.sharding.Mesh, params: Any) -> Any:
     """`jit(eval_step)`: summed loss and token count of a batch."""
     params_sh = jax.tree.map(lambda x: x.sharding, params)
-    return jax.jit(functools.partial(eval_step, graphdef=graphdef),
-                   in_shardings=(params_sh, sharding_lib.batch_shardings(mesh)), out_shardings=sharding_lib.replicated(mesh))
+    return jax.jit(
+        functools.partial(eval_step, graphdef=graphdef),
+        in_shardings=(params_sh, sharding_lib.batch_shardings(mesh)),
+        out_shardings=sharding_lib.replicated(mesh),
+    )
