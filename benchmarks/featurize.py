@@ -52,7 +52,7 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import grads, vectors
 
 # "medium": the largest config that fits this benchmark's time budget on a 2-core CPU.
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import loop
 from trackstar_jax.training import step as step_lib
 from trackstar_jax.training import step as train

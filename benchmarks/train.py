@@ -22,7 +22,7 @@ import numpy as np
 from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import sharding
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.models import palm as model
+from trackstar_jax.models import lm as model
 from trackstar_jax.training import loop
 from trackstar_jax.training import step as step_lib
 from trackstar_jax.training import step as train

@@ -103,3 +103,33 @@ def compile_cache(tmp_path_factory):
     yield
     for k, v in old.items():
         jax.config.update(k, v)
+
+
+# The imported architectures at test size: what each needs to exercise its features (GQA for
+# Llama; LayerNorm with bias, biases everywhere, partial rotary and GELU for GPT-NeoX). Tests
+# pass the variations they check (tying, parallel residual, sizes) as overrides.
+_ARCH_BASE = {
+    "llama": dict(num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=2, head_dim=8, mlp_dim=64, max_len=16),
+    "gpt_neox": dict(
+        num_layers=2,
+        embed_dim=32,
+        num_heads=2,
+        head_dim=16,
+        mlp_dim=64,
+        max_len=16,
+        norm="layer",
+        norm_bias=True,
+        qkv_bias=True,
+        out_bias=True,
+        mlp_bias=True,
+        rotary_pct=0.25,
+        activation="gelu",
+    ),
+}
+
+
+def arch_config(arch: str, **overrides):
+    """A small `LMConfig` of an imported architecture ("llama" / "gpt_neox") with `overrides`."""
+    from trackstar_jax.models import lm
+
+    return lm.LMConfig(arch=arch, **{**_ARCH_BASE[arch], **overrides})

@@ -8,7 +8,7 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax.models import palm as model
+from trackstar_jax.models import lm as model
 
 EXPERIMENTS = sorted(
     p.stem for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py") if p.stem != "__init__"

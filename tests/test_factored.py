@@ -6,13 +6,14 @@ import jax
 import numpy as np
 import optax
 import pytest
+from conftest import arch_config
 
 from trackstar_jax import config as config_lib
 
 # The same model and batch shapes as test_grads.py, so that eager primitive compiles are shared.
 from trackstar_jax.features import factored, grads, vectors
 from trackstar_jax.features import preconditioner as pc
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train
 
 VOCAB, B, T = 97, 4, 12
@@ -175,40 +176,8 @@ def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
 # Imported architectures (issue 11): biases (dense and LayerNorm) are attributed parameters,
 # and the factored path must reproduce the reference for them as for kernels and scales.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(
-        arch="llama",
-        vocab_size=VOCAB,
-        num_layers=2,
-        embed_dim=32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        mlp_dim=64,
-        max_len=16,
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        tie_embeddings=True,
-    ),
-    "gpt_neox": model_lib.LMConfig(
-        arch="gpt_neox",
-        vocab_size=VOCAB,
-        num_layers=2,
-        embed_dim=32,
-        num_heads=2,
-        head_dim=16,
-        mlp_dim=64,
-        max_len=16,
-        norm="layer",
-        norm_bias=True,
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        rotary_pct=0.25,
-        parallel_residual=True,
-        activation="gelu",
-        tie_embeddings=False,
-    ),
+    "llama": arch_config("llama", vocab_size=VOCAB, qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True),
+    "gpt_neox": arch_config("gpt_neox", vocab_size=VOCAB, parallel_residual=True, tie_embeddings=False),
 }
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 # The same model and batch shapes as test_factored.py, so that eager primitive compiles are shared.
 from trackstar_jax.features import factored, grads, vectors
 from trackstar_jax.features import projection as proj
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 VOCAB, B, T = 97, 4, 12
 

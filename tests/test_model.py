@@ -7,10 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import arch_config
 from flax import nnx
 
 from trackstar_jax import config as config_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import layers, palm
+from trackstar_jax.models import lm as model_lib
 
 SMALL = model_lib.LMConfig(vocab_size=50, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=12)
 
@@ -122,12 +124,12 @@ def test_causal_masking():
 def test_rope_matches_numpy_and_is_relative():
     x = np.random.default_rng(2).standard_normal((2, 7, 3, 8)).astype(np.float32)
     np.testing.assert_allclose(
-        np.asarray(model_lib.rope(jnp.asarray(x), 10_000.0)), _np_rope(x, 10_000.0), rtol=1e-5, atol=1e-5
+        np.asarray(layers.rope(jnp.asarray(x), 10_000.0)), _np_rope(x, 10_000.0), rtol=1e-5, atol=1e-5
     )
     # <rope(q)_m, rope(k)_n> depends only on m - n.
     q = np.tile(np.random.default_rng(3).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
     k = np.tile(np.random.default_rng(4).standard_normal((1, 1, 8)), (1, 7, 1)).astype(np.float32)
-    rq, rk = np.asarray(model_lib.rope(jnp.asarray(q), 100.0)), np.asarray(model_lib.rope(jnp.asarray(k), 100.0))
+    rq, rk = np.asarray(layers.rope(jnp.asarray(q), 100.0)), np.asarray(layers.rope(jnp.asarray(k), 100.0))
     dots = np.einsum("md,nd->mn", rq[0], rk[0])
     np.testing.assert_allclose(dots[3, 1], dots[5, 3], rtol=1e-5)
     np.testing.assert_allclose(dots[6, 6], dots[0, 0], rtol=1e-5)
@@ -135,7 +137,7 @@ def test_rope_matches_numpy_and_is_relative():
 
 def test_multi_query_attention_matches_numpy():
     cfg = SMALL
-    attn = model_lib.MultiQueryAttention(cfg, "layer_0/attn", rngs=nnx.Rngs(params=0))
+    attn = palm.MultiQueryAttention(cfg, "layer_0/attn", rngs=nnx.Rngs(params=0))
     p = nnx.to_pure_dict(nnx.state(attn, nnx.Param))
     assert p["key"]["kernel"].shape == (cfg.embed_dim, cfg.head_dim)  # one shared key head
     assert p["query"]["kernel"].shape == (cfg.embed_dim, cfg.num_heads * cfg.head_dim)
@@ -216,38 +218,26 @@ def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
 # partial rotary, parallel residual). Their logits are checked against transformers in
 # test_models_hf.py; here: parameter paths, taps and config validation.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(
-        arch="llama",
+    "llama": arch_config(
+        "llama",
         vocab_size=50,
-        num_layers=2,
         embed_dim=16,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=4,
         mlp_dim=24,
         max_len=12,
+        head_dim=4,
         qkv_bias=True,
         out_bias=True,
         mlp_bias=True,
         tie_embeddings=False,
     ),
-    "gpt_neox": model_lib.LMConfig(
-        arch="gpt_neox",
+    "gpt_neox": arch_config(
+        "gpt_neox",
         vocab_size=50,
-        num_layers=2,
         embed_dim=16,
-        num_heads=2,
-        head_dim=8,
         mlp_dim=24,
         max_len=12,
-        norm="layer",
-        norm_bias=True,
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        rotary_pct=0.25,
+        head_dim=8,
         parallel_residual=True,
-        activation="gelu",
         tie_embeddings=False,
     ),
 }
@@ -277,7 +267,7 @@ def test_tap_sees_every_parameter_of_the_imported_architectures(arch):
 
 def test_rope_partial_rotary_leaves_the_tail_alone():
     x = np.random.default_rng(8).standard_normal((2, 7, 3, 8)).astype(np.float32)
-    got = np.asarray(model_lib.rope(jnp.asarray(x), 100.0, rotary_dim=4))
+    got = np.asarray(layers.rope(jnp.asarray(x), 100.0, rotary_dim=4))
     np.testing.assert_allclose(got[..., :4], _np_rope(x[..., :4], 100.0), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got[..., 4:], x[..., 4:])
 

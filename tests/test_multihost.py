@@ -40,7 +40,7 @@ def _override_flags(config) -> list[str]:
     """`--config.a.b=v` for every key where `config` differs from experiments/tiny.py."""
     from experiments import tiny
 
-    base, new = (config_lib._flatten(c.to_dict()) for c in (tiny.get_config(), config))
+    base, new = (index.store.flatten(c.to_dict()) for c in (tiny.get_config(), config))
     return [f"--config.{k}={v}" for k, v in sorted(new.items()) if base.get(k) != v]
 
 

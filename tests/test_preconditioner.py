@@ -7,7 +7,7 @@ import optax
 import pytest
 
 from trackstar_jax.features import preconditioner as pc
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 # The shape regimes of style.md §4.4 (+ square and 1-D), under parameter-like paths.
 SHAPES = {

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from trackstar_jax.features import projection as proj
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 
 def _tiny_shapes(tied=True, layers=4):

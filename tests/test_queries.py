@@ -282,7 +282,7 @@ def test_take_balanced_round_robins_buckets():
 
 
 def test_predict_pads_batches_and_skips_prompts_without_room():
-    from trackstar_jax.models import palm as model_lib
+    from trackstar_jax.models import lm as model_lib
 
     tok = data.train_tokenizer(["Ann was born in Paris.", "Cy was born in Rome."] * 20, vocab_size=40)
     cfg = model_lib.LMConfig(vocab_size=40, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=12)

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import skip_if_not_enough_devices
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import tailpatch
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train
 
 T = 12

@@ -194,7 +194,7 @@ def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path)
 
 def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
     """Reference: recompute the full forward for each new token and take the argmax."""
-    from trackstar_jax.models import palm as model_lib
+    from trackstar_jax.models import lm as model_lib
 
     tiny_config.model.num_layers = 1
     cfg = config_lib.from_configdict(tiny_config).model

@@ -5,14 +5,14 @@ import functools
 import jax
 import numpy as np
 import pytest
-from conftest import skip_if_not_enough_devices
+from conftest import arch_config, skip_if_not_enough_devices
 
 from trackstar_jax import config as config_lib
 
 # Same model / batch shapes as test_factored.py and test_grads.py.
 from trackstar_jax.distributed import sharding
 from trackstar_jax.features import vectors
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train
 
 VOCAB, B, T = 97, 8, 12
@@ -151,38 +151,8 @@ def test_config_and_layout():
 # Imported architectures (issue 11): the jitted, sharded step on 1 and 8 devices, fast and
 # reference paths, with and without the correction.
 ARCH_CONFIGS = {
-    "llama": model_lib.LMConfig(
-        arch="llama",
-        vocab_size=VOCAB,
-        num_layers=2,
-        embed_dim=32,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=8,
-        mlp_dim=64,
-        max_len=16,
-        qkv_bias=True,
-        tie_embeddings=False,
-    ),
-    "gpt_neox": model_lib.LMConfig(
-        arch="gpt_neox",
-        vocab_size=VOCAB,
-        num_layers=2,
-        embed_dim=32,
-        num_heads=2,
-        head_dim=16,
-        mlp_dim=64,
-        max_len=16,
-        norm="layer",
-        norm_bias=True,
-        qkv_bias=True,
-        out_bias=True,
-        mlp_bias=True,
-        rotary_pct=0.25,
-        parallel_residual=False,
-        activation="gelu",
-        tie_embeddings=True,
-    ),
+    "llama": arch_config("llama", vocab_size=VOCAB, qkv_bias=True, tie_embeddings=False),
+    "gpt_neox": arch_config("gpt_neox", vocab_size=VOCAB, parallel_residual=False, tie_embeddings=True),
 }
 
 

@@ -7,7 +7,7 @@ stages take `Settings` (or one of its sections). Errors name the dotted key and 
 config came from:
 
     settings = config.from_configdict(get_config(), source="experiments/tiny.py")
-    settings.model          # models.palm.LMConfig (hashable: a jit static argument)
+    settings.model          # models.lm.LMConfig (hashable: a jit static argument)
     settings.train.optimizer  # training.step.OptimizerConfig
 
 Each role owns the type of its own section (`LMConfig` in models, `DataConfig` in data,
@@ -23,6 +23,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import sys
 import types
 import typing
 from typing import Any, Mapping, Sequence
@@ -32,7 +33,7 @@ from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
 from trackstar_jax.index import store as store_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as step_lib
 
 CONFIG_FILE = "config.json"  # the run directory's resolved config
@@ -293,7 +294,7 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
             f"unknown config key(s) in config{'.' + name if name else ''}: {', '.join(unknown)}{where} "
             f"(known: {', '.join(sorted(fields))})"
         )
-    hints = typing.get_type_hints(cls, vars(_module_of(cls)))
+    hints = typing.get_type_hints(cls, vars(sys.modules[cls.__module__]))
     kwargs = {}
     for key, value in values.items():
         hint = hints[key]
@@ -319,12 +320,6 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
                 else f"config.{name or 'root'}: {msg}"
             )
         raise ConfigError(f"{msg}{where}") from e
-
-
-def _module_of(cls: type) -> types.ModuleType:
-    import sys  # noqa: PLC0415
-
-    return sys.modules[cls.__module__]
 
 
 def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
@@ -397,15 +392,6 @@ def to_dict(settings: Any) -> dict:
     return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
-def _flatten(d: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(d, Mapping):
-        out = {}
-        for k, v in d.items():
-            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: d}
-
-
 def mismatches(
     saved: Any,
     current: Any,
@@ -420,8 +406,8 @@ def mismatches(
     Returns:
       e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
     """
-    defaults = _flatten(to_dict(Settings()))
-    a, b = _flatten(to_dict(saved)), _flatten(to_dict(current))
+    defaults = store_lib.flatten(to_dict(Settings()))
+    a, b = store_lib.flatten(to_dict(saved)), store_lib.flatten(to_dict(current))
     out = []
     for key in sorted(set(a) | set(b)):
         if key.split(".")[0] not in sections or key in ignore:

@@ -1,6 +1,6 @@
 """Encoding passages and queries, padded batches and the grain loaders.
 
-Batches follow the convention in `models/palm.py`: `tokens [B, T]` (BOS first, PAD_ID
+Batches follow the convention in `models/layers.py`: `tokens [B, T]` (BOS first, PAD_ID
 padding at the end), `loss_mask [B, T]`, `example_id [B]` (-1 for padding rows).
 """
 
@@ -14,7 +14,7 @@ import numpy as np
 from trackstar_jax import files
 from trackstar_jax.data import corpus as corpus_lib
 from trackstar_jax.data import tokenizer as tokenizer_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 # ---------------------------------------------------------------------------------------
 # Encoding and batches

@@ -19,7 +19,7 @@ BOS convention. The project's batches always start with `bos_id` (`corpus.encode
 SmolLM2-135M-Instruct these are 1 `<|im_start|>`, 2 `<|im_end|>` and 2; its
 `tokenizer.ggml.add_bos_token` is False (llama.cpp and transformers prepend nothing), kept as
 `add_bos` for callers that want the file's own behaviour. Note that the batch helpers pad with
-`palm.PAD_ID` (0, SmolLM2's `<|endoftext|>`); padding is masked out of the loss and, being at the
+`layers.PAD_ID` (0, SmolLM2's `<|endoftext|>`); padding is masked out of the loss and, being at the
 end under causal attention, changes no other position.
 
 Known difference from llama.cpp: SmolLM2's GGUF names the pre-tokenizer `smollm`, for which

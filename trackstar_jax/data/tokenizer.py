@@ -10,7 +10,7 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from trackstar_jax import files
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer

@@ -252,7 +252,7 @@ def check_manifest(workdir: pathlib.Path, want: dict) -> None:
     path = workdir / retrain_lib.VALIDATE_DIR / retrain_lib.MANIFEST_FILE
     if files.create_once(path, json.dumps(want, indent=1, sort_keys=True)):
         return
-    saved = config_lib.read_json(path)
+    saved = files.read_json(path, "LDS manifest", "delete workdir/validate to retrain")
     bad = [
         f"{k}: saved {saved.get(k, '<absent>')!r}, now {want.get(k, '<absent>')!r}"
         for k in sorted(set(saved) | set(want))

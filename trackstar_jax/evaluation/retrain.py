@@ -26,7 +26,7 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import loop as loop_lib
 
 VALIDATE_DIR = "validate"

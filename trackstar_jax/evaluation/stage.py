@@ -32,7 +32,7 @@ from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import query_set, report
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs

@@ -37,7 +37,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
 
 

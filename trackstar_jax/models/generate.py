@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "vocab_limit"))

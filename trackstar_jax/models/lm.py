@@ -14,8 +14,8 @@ relies on it): `embed` (token embedding, never attributed), `layer_i/attn/<name>
 `layer_i/attn_norm/scale|bias`, `layer_i/mlp/<name>/kernel|bias`, `layer_i/mlp_norm/...`,
 `final_norm/...`, `unembed/kernel` (untied output embedding).
 
-The architecture modules are imported lazily (`_model_class`): `palm.py` re-exports the
-functions of this module for older callers, so this module must not import it at load time.
+The architecture modules are imported lazily (`_model_class`): they subclass this module's
+`DecoderLM`, so this module must not import them at load time.
 """
 
 from __future__ import annotations

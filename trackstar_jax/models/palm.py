@@ -7,7 +7,7 @@ tied or untied input/output embeddings.
 Every dense kernel is a 2-D matrix `[in, out]` and every norm has a 1-D `scale`, so that
 TrackStar's two-sided projection (§A.1.2) sees plain matrices. The shared layers, the `Tap`
 protocol and the batch convention are in `layers.py`; the config and the functions that
-dispatch on `model.arch` (`make_model`, `apply`, ...) are in `lm.py` and re-exported here.
+dispatch on `model.arch` (`make_model`, `apply`, ...) are in `lm.py`.
 """
 
 from __future__ import annotations
@@ -17,31 +17,8 @@ from flax import nnx
 from jaxtyping import Array, Float
 
 from trackstar_jax.models import layers, lm
-
-# Older callers import the family's config, functions and shared layers from here.
-from trackstar_jax.models.layers import (  # noqa: F401
-    NORM_TYPES,
-    PAD_ID,
-    Linear,
-    Norm,
-    Tap,
-    example_losses,
-    flat_params,
-    lm_targets,
-    param_count,
-    param_path_str,
-    rope,
-    token_log_probs,
-)
-from trackstar_jax.models.lm import (  # noqa: F401
-    EXCLUDED_PARAMS,
-    LMConfig,
-    abstract_params,
-    apply,
-    attributed_paths,
-    make_model,
-    split_model,
-)
+from trackstar_jax.models.layers import Linear, Norm, Tap
+from trackstar_jax.models.lm import LMConfig
 
 
 class MultiQueryAttention(nnx.Module):
@@ -60,7 +37,7 @@ class MultiQueryAttention(nnx.Module):
         q = self.query(x, tap).reshape(b, t, self.num_heads, self.head_dim)
         k = self.key(x, tap)  # [b, t, hd]: the single shared head
         v = self.value(x, tap)
-        q, k = rope(q, self.rope_base), rope(k, self.rope_base)
+        q, k = layers.rope(q, self.rope_base), layers.rope(k, self.rope_base)
         ctx = layers.causal_attention(q, k[:, :, None], v[:, :, None])
         ctx = ctx.reshape(b, t, self.num_heads * self.head_dim)
         return self.out(ctx, tap)

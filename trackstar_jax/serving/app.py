@@ -21,6 +21,7 @@ import pathlib
 from starlette import applications, concurrency, requests, responses, routing
 from starlette.staticfiles import StaticFiles
 
+from trackstar_jax import files
 from trackstar_jax.evaluation import results as results_lib
 from trackstar_jax.serving import engine as engine_lib
 
@@ -50,19 +51,17 @@ def resolve_inside(root: pathlib.Path, rel: str) -> pathlib.Path:
 
 
 def read_jsonl(path: pathlib.Path, rel: str) -> list[dict]:
-    """A retrieval jsonl's records; ValueError naming the first malformed line."""
+    """A retrieval jsonl's records; ValueError naming the first malformed line as `rel:line`
+    (the one reading path, `files.read_jsonl`; the server's own paths stay out of messages)."""
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{rel}:{n}: not JSON ({e.msg})") from e
+    try:
+        for where, rec in files.read_jsonl(path):
             if not isinstance(rec, dict) or not isinstance(rec.get("proponent_ids", []), list):
-                raise ValueError(f"{rel}:{n}: not a retrieval record (an object with a proponent_ids list)")
+                line = where.rsplit(":", 1)[1]
+                raise ValueError(f"{rel}:{line}: not a retrieval record (an object with a proponent_ids list)")
             out.append(rec)
+    except files.InputError as e:
+        raise ValueError(str(e).replace(str(path), rel)) from None
     return out
 
 
@@ -123,7 +122,7 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
             return _error(404, f"path {rel!r}: no such file in the workdir")
         try:
             return responses.JSONResponse(read_jsonl(path, rel))
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:
             return _error(400, str(e))
 
     async def evaluation(request: requests.Request) -> responses.Response:

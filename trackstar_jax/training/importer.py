@@ -113,7 +113,7 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
                 f"estimated V with {info[key]}; use another workdir to re-estimate"
             )
     logging.info("%s already holds the imported model (checkpoint step 0): nothing to do", workdir)
-    return config_lib.read_json(workdir / SUMMARY_FILE)
+    return files.read_json(workdir / SUMMARY_FILE, "import summary")
 
 
 def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:

@@ -30,7 +30,7 @@ from trackstar_jax import files
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import generate as generate_lib
-from trackstar_jax.models import palm as model_lib
+from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import step as step_lib
@@ -440,7 +440,7 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         logging.info(
             "checkpoint step %d >= train.num_steps=%d: already trained; %s unchanged", start, t.num_steps, summary_path
         )
-        return config_lib.read_json(summary_path)
+        return files.read_json(summary_path, "train summary")
     try:
         if start >= t.num_steps:
             logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, t.num_steps)
