@@ -49,6 +49,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.embedded.num_distractors = 200  # passages stating no fact
     c.data.tokenizer_model_type = "unigram"  # SentencePiece model type
     c.data.eval_fraction = 0.05  # held-out passages for eval loss (never in the index)
+    c.data.statements_per_fact = 0  # lama: templated statements per train-split fact (0 = none)
+    c.data.eval_fact_fraction = 0.0  # lama: facts in the eval split (queried; no templated statement)
+    c.data.fact_split_seed = 0  # lama: seed of the train / eval fact split and of the statement templates
+    c.data.templates_file = (
+        ""  # jsonl of {"relation", "templates": {"0": ..., "1": ..., "2": ...}} adding to the shipped ones
+    )
+    c.data.pararel_dir = ""  # ParaRel patterns folder: variant 1 fallback and more statement phrasings
 
     # --- mesh (sharding.py) ---
     c.mesh = ml_collections.ConfigDict()

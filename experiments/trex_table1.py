@@ -33,6 +33,12 @@ def get_config(arg: str | None = None):
     c.data.path = "../shared/data/lama"
     c.data.eval_fraction = 0.02
     c.data.tokenizer_model_type = "unigram"
+    # Train / eval fact split: train facts get templated statements (the prompt format, and the
+    # template-mimicking passages R_eval should down-weight); queries come from eval facts only.
+    c.data.statements_per_fact = 3  # template 0 + two drawn from LAMA / ParaRel / subject-inside
+    c.data.eval_fact_fraction = 0.4
+    c.data.fact_split_seed = 0
+    c.data.pararel_dir = "../shared/data/pararel/patterns"
     c.eval.pararel_dir = "../shared/data/pararel/patterns"
     c.eval.methods = ALL_METHODS
     c.eval.optional_methods = ("dense",)  # left out, with a logged warning, when its model is not installed
@@ -43,15 +49,15 @@ def get_config(arg: str | None = None):
     c.tailpatch.learning_rate = -1.0  # the schedule's learning rate at the final step
     if arg == "cpu":
         c.data.relations = CPU_RELATIONS
-        c.data.max_examples = 8000
+        c.data.max_examples = 12_000  # evidence sentences (then the templated statements are added)
         c.model.vocab_size = 4096
-        c.model.num_layers = 2
-        c.model.embed_dim = 128
-        c.model.num_heads = 4
-        c.model.head_dim = 32
-        c.model.mlp_dim = 512
+        c.model.num_layers = 3
+        c.model.embed_dim = 192
+        c.model.num_heads = 3
+        c.model.head_dim = 64
+        c.model.mlp_dim = 768
         c.model.max_len = 64
-        c.train.num_steps = 3000
+        c.train.num_steps = 6000
         c.train.global_batch_size = 32
         c.train.learning_rate = 0.01
         c.train.warmup_steps = 300

@@ -223,13 +223,27 @@ def test_save_load_roundtrip(tmp_path):
 
 def test_load_templates_real_lama_and_pararel(shared_data):
     t = queries.load_templates(shared_data / "lama", shared_data / "pararel", ["P19", "P103", "P31"])
-    assert t["P19"][:3] == ["[X] was born in", "[X] is originally from", "[X] was originally from"]
-    # P103: variant 1 has the subject inside ("The mother tongue of [X] is"); no third template
-    assert t["P103"] == ["The native language of [X] is", "The mother tongue of [X] is"]
-    assert t["P31"] == ["[X] is a"]  # no ParaRel file: LAMA's template only
-    with pytest.raises(ValueError, match="'P103' has no template variant 2"):
-        queries.template_for(t, "P103", 2)
-    with pytest.raises(ValueError, match="'P9999' has no template in .*relations.jsonl"):
+    # variant 0 the paper's style, 1 LAMA's template, 2 the subject inside; ParaRel paraphrases follow
+    assert t["P19"][:4] == [
+        "[X] was born in the city of:",
+        "[X] was born in",
+        "The birthplace of [X] is",
+        "[X] is originally from",
+    ]
+    assert t["P103"] == [
+        "The native language of [X] is the following language:",
+        "The native language of [X] is",
+        "The first language learned by [X] is",
+        "The mother tongue of [X] is",
+    ]
+    assert t["P31"] == [
+        "[X] is an instance of the following class:",
+        "[X] is a",
+        "The class of which [X] is an instance is",
+    ]
+    with pytest.raises(ValueError, match="'P31' has no template variant 3"):
+        queries.template_for(t, "P31", 3)
+    with pytest.raises(ValueError, match=r"'P9999' has no prompt template variant\(s\) \[0, 1, 2\]"):
         queries.load_templates(shared_data / "lama", shared_data / "pararel", ["P9999"])
 
 
@@ -249,7 +263,7 @@ def test_queries_from_real_lama_lines(shared_data):
     by_fact = {q.fact_id: q for q in qs}
     # the first P19 line of LAMA: Allan Peiper, born in Alexandra ("Alexandra, Victoria" in the text)
     q = by_fact["6a9d91c1-eb9b-4142-8371-3c063ec40700"]
-    assert q.prompt == "Allan Peiper was born in" and q.target == " Alexandra"
+    assert q.prompt == "Allan Peiper was born in the city of:" and q.target == " Alexandra"
     assert "Alexandra, Victoria" in q.aliases
     texts = [corpus.texts[i] for i in q.entailing_ids]
     assert any(t.startswith("Allan Peiper (born 26 April 1960 in Alexandra, Victoria, Australia)") for t in texts)

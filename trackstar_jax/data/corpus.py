@@ -69,6 +69,11 @@ class DataConfig:
     embedded: EmbeddedConfig = EmbeddedConfig()
     tokenizer_model_type: str = "unigram"
     eval_fraction: float = 0.05
+    statements_per_fact: int = 0
+    eval_fact_fraction: float = 0.0
+    fact_split_seed: int = 0
+    templates_file: str = ""
+    pararel_dir: str = ""
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -79,6 +84,15 @@ class DataConfig:
             raise ValueError(f"config.data.max_examples must be >= 0, got {self.max_examples}")
         if self.source in ("lama", "text", "jsonl") and not self.path:
             raise ValueError(f"config.data.path is required for config.data.source={self.source!r}")
+        if self.statements_per_fact < 0:
+            raise ValueError(f"config.data.statements_per_fact must be >= 0, got {self.statements_per_fact}")
+        if not 0.0 <= self.eval_fact_fraction < 1.0:
+            raise ValueError(f"config.data.eval_fact_fraction must be in [0, 1), got {self.eval_fact_fraction}")
+        if (self.statements_per_fact or self.eval_fact_fraction) and self.source != "lama":
+            raise ValueError(
+                "config.data.statements_per_fact / eval_fact_fraction (templated statements, fact split) "
+                f"need config.data.source='lama', got {self.source!r}"
+            )
         if self.source == "seqio" and not self.seqio_task:
             raise ValueError("config.data.seqio_task is required for config.data.source='seqio'")
 
@@ -107,6 +121,7 @@ class Fact:
     object_aliases: tuple[str, ...]
     subject_aliases: tuple[str, ...]
     evidence_ids: tuple[int, ...]
+    split: str = ""  # "train" (its templated statements are in the corpus) | "eval" (queried) | "" (no split)
 
 
 @dataclasses.dataclass
@@ -121,6 +136,7 @@ class Corpus:
         filled by the embedded source, empty for LAMA.
       fingerprint: sha256 of the id -> text mapping (index manifests store it).
       eval_texts: held-out passages for the eval loss (never examples, never indexed).
+      info: how the corpus was made (fact split, counts, seeds), saved in meta.json.
     """
 
     name: str
@@ -129,6 +145,7 @@ class Corpus:
     templates: dict[str, list[str]]
     fingerprint: str
     eval_texts: tuple[str, ...] = ()
+    info: dict = dataclasses.field(default_factory=dict)
 
     @property
     def texts(self) -> list[str]:
@@ -143,11 +160,11 @@ def fingerprint(texts: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def make_corpus(name, texts, facts, templates, eval_texts) -> Corpus:
+def make_corpus(name, texts, facts, templates, eval_texts, info=None) -> Corpus:
     if not texts:
         raise ValueError(f"corpus {name} has no examples (check config.data.path / relations / max_examples)")
     examples = [Example(i, t) for i, t in enumerate(texts)]
-    return Corpus(name, examples, facts, templates, fingerprint(texts), tuple(eval_texts))
+    return Corpus(name, examples, facts, templates, fingerprint(texts), tuple(eval_texts), dict(info or {}))
 
 
 def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
@@ -167,9 +184,12 @@ def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
         from trackstar_jax.data import embedded  # noqa: PLC0415  (embedded builds on this module's types)
 
         return embedded.generate_embedded(cfg.embedded, seed, cfg.eval_fraction, cfg.max_examples)
+    templates, info = {}, {}
     if cfg.source == "lama":
         texts, facts = _read_lama(cfg)
         name = f"lama:{cfg.path}"
+        if cfg.statements_per_fact or cfg.eval_fact_fraction or cfg.templates_file:
+            texts, facts, templates, info = _with_statements(cfg, texts, facts)
     elif cfg.source in ("text", "jsonl"):
         texts, facts = _read_text_files(cfg), []
         name = f"{cfg.source}:{cfg.path}"
@@ -177,7 +197,82 @@ def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
         texts, facts = _read_seqio(cfg), []
         name = f"seqio:{cfg.seqio_task}/{cfg.seqio_split}"
     texts, facts, eval_texts = _split_eval(texts, facts, cfg.eval_fraction)
-    return make_corpus(name, texts, facts, {}, eval_texts)
+    return make_corpus(name, texts, facts, templates, eval_texts, info)
+
+
+def _unit_hash(*parts: object) -> float:
+    """A number in [0, 1) from the sha256 of `parts` (stable across runs and machines)."""
+    key = "\0".join(str(p) for p in parts).encode("utf-8")
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") / 2.0**64
+
+
+def fact_split(fact: Fact, eval_fraction: float, seed: int) -> str:
+    """ "eval" for ~`eval_fraction` of facts, else "train", by a seeded hash of the fact's key.
+
+    The key is (subject, relation, object), lowercased, so duplicate facts (several LAMA lines of
+    one triple) land in the same split and an eval fact never shares gold with a train fact.
+    """
+    key = (fact.subject.lower().strip(), fact.relation, fact.object.lower().strip())
+    return "eval" if _unit_hash("fact-split", seed, *key) < eval_fraction else "train"
+
+
+def _with_statements(cfg: DataConfig, texts: list[str], facts: list[Fact]) -> tuple[list, list, dict, dict]:
+    """Splits facts into train / eval and adds templated statements of the train facts (§A.4 templates).
+
+    Each train fact gets `statements_per_fact` statements ("Allan Peiper was born in the city
+    of: Alexandra."): template 0 (the queried form) first, then others drawn by a seeded hash
+    from the LAMA / ParaRel / subject-inside templates. A statement is appended after the
+    evidence passages and is an entailing passage of its own fact only; eval facts never get
+    one, so their knowledge is only in their evidence sentences.
+
+    Returns:
+      (texts, facts with `split` set, templates `{relation: heads}`, info for meta.json).
+    """
+    from trackstar_jax.data import templates as templates_lib  # noqa: PLC0415  (templates build on answers)
+
+    relations = sorted({f.relation for f in facts})
+    root = pathlib.Path(cfg.path)
+    templates = templates_lib.load(
+        relations,
+        lama_dir=root,
+        pararel_dir=cfg.pararel_dir or None,
+        user_file=cfg.templates_file or None,
+    )
+    ids = {t: i for i, t in enumerate(texts)}
+    texts = list(texts)
+    out, counts = [], {"train": 0, "eval": 0}
+    num_statements = 0
+    for f in facts:
+        split = fact_split(f, cfg.eval_fact_fraction, cfg.fact_split_seed)
+        counts[split] += 1
+        ev = list(f.evidence_ids)
+        if split == "train" and cfg.statements_per_fact:
+            heads = templates[f.relation]
+            rest = sorted(
+                range(1, len(heads)), key=lambda j: _unit_hash("statement", cfg.fact_split_seed, f.fact_id, j)
+            )
+            for j in [0, *rest][: cfg.statements_per_fact]:
+                s = templates_lib.statement(heads[j], f.subject, f.object)
+                if s not in ids:
+                    ids[s] = len(texts)
+                    texts.append(s)
+                    num_statements += 1
+                ev.append(ids[s])
+        out.append(dataclasses.replace(f, evidence_ids=tuple(sorted(set(ev))), split=split))
+    info = {
+        "fact_split": {
+            "seed": cfg.fact_split_seed,
+            "eval_fact_fraction": cfg.eval_fact_fraction,
+            "num_train_facts": counts["train"],
+            "num_eval_facts": counts["eval"],
+        },
+        "statements_per_fact": cfg.statements_per_fact,
+        "num_evidence_passages": len(ids) - num_statements,
+        "num_templated_statements": num_statements,
+        "templates_file": cfg.templates_file,
+        "pararel_dir": cfg.pararel_dir,
+    }
+    return texts, out, templates, info
 
 
 def _split_eval(texts: list[str], facts: list[Fact], fraction: float) -> tuple[list[str], list[Fact], list[str]]:
@@ -377,6 +472,7 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
         "num_examples": len(corpus.examples),
         "num_facts": len(corpus.facts),
         "num_eval": len(corpus.eval_texts),
+        "info": corpus.info,
     }
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
     os.replace(tmp, d)
@@ -406,7 +502,12 @@ def load_corpus(directory: str | os.PathLike) -> Corpus:
     except (TypeError, KeyError, AttributeError) as e:
         raise files_lib.InputError(f"{where}: not a corpus record ({e}); {fix}") from None
     corpus = make_corpus(
-        meta["name"], texts, facts, files_lib.read_json(d / "templates.json", "corpus templates", fix), eval_texts
+        meta["name"],
+        texts,
+        facts,
+        files_lib.read_json(d / "templates.json", "corpus templates", fix),
+        eval_texts,
+        meta.get("info", {}),
     )
     if corpus.fingerprint != meta.get("fingerprint"):
         raise files_lib.InputError(

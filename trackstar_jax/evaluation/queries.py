@@ -11,9 +11,10 @@ object). Its gold labels are
   looser label. Their count is the fact's *frequency* (the paper counts C4 examples; we count
   passages of the corpus being attributed, the closest closed-set equivalent).
 
-Templates come from the corpus itself (`Corpus.templates`, embedded generator) or, for LAMA,
-from LAMA `relations.jsonl` (variant 0) and ParaRel `patterns/P*.jsonl` (variants 1, 2), read by
-path. Sampling follows §A.4: drop facts whose subject contains the object, cap common targets
+Templates come from the corpus itself (`Corpus.templates`: the embedded generator's, or the
+LAMA corpus's when it holds templated statements) or `data.templates.load`: the paper-style
+variant 0 shipped with the package, LAMA `relations.jsonl` / ParaRel as variant 1, the
+subject-inside form as variant 2. Sampling follows §A.4: drop facts whose subject contains the object, cap common targets
 per bucket and overall, and balance the sample across frequency buckets.
 
 Model correctness (§4.2): a greedy completion is correct when, after lowercasing, punctuation
@@ -35,6 +36,7 @@ import numpy as np
 
 from trackstar_jax import files
 from trackstar_jax.data import answers
+from trackstar_jax.data import templates as templates_lib
 from trackstar_jax.models import generate as generate_lib
 
 # One definition of correctness (§4.2) for training reports and evaluation: data/answers.py.
@@ -105,6 +107,7 @@ class QueryReport:
 
     num_facts: int = 0
     dropped_relation_filter: int = 0
+    dropped_train_split: int = 0
     dropped_subject_contains_object: int = 0
     dropped_target_cap: int = 0
     dropped_bucket_cap: int = 0
@@ -115,6 +118,9 @@ class QueryReport:
     no_evidence_fact_ids: list[str] = dataclasses.field(default_factory=list)
     empty_target_fact_ids: list[str] = dataclasses.field(default_factory=list)
     per_bucket: dict[str, int] = dataclasses.field(default_factory=dict)
+    per_relation: dict[str, int] = dataclasses.field(default_factory=dict)
+    corpus: dict[str, Any] = dataclasses.field(default_factory=dict)  # fact split, counts, seeds (Corpus.info)
+    selection_seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -230,115 +236,26 @@ def subject_contains_object(fact: Any) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
-def _template_head(template: str) -> str:
-    """The template cut right before `[Y]` (templates without `[Y]` are already cut)."""
-    return template.split("[Y]", 1)[0].rstrip() if "[Y]" in template else template.rstrip()
-
-
-def _ends_with_object(pattern: str) -> bool:
-    """True when nothing but punctuation follows `[Y]`: the object completes the sentence."""
-    return "[Y]" in pattern and not words(pattern.split("[Y]", 1)[1])
+# One definition of templates for the corpus's statements and the queries: data/templates.py.
+render_prompt, template_for = templates_lib.render, templates_lib.template_for
 
 
 def load_templates(
-    lama_dir: str | pathlib.Path, pararel_dir: str | pathlib.Path | None, relations: Iterable[str]
+    lama_dir: str | pathlib.Path,
+    pararel_dir: str | pathlib.Path | None,
+    relations: Iterable[str],
+    user_file: str | pathlib.Path | None = None,
 ) -> dict[str, list[str]]:
-    """Prompt templates per relation, cut right before the object, in variant order.
+    """Prompt templates per relation, cut right before the object, in Table A.1's variant order.
 
-    Variant 0 is LAMA's template (`relations.jsonl`, the paper's "original" row of Table A.1).
-    Variants 1 and 2 come from ParaRel paraphrases whose object ends the sentence: variant 1
-    prefers one that starts with the subject ("[X] was born in", Table A.1's variation 1),
-    variant 2 one where the subject is not at the start ("The birthplace of [X] is",
-    variation 2). Remaining paraphrases follow. Duplicates (case/space-insensitive) are dropped.
-
-    Args:
-      lama_dir: folder holding `relations.jsonl`.
-      pararel_dir: ParaRel `patterns/` folder (or its parent); None skips ParaRel.
-      relations: relation ids to load.
-
-    Returns:
-      `{relation: [template_head, ...]}` with `[X]` still in place.
+    Variant 0 is the paper's style ("[X] was born in the city of:"), variant 1 LAMA's template
+    (or a ParaRel paraphrase starting with the subject), variant 2 the subject-inside form;
+    further ParaRel paraphrases follow (`data.templates.load`).
 
     Raises:
-      FileNotFoundError: `relations.jsonl` is missing (names the path).
-      ValueError: a relation has no LAMA template (names it and the file).
+      ValueError: a relation lacks a variant 0-2 (names it and where it looked).
     """
-    lama_file = pathlib.Path(lama_dir) / "relations.jsonl"
-    if not lama_file.is_file():
-        raise FileNotFoundError(f"LAMA relation templates not found: {lama_file}")
-    lama = {}
-    for where, row in files.read_jsonl(lama_file):
-        if (
-            not isinstance(row, dict)
-            or not isinstance(row.get("relation"), str)
-            or not isinstance(row.get("template"), str)
-        ):
-            raise files.InputError(f"{where}: expected string fields 'relation' and 'template'")
-        lama[row["relation"]] = row["template"]
-    pat_dir = None
-    if pararel_dir is not None:
-        pat_dir = pathlib.Path(pararel_dir)
-        if (pat_dir / "patterns").is_dir():
-            pat_dir = pat_dir / "patterns"
-    out = {}
-    for rel in relations:
-        if rel not in lama:
-            raise ValueError(f"relation {rel!r} has no template in {lama_file}")
-        heads = [_template_head(lama[rel])]
-        cands = []
-        if pat_dir is not None and (pat_dir / f"{rel}.jsonl").is_file():
-            for where, row in files.read_jsonl(pat_dir / f"{rel}.jsonl"):
-                pattern = row.get("pattern") if isinstance(row, dict) else None
-                if not isinstance(pattern, str):
-                    raise files.InputError(f"{where}: expected a string field 'pattern'")
-                if _ends_with_object(pattern) and "[X]" in pattern.split("[Y]", 1)[0]:
-                    cands.append(_template_head(pattern))
-        cands = _dedupe_templates(cands, exclude=heads)
-        v1 = next((c for c in cands if c.startswith("[X]")), cands[0] if cands else None)
-        rest = [c for c in cands if c != v1]
-        v2 = next((c for c in rest if not c.startswith("[X]")), rest[0] if rest else None)
-        heads += [t for t in (v1, v2) if t is not None]
-        heads += [c for c in rest if c != v2]
-        out[rel] = heads
-    return out
-
-
-def _dedupe_templates(cands: list[str], exclude: list[str]) -> list[str]:
-    seen = {" ".join(t.lower().split()) for t in exclude}
-    out = []
-    for c in cands:
-        key = " ".join(c.lower().split())
-        if key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
-
-
-def render_prompt(template: str, subject: str) -> str:
-    """Fills `[X]` with the subject and cuts before `[Y]`; the first letter is capitalised.
-
-    Raises:
-      ValueError: the template has no `[X]` slot.
-    """
-    if "[X]" not in template:
-        raise ValueError(f"template {template!r} has no [X] slot for the subject")
-    prompt = _template_head(template).replace("[X]", subject).strip()
-    return prompt[:1].upper() + prompt[1:]
-
-
-def template_for(templates: Mapping[str, Sequence[str]], relation: str, variant: int) -> str:
-    """`templates[relation][variant]`, or a ValueError naming the relation and what exists."""
-    if relation not in templates or not templates[relation]:
-        raise ValueError(
-            f"relation {relation!r} has no prompt template (templates exist for: "
-            f"{', '.join(sorted(templates)) or 'none'})"
-        )
-    if not 0 <= variant < len(templates[relation]):
-        raise ValueError(
-            f"relation {relation!r} has no template variant {variant}: only "
-            f"{len(templates[relation])} template(s): {list(templates[relation])}"
-        )
-    return templates[relation][variant]
+    return templates_lib.load(list(relations), lama_dir=lama_dir, pararel_dir=pararel_dir, user_file=user_file)
 
 
 # ---------------------------------------------------------------------------------------

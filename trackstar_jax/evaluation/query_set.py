@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
@@ -26,6 +27,9 @@ class EvalQueries:
       completions, correct: the model's greedy completion of each prompt and its §4.2 correctness.
       report: what happened to every fact (drops, no evidence, empty targets).
       templates: the templates used.
+      r_eval_prompts: prompts whose gradients define R_eval (hessian.r_eval_source =
+        "task_prompts"): the queries, then prompts of other facts of the same relations and
+        template; empty when R_eval comes from the queries.
     """
 
     queries: list[queries_lib.Query]
@@ -34,6 +38,7 @@ class EvalQueries:
     correct: list[bool]
     report: queries_lib.QueryReport
     templates: dict[str, list[str]]
+    r_eval_prompts: list[retrieval_stage.TextQuery] = dataclasses.field(default_factory=list)
 
     def text_queries(self, with_fact_fields: bool = False) -> list[retrieval_stage.TextQuery]:
         """The queries as retrieval's `TextQuery` (with fact fields and gold ids for output files)."""
@@ -72,8 +77,12 @@ def selection_config(settings: config_lib.Settings) -> queries_lib.SelectionConf
 
 
 def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relations: list[str]) -> dict[str, list[str]]:
-    """The corpus's own templates (embedded source) or LAMA relations.jsonl + ParaRel (LAMA source)."""
+    """The corpus's own templates (embedded source; LAMA with templated statements) or, for a
+    LAMA corpus without them, `data.templates.load` (paper style, LAMA / ParaRel, subject inside)."""
     if run.corpus.templates:
+        missing = [r for r in relations if r not in run.corpus.templates]
+        if missing:
+            raise ValueError(f"relations {missing} have no prompt template in the run's corpus ({run.corpus.name})")
         return {k: list(v) for k, v in run.corpus.templates.items()}
     lama = ev.lama_dir or run.settings.data.path
     if not lama:
@@ -82,7 +91,10 @@ def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relatio
         )
     root = pathlib.Path(lama)
     root = root if (root / "relations.jsonl").is_file() else root.parent  # data.path may point at TREx/
-    return queries_lib.load_templates(root, ev.pararel_dir or None, relations)
+    data = run.settings.data
+    return queries_lib.load_templates(
+        root, ev.pararel_dir or data.pararel_dir or None, relations, user_file=data.templates_file or None
+    )
 
 
 def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) -> EvalQueries:
@@ -108,6 +120,10 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
         queries_lib.template_for(templates, r, ev.template_variant)  # a relation with no template: error naming it
     mention_index = queries_lib.MentionIndex(corpus.texts)
     facts = [f for f in corpus.facts if f.relation in set(relations)]
+    # Fact split (data.eval_fact_fraction): only eval facts are queried; train facts have
+    # templated statements in the corpus, so their answer is in the prompt's own form.
+    in_train = [f for f in facts if f.split == "train"]
+    facts = [f for f in facts if f.split != "train"]
     mentions = queries_lib.mention_ids(facts, mention_index)
     entailing = queries_lib.entailing_ids(corpus.facts)
     freq = {k: len(v) for k, v in mentions.items()}
@@ -133,8 +149,9 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
         )
         _, flags = predict(cand)
         correct_all = {q.fact_id: c for q, c in zip(cand, flags)}
-    report = queries_lib.QueryReport()
-    report.dropped_relation_filter = len(corpus.facts) - len(facts)
+    report = queries_lib.QueryReport(corpus=dict(corpus.info), selection_seed=sel.seed)
+    report.dropped_relation_filter = len(corpus.facts) - len(facts) - len(in_train)
+    report.dropped_train_split = len(in_train)
     report.num_facts = len(corpus.facts) - len(facts)
     selected = queries_lib.select_facts(facts, freq, sel, report, correct=correct_all)
     selected = queries_lib.take_balanced(selected, freq, ev.max_queries, sel.bucket_edges, report)
@@ -153,8 +170,47 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
         qs = queries_lib.with_targets(qs, completions, report)
     encode = functools.partial(data_lib.encode_query, run.tokenizer, max_len=max_len)
     qs, enc = queries_lib.encode_queries(qs, encode, report)
+    report.per_relation = dict(sorted(collections.Counter(q.relation for q in qs).items()))
     if not qs:
         raise ValueError(f"no query left after selection and encoding: {json.dumps(report.to_dict())}")
-    return EvalQueries(
+    eq = EvalQueries(
         qs, enc, [by_fact[q.fact_id][0] for q in qs], [by_fact[q.fact_id][1] for q in qs], report, templates
     )
+    if settings.hessian.r_eval_source == "task_prompts":
+        pool = [f for f in corpus.facts if f.relation in set(relations)]
+        eq.r_eval_prompts = task_prompts(
+            eq, pool, templates, ev.template_variant, settings.hessian.r_eval_prompts, encode, settings.seed
+        )
+    return eq
+
+
+def task_prompts(
+    eq: EvalQueries,
+    facts: list,
+    templates: dict[str, list[str]],
+    variant: int,
+    num: int,
+    encode: functools.partial,
+    seed: int,
+) -> list[retrieval_stage.TextQuery]:
+    """R_eval's examples when they are "task prompts" (§A.1.3): the queries, then facts of the
+    same relations (either split; not the queried ones; seeded order) rendered with the same
+    template and gold target, `num` in all. Prompts that cannot be encoded are skipped."""
+    out = [retrieval_stage.TextQuery(i, q.prompt, q.target) for i, q in enumerate(eq.queries)][:num]
+    queried = {q.fact_id for q in eq.queries}
+    seen = {(q.prompt, q.target) for q in eq.queries}
+    for i in np.random.default_rng(seed + 1).permutation(len(facts)):
+        if len(out) >= num:
+            break
+        f = facts[int(i)]
+        prompt = queries_lib.render_prompt(queries_lib.template_for(templates, f.relation, variant), f.subject)
+        target = " " + " ".join(f.object.split())
+        if f.fact_id in queried or (prompt, target) in seen or target == " ":
+            continue
+        try:
+            encode(prompt, target)
+        except ValueError:
+            continue
+        seen.add((prompt, target))
+        out.append(retrieval_stage.TextQuery(len(out), prompt, target))
+    return out

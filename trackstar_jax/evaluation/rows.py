@@ -86,7 +86,13 @@ class GradientRetriever:
     def retrieve(self, eq: query_set.EvalQueries, k: int) -> Retrieved:
         summary = build_lib.build_index(self.settings, self.ctx.workdir)
         recs, info = retrieval_stage.retrieve_queries(
-            self.ctx.run, self.settings, self.ctx.workdir, eq.text_queries(), mesh=self.ctx.mesh, k=k
+            self.ctx.run,
+            self.settings,
+            self.ctx.workdir,
+            eq.text_queries(),
+            mesh=self.ctx.mesh,
+            k=k,
+            r_eval_queries=eq.r_eval_prompts or None,
         )
         return Retrieved(
             [r["proponent_ids"] for r in recs],

@@ -26,6 +26,7 @@ from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import queries as queries_lib
@@ -214,7 +215,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS]
         + [f"tailpatch_at_{k}" for k in tp.top_ks]
     )
-    table_rows = []
+    table_rows, records = [], {}
     for m in methods:
         r = retrieved[m.name]
         report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
@@ -226,10 +227,11 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             "retrieval_seconds": seconds[m.name],
             **({"scoring": r.info} if r.info else {}),
         }
+        records[m.name] = report.query_records(eq, r, deltas, tp.top_ks, m)
         table_rows.append(
             metrics_lib.method_row(
                 m.name,
-                report.query_records(eq, r, deltas, tp.top_ks, m),
+                records[m.name],
                 names,
                 bucket_order=queries_lib.bucket_order(ev.bucket_edges),
                 seed=ev.bootstrap_seed,
@@ -238,6 +240,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         )
     table = {
         "rows": table_rows,
+        "comparisons": claims_lib.compare(records, seed=ev.bootstrap_seed),
         "query_mode": ev.query_mode,
         "template_variant": ev.template_variant,
         "num_queries": len(eq.queries),
@@ -266,7 +269,9 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     files.atomic_write_json(out_dir / "table.json", table)
     files.atomic_write(
         out_dir / "table.md",
-        report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown),
+        report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown)
+        + "\n"
+        + claims_lib.markdown(table["comparisons"], {m.name: m.label for m in methods}),
     )
     logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
     return table

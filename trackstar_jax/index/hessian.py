@@ -44,6 +44,7 @@ import numpy as np
 from jaxtyping import Array, Float
 
 HESSIAN_MODES = ("none", "train", "mixed")
+R_EVAL_SOURCES = ("queries", "task_prompts")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,10 @@ class HessianConfig:
         (over all blocks) are raised to that floor, so directions with (almost) no variance are
         amplified at most `1/sqrt(damping)` times more than the strongest one.
       unit_norm: unit-normalise R^{-1/2}Φ (TrackStar); False for the un-normalised ablations.
+      r_eval_source: where R_eval's gradients come from: "queries" (the evaluated queries) or
+        "task_prompts" (§A.1.3 "any set of examples": the queries plus prompts of other facts
+        of the same relations, rendered with the same template, up to `r_eval_prompts` in all).
+      r_eval_prompts: size of the task-prompt set (source "task_prompts"; > 0).
     """
 
     mode: str = "mixed"
@@ -65,6 +70,8 @@ class HessianConfig:
     lambda_component_fraction: float = 1000 / 65536
     damping: float = 1e-6
     unit_norm: bool = True
+    r_eval_source: str = "queries"
+    r_eval_prompts: int = 0
 
     def __post_init__(self):
         if self.mode not in HESSIAN_MODES:
@@ -77,6 +84,12 @@ class HessianConfig:
             )
         if not 0.0 <= self.damping < 1.0:
             raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
+        if self.r_eval_source not in R_EVAL_SOURCES:
+            raise ValueError(f"hessian.r_eval_source must be one of {R_EVAL_SOURCES}, got {self.r_eval_source!r}")
+        if self.r_eval_source == "task_prompts" and self.r_eval_prompts <= 0:
+            raise ValueError(
+                f"hessian.r_eval_source='task_prompts' needs hessian.r_eval_prompts > 0, got {self.r_eval_prompts}"
+            )
 
 
 # ------------------------------------------------------------------------------------------
@@ -200,6 +213,43 @@ def choose_lambda(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, component: 
     return float(b / (a + b))
 
 
+def block_ranks(r_blocks: np.ndarray) -> list[int]:
+    """Numerical rank of each `k²×k²` block (numpy.linalg.matrix_rank's tolerance at float32)."""
+    out = []
+    for b in np.asarray(r_blocks, np.float64):
+        w = np.linalg.eigvalsh(0.5 * (b + b.T))
+        tol = max(float(w.max()), 0.0) * b.shape[-1] * np.finfo(np.float32).eps
+        out.append(int((w > tol).sum()))
+    return out
+
+
+def mixing_diagnostics(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, mix_lambda: float, damping: float) -> dict:
+    """What the mixture does relative to R_train alone (for reports).
+
+    With generalized eigenvalues ν of (R_eval, R_train), the mixture scales direction i's
+    weight in the score by 1 / μ_i, μ_i = λ ν_i + (1 - λ) (relative to scoring with R_train).
+    A component is *down-weighted* when μ_i > 1 and at least 2x when μ_i > 2. Also counted:
+    components above the crossing of the sorted curves λ e_eval > (1-λ) e_train.
+
+    Returns:
+      `{r_eval_rank_per_block, r_train_rank_per_block, num_downweighted, num_downweighted_2x,
+      num_above_crossing, dim}`.
+    """
+    re, rt = np.asarray(r_eval_mean, np.float64), np.asarray(r_train_mean, np.float64)
+    wt = inverse_sqrt(rt, damping).matrix.astype(np.float64)  # R_train^{-1/2} (floored like scoring)
+    nu = np.concatenate([np.linalg.eigvalsh(w @ e @ w) for w, e in zip(wt, re)])
+    mu = mix_lambda * nu + (1.0 - mix_lambda)
+    e_eval, e_train = sorted_eigenvalues(re), sorted_eigenvalues(rt)
+    return {
+        "r_eval_rank_per_block": block_ranks(re),
+        "r_train_rank_per_block": block_ranks(rt),
+        "num_downweighted": int((mu > 1.0 + 1e-9).sum()),
+        "num_downweighted_2x": int((mu > 2.0).sum()),
+        "num_above_crossing": int((mix_lambda * e_eval > (1.0 - mix_lambda) * e_train).sum()),
+        "dim": int(e_eval.size),
+    }
+
+
 def mix(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, mix_lambda: float) -> np.ndarray:
     """Eq. 3: `R = λ R_eval + (1-λ) R_train` (float64)."""
     if not 0.0 <= mix_lambda <= 1.0:
@@ -256,6 +306,7 @@ class Whitening(NamedTuple):
     mix_lambda: float | None  # the λ used (mode "mixed")
     component: int | None  # crossing component (automatic λ)
     num_floored: int
+    r_eval: dict | None = None  # mode "mixed": source, count, ranks, down-weighted components
 
     def describe(self) -> dict:
         """JSON-able summary for logs and result files."""
@@ -265,6 +316,7 @@ class Whitening(NamedTuple):
             "mix_lambda": self.mix_lambda,
             "lambda_component": self.component,
             "num_floored_eigenvalues": self.num_floored,
+            **({"r_eval": self.r_eval} if self.r_eval else {}),
         }
 
 
@@ -284,7 +336,7 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
     if r_train is None:
         raise ValueError(f"hessian.mode={cfg.mode!r} needs R_train (the index has none yet: is the build complete?)")
     rt = r_train.mean()
-    lam, comp = None, None
+    lam, comp, info = None, None, None
     if cfg.mode == "train":
         r = rt
     else:
@@ -299,8 +351,10 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
         else:
             lam = float(cfg.mix_lambda)
         r = mix(re, rt, lam)
+        info = {"source": cfg.r_eval_source, "num_vectors": int(r_eval_stats.count)}
+        info.update(mixing_diagnostics(re, rt, lam, cfg.damping))
     inv = inverse_sqrt(r, cfg.damping)
-    return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored)
+    return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored, info)
 
 
 # ------------------------------------------------------------------------------------------

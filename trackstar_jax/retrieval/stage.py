@@ -111,8 +111,12 @@ def retrieve_queries(
     *,
     mesh: jax.sharding.Mesh | None = None,
     k: int | None = None,
+    r_eval_queries: Sequence[TextQuery] | None = None,
 ) -> tuple[list[dict], dict]:
     """Featurizes text queries like the index and retrieves their proponents / opponents.
+
+    `r_eval_queries` (hessian.r_eval_source = "task_prompts") are featurized the same way and
+    define R_eval instead of `queries` (§A.1.3: any examples of the task).
 
     Notebook use: `records, info = retrieval.retrieve_queries(run, settings, workdir,
     [retrieval.TextQuery(0, "Paris is the capital of", " France")])`.
@@ -148,9 +152,16 @@ def retrieve_queries(
         run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
     )
     q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+    r_eval_raw = q_raw
+    if r_eval_queries and settings.hessian.mode == "mixed":
+        enc_r = [
+            data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
+            for q in r_eval_queries
+        ]
+        r_eval_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in enc_r])
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw)
     q_prime = scoring.finalize_queries(q_raw)
     t2 = time.perf_counter()
     res = topk.stream_topk(

@@ -1,0 +1,251 @@
+"""Prompt templates (paper style / LAMA / subject inside), the train / eval fact split with
+templated statements, and a query set drawn from the eval split only (issue 12)."""
+
+import json
+import pathlib
+
+import pytest
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data
+from trackstar_jax.data import templates
+from trackstar_jax.evaluation import queries
+
+CITIES = ["Paris", "Rome", "Oslo", "Lima", "Quito", "Cairo", "Delhi", "Hanoi", "Dakar", "Sofia", "Riga", "Baku"]
+LANGS = ["French", "Italian", "Norwegian", "Spanish"]
+
+
+def _fact(rel, i, subj, obj, sentences):
+    return {
+        "uuid": f"{rel}-{i}",
+        "sub_uri": f"Q{i}",
+        "sub_label": subj,
+        "predicate_id": rel,
+        "obj_uri": f"Q{1000 + i}",
+        "obj_label": obj,
+        "evidences": [{"sub_surface": subj, "obj_surface": obj, "masked_sentence": s} for s in sentences],
+    }
+
+
+@pytest.fixture
+def lama_dir(tmp_path) -> pathlib.Path:
+    """A hand-made LAMA-format folder: 24 P19 facts, 12 P103 facts, relations.jsonl, no ParaRel."""
+    trex = tmp_path / "lama" / "TREx"
+    trex.mkdir(parents=True)
+    rows = []
+    for i in range(24):
+        name = f"Person{i} Surname{i}"
+        rows.append(
+            _fact("P19", i, name, CITIES[i % 12], [f"{name} (born 19{i:02d} in [MASK]) was a painter number {i}."])
+        )
+    (trex / "P19.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows = [
+        _fact("P103", i, f"Writer{i} Name{i}", LANGS[i % 4], [f"Writer{i} Name{i} wrote poems in [MASK] from {i}."])
+        for i in range(12)
+    ]
+    (trex / "P103.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rel = [
+        {"relation": "P19", "template": "[X] was born in [Y] ."},
+        {"relation": "P103", "template": "The native language of [X] is [Y] ."},
+    ]
+    (tmp_path / "lama" / "relations.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rel))
+    return tmp_path / "lama"
+
+
+def _cfg(lama_dir, **kw):
+    base = dict(
+        source="lama",
+        path=str(lama_dir),
+        eval_fraction=0.0,
+        statements_per_fact=2,
+        eval_fact_fraction=0.4,
+        fact_split_seed=0,
+    )
+    return data.DataConfig(**{**base, **kw})
+
+
+# ---------------------------------------------------------------------------------------
+# templates
+# ---------------------------------------------------------------------------------------
+
+
+def test_packaged_templates_cover_every_lama_relation_in_three_variants(shared_data):
+    rels = [
+        json.loads(line)["relation"] for line in (shared_data / "lama" / "relations.jsonl").read_text().splitlines()
+    ]
+    assert len(rels) >= 41
+    t = templates.load(rels, lama_dir=shared_data / "lama", pararel_dir=shared_data / "pararel")
+    for r in rels:
+        v = t[r]
+        assert len(v) >= 3, r
+        for h in v:
+            assert h.count("[X]") == 1 and "[Y]" not in h, (r, h)
+        assert v[0].endswith(":"), (r, v[0])  # paper style: names the answer type, ends with a colon
+        assert not v[1].endswith(":"), (r, v[1])  # LAMA / ParaRel: no constraining colon
+        assert not v[2].startswith("[X]"), (r, v[2])  # subject not first (Table A.1 variation 2)
+    assert t["P19"][:3] == ["[X] was born in the city of:", "[X] was born in", "The birthplace of [X] is"]
+    assert t["P17"][0] == "[X] is located in the following country:"  # the paper's own example (§A.4)
+    # LAMA's "[Y] participated in the [X]" does not end with the object and ParaRel has no P1923:
+    # variant 1 is the shipped one.
+    assert t["P1923"][1] == "[X] was contested by"
+
+
+def test_templates_variant1_from_lama_and_user_file_overrides(lama_dir, tmp_path):
+    t = templates.load(["P19", "P103"], lama_dir=lama_dir)
+    assert t["P19"] == ["[X] was born in the city of:", "[X] was born in", "The birthplace of [X] is"]
+    user = tmp_path / "mine.jsonl"
+    user.write_text(
+        json.dumps({"relation": "P19", "templates": {"0": "[X] came into the world in the town of:"}})
+        + "\n"
+        + json.dumps(
+            {"relation": "P9999", "templates": {"0": "[X] likes:", "1": "[X] likes", "2": "What [X] likes is"}}
+        )
+        + "\n"
+    )
+    t = templates.load(["P19", "P9999"], lama_dir=lama_dir, user_file=user)
+    assert t["P19"][0] == "[X] came into the world in the town of:" and t["P19"][1] == "[X] was born in"
+    assert t["P9999"] == ["[X] likes:", "[X] likes", "What [X] likes is"]
+
+
+def test_templates_errors_name_the_relation_and_line(lama_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"relation 'P9999' has no prompt template variant\(s\) \[0, 1, 2\]"):
+        templates.load(["P9999"], lama_dir=lama_dir)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"relation": "P19", "templates": {"0": "[X] and [X] were born in:"}}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1 \(P19 variant 0\).*exactly one \[X\]"):
+        templates.load(["P19"], lama_dir=lama_dir, user_file=bad)
+    bad.write_text(json.dumps({"relation": "P19", "templates": "[X] was born in"}) + "\n")
+    with pytest.raises(ValueError, match=r"bad.jsonl:1: expected"):
+        templates.load(["P19"], lama_dir=lama_dir, user_file=bad)
+
+
+# ---------------------------------------------------------------------------------------
+# corpus: fact split + templated statements
+# ---------------------------------------------------------------------------------------
+
+
+def test_fact_split_and_templated_statements(lama_dir):
+    corpus = data.build_corpus(_cfg(lama_dir))
+    split = {f.fact_id: f.split for f in corpus.facts}
+    n_eval = sum(s == "eval" for s in split.values())
+    assert 0 < n_eval < len(split) and set(split.values()) == {"train", "eval"}
+    info = corpus.info
+    assert info["fact_split"] == {
+        "seed": 0,
+        "eval_fact_fraction": 0.4,
+        "num_train_facts": len(split) - n_eval,
+        "num_eval_facts": n_eval,
+    }
+    n_evidence = info["num_evidence_passages"]
+    assert n_evidence == 36 and info["num_templated_statements"] == 2 * (len(split) - n_eval)
+    assert len(corpus.examples) == n_evidence + info["num_templated_statements"]
+    statements = set(range(n_evidence, len(corpus.examples)))
+    owner = {}
+    for f in corpus.facts:
+        mine = set(f.evidence_ids) & statements
+        if f.split == "eval":
+            assert not mine  # an eval fact's knowledge is only in its evidence sentence
+            assert set(f.evidence_ids) < set(range(n_evidence))
+        else:
+            assert len(mine) == 2
+            texts = [corpus.texts[i] for i in sorted(mine)]
+            # template 0 always, rendered with the subject and ending with the object
+            first = templates.render(corpus.templates[f.relation][0], f.subject)
+            assert f"{first} {f.object}." in texts
+            assert all(t.startswith(f.subject) or f.subject in t for t in texts)
+        for i in mine:
+            assert i not in owner  # a statement entails its own fact only
+            owner[i] = f.fact_id
+    # deterministic in the seed, different for another seed
+    again = data.build_corpus(_cfg(lama_dir))
+    assert again.fingerprint == corpus.fingerprint
+    other = data.build_corpus(_cfg(lama_dir, fact_split_seed=1))
+    assert {f.fact_id: f.split for f in other.facts} != split
+
+
+def test_duplicate_facts_share_a_split(lama_dir):
+    p = lama_dir / "TREx" / "P19.jsonl"
+    lines = p.read_text().splitlines()
+    dup = json.loads(lines[0])
+    dup["uuid"] = "dup-of-0"
+    dup["evidences"][0]["masked_sentence"] = "Another sentence says Person0 Surname0 was from [MASK]."
+    p.write_text("\n".join(lines + [json.dumps(dup)]) + "\n")
+    corpus = data.build_corpus(_cfg(lama_dir, eval_fact_fraction=0.5))
+    by_id = {f.fact_id: f for f in corpus.facts}
+    assert by_id["dup-of-0"].split == by_id["P19-0"].split
+
+
+def test_corpus_info_and_split_survive_save_and_load(lama_dir, tmp_path):
+    corpus = data.build_corpus(_cfg(lama_dir))
+    data.save_corpus(corpus, tmp_path / "corpus")
+    back = data.load_corpus(tmp_path / "corpus")
+    assert back.info == corpus.info and back.facts == corpus.facts and back.templates == corpus.templates
+
+
+def test_split_config_errors(lama_dir):
+    with pytest.raises(ValueError, match="need config.data.source='lama'"):
+        data.DataConfig(source="embedded", statements_per_fact=2)
+    with pytest.raises(ValueError, match="eval_fact_fraction must be in"):
+        data.DataConfig(source="lama", path=str(lama_dir), eval_fact_fraction=1.0)
+    with pytest.raises(ValueError, match=r"relation 'P19' has no prompt template"):
+        (lama_dir / "relations.jsonl").unlink()
+        bad = lama_dir.parent / "t.jsonl"
+        bad.write_text(json.dumps({"relation": "P7", "templates": {"0": "[X] x:"}}) + "\n")
+        data.build_corpus(_cfg(lama_dir, relations="P19"))  # shipped file has P19 v0/v2, no LAMA v1
+
+
+# ---------------------------------------------------------------------------------------
+# the query set: eval facts only, split and counts in the report
+# ---------------------------------------------------------------------------------------
+
+
+class _Run:
+    """What `query_set.make_eval_queries` reads from a run, with a model that answers "Paris"."""
+
+    def __init__(self, corpus, settings):
+        self.corpus, self.settings = corpus, settings
+
+
+def test_queries_come_from_the_eval_split_only(lama_dir, monkeypatch):
+    from trackstar_jax.evaluation import query_set
+
+    corpus = data.build_corpus(_cfg(lama_dir))
+    settings = config_lib.from_dict(
+        {
+            "data": {"source": "lama", "path": str(lama_dir)},
+            "eval": {"max_per_relation_target": 0, "max_per_relation_target_per_bucket": 0},
+            "hessian": {"r_eval_source": "task_prompts", "r_eval_prompts": 30},
+        }
+    )
+    run = _Run(corpus, settings)
+    run.model_cfg = type("M", (), {"max_len": 64})()
+    run.graphdef = run.params = None
+
+    class Tok:
+        def encode(self, text):
+            return list(range(len(text.split())))
+
+    run.tokenizer = Tok()
+    monkeypatch.setattr(queries, "predict", lambda *a, **k: (["Paris"] * len(a[-1]), [False] * len(a[-1])))
+    monkeypatch.setattr(
+        query_set.data_lib,
+        "encode_query",
+        lambda tok, p, t, max_len, query_id=None: {"tokens": [1, 2, 3], "loss_mask": [0, 0, 1]},
+    )
+    eq = query_set.make_eval_queries(run, settings)
+    split = {f.fact_id: f.split for f in corpus.facts}
+    assert eq.queries and all(split[q.fact_id] == "eval" for q in eq.queries)
+    rep = eq.report.to_dict()
+    assert rep["dropped_train_split"] == sum(s == "train" for s in split.values())
+    assert rep["corpus"]["fact_split"]["num_eval_facts"] == sum(s == "eval" for s in split.values())
+    assert sum(rep["per_relation"].values()) == len(eq.queries)
+    # template 0 (paper style) from the corpus
+    q = eq.queries[0]
+    assert q.prompt.endswith(":") and q.target == " " + q.object
+    # R_eval task prompts: the queries first, then other facts of the same relations and template
+    assert len(eq.r_eval_prompts) == 30
+    assert [(t.prompt, t.target) for t in eq.r_eval_prompts[: len(eq.queries)]] == [
+        (q.prompt, q.target) for q in eq.queries
+    ]
+    assert all(t.prompt.endswith(":") for t in eq.r_eval_prompts)
+    assert len({(t.prompt, t.target) for t in eq.r_eval_prompts}) == 30
