@@ -249,3 +249,93 @@ def test_queries_come_from_the_eval_split_only(lama_dir, monkeypatch):
     ]
     assert all(t.prompt.endswith(":") for t in eq.r_eval_prompts)
     assert len({(t.prompt, t.target) for t in eq.r_eval_prompts}) == 30
+
+
+# ---------------------------------------------------------------------------------------
+# the documented command on another relation set (launch.evaluate = train + evaluate)
+# ---------------------------------------------------------------------------------------
+
+
+def _any_relations_config(lama_dir, relations):
+    from experiments import trex_table1
+
+    c = trex_table1.get_config()
+    c.data.path = str(lama_dir)
+    c.data.relations = relations
+    c.data.pararel_dir = c.eval.pararel_dir = ""
+    c.data.max_examples = 0
+    c.data.eval_fraction = 0.0
+    c.model.vocab_size = 128
+    c.model.num_layers, c.model.embed_dim, c.model.num_heads, c.model.head_dim, c.model.mlp_dim = 1, 32, 2, 16, 64
+    c.train.num_steps = 4
+    c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 4
+    c.train.global_batch_size = 8
+    c.train.num_completions = 0
+    c.train.max_new_tokens = 2
+    c.train.min_dim_size_to_factor = 16
+    c.vectors.num_blocks, c.vectors.proj_dim, c.vectors.batch_size = 1, 4, 8  # d = 32
+    c.hessian.lambda_component_fraction = 1 / 32
+    c.hessian.r_eval_prompts = 30
+    c.index.chunk_rows = 16
+    c.retrieval.read_chunk_rows = 64
+    c.eval.methods = ("trex_gold", "bm25", "exp1", "exp2", "trackstar", "trackstar_l090")
+    c.eval.optional_methods = ()
+    c.eval.max_new_tokens = 2
+    c.eval.max_per_relation_target = c.eval.max_per_relation_target_per_bucket = 0
+    c.eval.num_examples_shown = 1
+    c.tailpatch.top_ks = (1, 10)
+    c.tailpatch.batch_size = 8
+    return c
+
+
+@pytest.mark.slow
+def test_trex_table1_runs_on_another_relation_set(lama_dir, tmp_path, compile_cache):
+    from trackstar_jax import evaluation, training
+
+    settings = config_lib.from_configdict(_any_relations_config(lama_dir, "P19,P103"))
+    training.train(settings, tmp_path / "run")
+    table = evaluation.evaluate(settings, tmp_path / "run")
+    split = table["query_report"]["corpus"]["fact_split"]
+    assert table["num_queries"] == split["num_eval_facts"] > 0  # every eval fact, no train fact
+    assert set(table["model_accuracy_by_relation"]) == {"P19", "P103"}
+    rows = {r["method"]: r for r in table["rows"]}
+    ts, fixed = rows["trackstar"]["scoring"]["whitening"], rows["trackstar_l090"]["scoring"]["whitening"]
+    assert fixed["mix_lambda"] == 0.9 and 0 < ts["mix_lambda"] < 1
+    assert ts["r_eval"]["source"] == "task_prompts" and ts["r_eval"]["num_vectors"] == 30
+    assert len(ts["r_eval"]["r_eval_rank_per_block"]) == 2 and 0 <= ts["r_eval"]["num_downweighted_2x"] <= 32
+    groups = {c["group"] for c in table["comparisons"]}
+    assert groups == {"a", "b", "c"}  # no TRAK row here: (d) is left out
+    md = (tmp_path / "run" / "eval" / "table.md").read_text()
+    assert "paired bootstrap over queries of the difference" in md and "Accuracy per relation: P103" in md
+
+
+def test_a_relation_without_templates_is_named(lama_dir, tmp_path):
+    from trackstar_jax import training
+
+    (lama_dir / "TREx" / "P7777.jsonl").write_text(
+        (lama_dir / "TREx" / "P103.jsonl").read_text().replace("P103", "P7777")
+    )
+    settings = config_lib.from_configdict(_any_relations_config(lama_dir, "P19,P7777"))
+    with pytest.raises(ValueError, match=r"relation 'P7777' has no prompt template.*config.data.templates_file"):
+        training.train(settings, tmp_path / "run")
+    user = tmp_path / "mine.jsonl"
+    user.write_text(
+        json.dumps(
+            {"relation": "P7777", "templates": {"0": "[X] speaks:", "1": "[X] speaks", "2": "The tongue of [X] is"}}
+        )
+        + "\n"
+    )
+    corpus = data.build_corpus(settings.data.__class__(**{**settings.data.__dict__, "templates_file": str(user)}))
+    assert corpus.templates["P7777"][0] == "[X] speaks:"
+
+
+def test_smollm2_variant_resolves_to_the_same_table():
+    from experiments import smollm2_table1, trex_table1
+
+    s = config_lib.from_configdict(smollm2_table1.get_config())
+    t = config_lib.from_configdict(trex_table1.get_config())
+    assert s.model.source == "smollm2" and s.vectors.estimate_v_examples > 0  # estimated optimizer correction
+    for key in ("source", "relations", "statements_per_fact", "eval_fact_fraction", "fact_split_seed", "pararel_dir"):
+        assert getattr(s.data, key) == getattr(t.data, key), key
+    assert s.eval.methods == t.eval.methods and s.eval.template_variant == t.eval.template_variant == 0
+    assert s.hessian.r_eval_source == "task_prompts"

@@ -269,3 +269,26 @@ def test_make_whitening_modes():
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         hessian.HessianConfig(**kwargs)
+
+
+def test_mixing_diagnostics_against_scipy_generalized_eigenvalues():
+    """Down-weighted components = generalized eigenvalues mu of (lambda R_eval + (1-lambda) R_train, R_train) > 1 / > 2."""
+    import scipy.linalg
+
+    rng = np.random.default_rng(0)
+    blocks, k2 = 3, 12
+    xt = rng.standard_normal((400, blocks, k2)) * np.linspace(3, 0.2, k2)
+    xe = rng.standard_normal((9, blocks, k2)) * 2.0  # 9 < k2: R_eval is rank-deficient per block
+    rt = np.einsum("nbi,nbj->bij", xt, xt) / 400
+    re = np.einsum("nbi,nbj->bij", xe, xe) / 9
+    lam = 0.7
+    info = hessian.mixing_diagnostics(re, rt, lam, damping=1e-12)
+    mu = np.concatenate([scipy.linalg.eigh(lam * e + (1 - lam) * t, t, eigvals_only=True) for e, t in zip(re, rt)])
+    assert info["num_downweighted"] == int((mu > 1 + 1e-9).sum())
+    assert 0 < info["num_downweighted"] <= 3 * 9  # at most R_eval's rank; its null space keeps mu = 1 - lambda
+    assert int(np.isclose(mu, 1 - lam).sum()) == 3 * (k2 - 9)
+    assert info["num_downweighted_2x"] == int((mu > 2).sum())
+    assert info["r_eval_rank_per_block"] == [9, 9, 9] and info["r_train_rank_per_block"] == [k2] * 3
+    e_eval = np.sort(np.linalg.eigvalsh(re).ravel())[::-1]
+    e_train = np.sort(np.linalg.eigvalsh(rt).ravel())[::-1]
+    assert info["num_above_crossing"] == int((lam * e_eval > (1 - lam) * e_train).sum()) and info["dim"] == blocks * k2

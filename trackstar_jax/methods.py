@@ -36,6 +36,7 @@ class Method:
     correction: bool = False
     hessian: str = "none"
     unit_norm: bool = False
+    mix_lambda: float | None = None  # a fixed λ for the mixed R (None: config.hessian.mix_lambda)
 
     def overrides(self, index_dir: str = "index") -> dict[str, Any]:
         """Config overrides (dotted keys) that select this row's index and scoring.
@@ -53,6 +54,8 @@ class Method:
             "hessian.mode": self.hessian,
             "hessian.unit_norm": self.unit_norm,
         }
+        if self.mix_lambda is not None:
+            out["hessian.mix_lambda"] = self.mix_lambda
         if (self.output_fn, self.correction) != ("loss", True):
             out["index.dir"] = f"{index_dir}_{self.output_fn}_{'corr' if self.correction else 'nocorr'}"
         return out
@@ -76,6 +79,16 @@ METHODS: dict[str, Method] = {
         Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
         Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
         Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
+        # The paper's fixed λ = 0.90 for T-REx (§A.1.3), beside the automatic λ of "trackstar".
+        Method(
+            "trackstar_l090",
+            "gradient",
+            "TrackStar (λ = 0.90)",
+            correction=True,
+            hessian="mixed",
+            unit_norm=True,
+            mix_lambda=0.9,
+        ),
     )
 }
 TABLE1_ORDER = tuple(METHODS)

@@ -125,6 +125,13 @@ def table_markdown(
         f"model {table['model']['num_params']:,} params at step {table['model']['checkpoint_step']}, "
         f"accuracy {table['model_accuracy']:.3f}. Mean [{table['ci']}]; tail-patch in percentage points.\n\n"
     )
+    by_rel = table.get("model_accuracy_by_relation") or {}
+    if by_rel:
+        head += (
+            "Accuracy per relation: "
+            + ", ".join(f"{r} {v['accuracy']:.3f} ({v['correct']}/{v['n']})" for r, v in by_rel.items())
+            + ".\n\n"
+        )
     md = "# Fact tracing table\n\n" + head + metrics_lib.markdown_table(shown, cols)
     for label in ("correct", "incorrect"):
         sub = [

@@ -55,6 +55,16 @@ def check_methods(settings: config_lib.Settings) -> list[baselines_lib.Method]:
     return methods
 
 
+def accuracy_by_relation(eq: query_set.EvalQueries) -> dict[str, dict]:
+    """`{relation: {"n", "correct", "accuracy"}}` of the model's greedy answers to the queries (§4.2)."""
+    out: dict[str, dict] = {}
+    for q, ok in zip(eq.queries, eq.correct):
+        r = out.setdefault(q.relation, {"n": 0, "correct": 0})
+        r["n"] += 1
+        r["correct"] += int(ok)
+    return {k: {**v, "accuracy": v["correct"] / v["n"]} for k, v in sorted(out.items())}
+
+
 def tailpatch_all(
     run: checkpoint_lib.Run,
     eq: query_set.EvalQueries,
@@ -245,6 +255,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         "template_variant": ev.template_variant,
         "num_queries": len(eq.queries),
         "model_accuracy": sum(eq.correct) / len(eq.correct),
+        "model_accuracy_by_relation": accuracy_by_relation(eq),
         "query_report": eq.report.to_dict(),
         "corpus": {
             "name": run.corpus.name,
