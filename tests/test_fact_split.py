@@ -140,6 +140,7 @@ def test_fact_split_and_templated_statements(lama_dir):
     assert n_evidence == 36 and info["num_templated_statements"] == 2 * (len(split) - n_eval)
     assert len(corpus.examples) == n_evidence + info["num_templated_statements"]
     statements = set(range(n_evidence, len(corpus.examples)))
+    assert templates.statement_ids(corpus) == frozenset(statements)  # found again by text
     owner = {}
     for f in corpus.facts:
         mine = set(f.evidence_ids) & statements
@@ -305,6 +306,7 @@ def test_trex_table1_runs_on_another_relation_set(lama_dir, tmp_path, compile_ca
     assert len(ts["r_eval"]["r_eval_rank_per_block"]) == 2 and 0 <= ts["r_eval"]["num_downweighted_2x"] <= 32
     groups = {c["group"] for c in table["comparisons"]}
     assert groups == {"a", "b", "c"}  # no TRAK row here: (d) is left out
+    assert 0 <= rows["trackstar"]["statement_at_10"] <= 1 and set(rows["bm25"]["by_relation"]) == {"P19", "P103"}
     md = (tmp_path / "run" / "eval" / "table.md").read_text()
     assert "paired bootstrap over queries of the difference" in md and "Accuracy per relation: P103" in md
 

@@ -191,6 +191,26 @@ def load(
     return out
 
 
+def statement_ids(corpus) -> frozenset[int]:
+    """Ids of the corpus's templated statements (`Corpus` with templates and split facts).
+
+    A passage is one when its text is a train fact's `statement` in any of its relation's
+    templates; found by text, so it does not depend on how ids were assigned.
+    """
+    if not corpus.templates:
+        return frozenset()
+    ids = {t: i for i, t in enumerate(corpus.texts)}
+    out = set()
+    for f in corpus.facts:
+        if f.split != "train":
+            continue
+        for h in corpus.templates.get(f.relation, ()):
+            i = ids.get(statement(h, f.subject, f.object))
+            if i is not None:
+                out.add(i)
+    return frozenset(out)
+
+
 def template_for(templates: Mapping[str, Sequence[str]], relation: str, variant: int) -> str:
     """`templates[relation][variant]`, or a ValueError naming the relation and what exists."""
     if relation not in templates or not templates[relation]:

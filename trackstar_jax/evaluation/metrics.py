@@ -152,7 +152,7 @@ def method_row(
 
     Returns:
       `{"method", "num_queries", "num_no_evidence", <summary>, "by_correctness": {...},
-      "by_bucket": {...}}`.
+      "by_bucket": {...}}`, plus `"by_relation"` when records name their relation.
     """
     row: dict[str, Any] = {
         "method": method,
@@ -175,6 +175,12 @@ def method_row(
         if sub:
             by_bucket[b] = {"num_queries": len(sub), **summarize(sub, metric_names, seed=seed)}
     row["by_bucket"] = by_bucket
+    by_relation: dict[str, Any] = {}
+    for rel in sorted({r["relation"] for r in records if r.get("relation")}):
+        sub = [r for r in records if r.get("relation") == rel]
+        by_relation[rel] = {"num_queries": len(sub), **summarize(sub, metric_names, seed=seed)}
+    if by_relation:
+        row["by_relation"] = by_relation
     return row
 
 

@@ -41,15 +41,28 @@ def query_records(
     deltas: dict[tuple[int, int], float],
     top_ks: tuple[int, ...],
     m: baselines_lib.Method,
+    statements: frozenset[int] = frozenset(),
 ) -> list[dict]:
     """Per-query metric values of one row (inputs of `metrics.method_row`).
+
+    With `statements` (the corpus's templated statements), `statement_at_10` is the fraction
+    of the first 10 proponents that are one: the template-mimicking passages TrackStar's mixed
+    R is meant to down-weight (§3).
 
     Gold rows get only tail-patch (their proponents are the gold passages by definition).
     """
     out = []
     for qi, q in enumerate(eq.queries):
         ids = r.proponent_ids[qi]
-        rec = {"query_id": q.query_id, "has_evidence": q.has_evidence, "correct": eq.correct[qi], "bucket": q.bucket}
+        rec = {
+            "query_id": q.query_id,
+            "has_evidence": q.has_evidence,
+            "correct": eq.correct[qi],
+            "bucket": q.bucket,
+            "relation": q.relation,
+        }
+        if statements and ids:
+            rec["statement_at_10"] = sum(int(p) in statements for p in ids[:10]) / len(ids[:10])
         if m.kind != "gold":
             rec.update(metrics_lib.query_metrics(ids, q.entailing_ids))
             rec.update(metrics_lib.query_metrics(ids, q.mention_ids, prefix="mention_"))
@@ -154,6 +167,12 @@ def table_markdown(
         [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS],
         title="Looser label: proponent mentions both entities",
     )
+    if any(r.get("statement_at_10") is not None for r in rows):
+        md += "\n" + metrics_lib.markdown_table(
+            [r for r in rows if r["kind"] != "gold"],
+            ["statement_at_10"],
+            title="Template-mimicking proponents: fraction of the top 10 that are templated statements",
+        )
     md += "\n## Example queries\n"
     for qi, q in enumerate(eq.queries[:num_examples_shown]):
         md += (

@@ -24,6 +24,7 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.data import templates as templates_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import claims as claims_lib
@@ -220,10 +221,12 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     tailpatch_seconds = time.perf_counter() - t1
     logging.info("eval: tail-patched %d distinct (query, proponent) pairs in %.1fs", len(deltas), tailpatch_seconds)
 
+    statements = templates_lib.statement_ids(run.corpus)
     names = (
         list(metrics_lib.ATTRIBUTION_METRICS)
         + [f"mention_{x}" for x in metrics_lib.ATTRIBUTION_METRICS]
         + [f"tailpatch_at_{k}" for k in tp.top_ks]
+        + (["statement_at_10"] if statements else [])
     )
     table_rows, records = [], {}
     for m in methods:
@@ -237,7 +240,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             "retrieval_seconds": seconds[m.name],
             **({"scoring": r.info} if r.info else {}),
         }
-        records[m.name] = report.query_records(eq, r, deltas, tp.top_ks, m)
+        records[m.name] = report.query_records(eq, r, deltas, tp.top_ks, m, statements)
         table_rows.append(
             metrics_lib.method_row(
                 m.name,
