@@ -166,6 +166,48 @@ def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
     )
 
 
+def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
+    """Eight requests fired together: each gets its own (correct) answer, and the device work
+    (`Engine._gradient`) never runs twice at once, so memory is not multiplied."""
+    _, _, engine, client = served
+    facts = [_fact(engine, i) for i in range(8)]
+    want = [
+        client.post("/api/query", json={"prompt": p, "target": t, "k": 4, "method": "trackstar"}).json()["record"]
+        for p, t in facts
+    ]
+    inside, peak, guard = [0], [0], threading.Lock()
+    original = engine._gradient
+
+    def counted(*args, **kwargs):
+        with guard:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        time.sleep(0.05)  # widen the window an unserialized second call would overlap in
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    monkeypatch.setattr(engine, "_gradient", counted)
+    got = [None] * len(facts)
+    start = threading.Barrier(len(facts))
+
+    def ask(i):
+        start.wait()
+        p, t = facts[i]
+        got[i] = client.post("/api/query", json={"prompt": p, "target": t, "k": 4, "method": "trackstar"})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(facts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert all(r is not None and r.status_code == 200 for r in got), [r and r.text for r in got]
+    assert [r.json()["record"] for r in got] == want
+    assert peak[0] == 1, f"{peak[0]} queries ran on the device at once"
+
+
 def test_page_is_served(served):
     client = served[3]
     r = client.get("/")
@@ -233,8 +275,8 @@ def test_eval_api_equals_the_evaluation_files(evaluated):
         assert g["frequency"] == len(q["mention_ids"])
         assert [p["example_id"] for p in g["gold"]] == q["entailing_ids"]
         assert [p["text"] for p in g["gold"]] == [engine.run.corpus.texts[i] for i in q["entailing_ids"]]
-        for m, rows in recs.items():
-            rec = rows[q["query_id"]]
+        for m, recs_m in recs.items():
+            rec = recs_m[q["query_id"]]
             assert g["model_correct"] == rec["model_correct"] and g["model_completion"] == rec["model_completion"]
             # first gold rank, the naive way: scan the stored ids against the stored gold list
             want_rank = None
@@ -295,10 +337,10 @@ def test_eval_filters_on_mixed_buckets_and_correctness(evaluated, tmp_path):
     dump = lambda rows: "".join(json.dumps(x) + "\n" for x in rows)  # noqa: E731
     (tmp_path / "eval" / "queries.jsonl").write_text(dump(queries))
     (tmp_path / "eval" / "table.json").write_text(json.dumps(table))
-    for m, rows in recs.items():
-        for x in rows:
+    for m, recs_m in recs.items():
+        for x in recs_m:
             x["model_correct"] = correct[x["example_id"]]
-        (tmp_path / "eval" / "retrievals" / f"{m}.jsonl").write_text(dump(rows))
+        (tmp_path / "eval" / "retrievals" / f"{m}.jsonl").write_text(dump(recs_m))
     browser = browse.Browser(tmp_path, engine.run.corpus.texts)
     assert browser.summary()["facets"]["bucket"] == ["0", "[1,10)", "[10,100)"]
     assert browser.summary()["facets"]["correct"] == [True, False]
@@ -353,8 +395,8 @@ def test_eval_query_detail_equals_the_records(evaluated):
     r = client.get("/api/eval/query", params={"query_id": qid, "k": 3})
     assert r.status_code == 200, r.text
     got = r.json()
-    for m, rows in recs.items():
-        rec = rows[qid]
+    for m, recs_m in recs.items():
+        rec = recs_m[qid]
         assert got["records"][m] == rec
         shown = got["proponents"][m]
         assert [p["example_id"] for p in shown] == rec["proponent_ids"][:3]
@@ -441,6 +483,64 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "explorer.png"))
         assert (tmp_path / "explorer.png").stat().st_size > 0
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_browse_view_in_headless_chromium(evaluated, tmp_path):
+    """Open the browse view, filter by a relation: the rows shown are the API's filtered queries."""
+    _browser_or_skip()
+    import uvicorn
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    _, engine, client = evaluated
+    facets = client.get("/api/eval").json()["facets"]
+    relation = facets["relation"][1]
+    want = [q["query_id"] for q in client.get("/api/eval", params={"relation": relation}).json()["queries"]]
+    everything = [q["query_id"] for q in client.get("/api/eval").json()["queries"]]
+    assert 0 < len(want) < len(everything)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app_lib.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    opts = Options()
+    opts.binary_location = shutil.which("chromium")
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(a)
+    driver = None
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(driver, 60)
+
+        def shown(d):
+            rows = d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q")
+            return [int(r.get_attribute("data-qid")) for r in rows]
+
+        driver.find_element(By.ID, "browse").click()
+        wait.until(lambda d: shown(d) == everything)
+        table_rows = client.get("/api/eval").json()["table"]["rows"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#metrics tr")) == 1 + len(table_rows)
+        Select(driver.find_element(By.ID, "f-relation")).select_by_value(relation)
+        wait.until(lambda d: shown(d) == want)
+        cells = driver.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q td:nth-child(2)")
+        assert {c.text for c in cells} == {relation}
+        driver.find_element(By.CSS_SELECTOR, "#evalqueries tr.q").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evaldetail .gold"))
+        assert driver.find_element(By.ID, "error").text == ""
+        driver.save_screenshot(str(tmp_path / "browse.png"))
+        assert (tmp_path / "browse.png").stat().st_size > 0
     finally:
         if driver is not None:
             driver.quit()
