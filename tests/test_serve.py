@@ -166,6 +166,7 @@ def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
     )
 
 
+@pytest.mark.slow  # 30 s: eight query lengths compile once each
 def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
     """Eight requests fired together: each gets its own (correct) answer, and the device work
     (`Engine._gradient`) never runs twice at once, so memory is not multiplied."""
