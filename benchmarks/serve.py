@@ -6,7 +6,7 @@
 Prints one JSON object: p50 / p95 / mean / max seconds of `--n` queries per method (after one
 warm-up query per method and per distinct query length, so compiles are not counted), the
 index size and the device. Queries are the corpus passages split into prompt + last word,
-cycled. Wall time on a shared machine measures the contention too: say how loaded it was.
+cycled (passages that do not fit model.max_len are skipped). Wall time on a shared machine measures the contention too: say how loaded it was.
 """
 
 import json
@@ -20,6 +20,9 @@ from absl import app, flags
 _WORKDIR = flags.DEFINE_string("workdir", None, "A trained + indexed run (default: train a tiny one in a temp dir).")
 _N = flags.DEFINE_integer("n", 100, "Timed queries per method.")
 _K = flags.DEFINE_integer("k", 10, "Proponents per query.")
+_MIX_LAMBDA = flags.DEFINE_float(
+    "mix_lambda", None, "Fixed hessian.mix_lambda for the served rows (one query cannot choose it automatically)."
+)
 _METHODS = flags.DEFINE_list("methods", ["trackstar", "exp5", "bm25"], "Methods to time (those available).")
 
 
@@ -51,6 +54,8 @@ def main(argv):
     if _WORKDIR.value:
         workdir = _WORKDIR.value
         settings = config_lib.load_run_settings(workdir)
+        if _MIX_LAMBDA.value is not None:
+            settings = settings.replace({"hessian.mix_lambda": _MIX_LAMBDA.value})
     else:
         workdir = tempfile.mkdtemp(prefix="serve_bench_")
         settings = _tiny_run(workdir)
@@ -60,13 +65,17 @@ def main(argv):
     queries = []
     for t in texts:
         words = t.rstrip(". ").split(" ")
-        if len(words) > 1:
-            queries.append((" ".join(words[:-1]), " " + words[-1]))
+        p, t = " ".join(words[:-1]), " " + words[-1]
+        # passages longer than model.max_len (truncated in the index) cannot be asked whole: skip them
+        if len(words) > 1 and 1 + len(engine.run.tokenizer.encode(p + t)) < engine.run.model_cfg.max_len:
+            queries.append((p, t))
     out = {
         "workdir": str(workdir),
         "num_passages": len(texts),
+        "num_distinct_queries": len(queries),
         "n": _N.value,
         "k": _K.value,
+        "mix_lambda": settings.hessian.mix_lambda,
         "device": str(jax.devices()[0]),
         "num_devices": jax.device_count(),
         "methods": {},

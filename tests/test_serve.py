@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from conftest import tiny_run_config
 
 pytest.importorskip("starlette", reason="the serve extra (starlette, httpx) is not installed")
 pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
@@ -17,12 +18,16 @@ pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
 from starlette.testclient import TestClient  # noqa: E402
 
 from trackstar_jax import config as config_lib  # noqa: E402
+from trackstar_jax import (
+    evaluation,  # noqa: E402
+    training,  # noqa: E402
+)
 from trackstar_jax import methods as methods_lib  # noqa: E402
-from trackstar_jax import training  # noqa: E402
-from trackstar_jax.evaluation import rows  # noqa: E402
+from trackstar_jax.evaluation import embedding, rows  # noqa: E402
 from trackstar_jax.index import build  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
 from trackstar_jax.serving import app as app_lib  # noqa: E402
+from trackstar_jax.serving import browse  # noqa: E402
 from trackstar_jax.serving import engine as engine_lib  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -161,10 +166,243 @@ def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
     )
 
 
+def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
+    """Eight requests fired together: each gets its own (correct) answer, and the device work
+    (`Engine._gradient`) never runs twice at once, so memory is not multiplied."""
+    _, _, engine, client = served
+    facts = [_fact(engine, (1, 3)[i % 2]) for i in range(8)]  # two facts asked before: no new compile
+    want = [
+        client.post("/api/query", json={"prompt": p, "target": t, "k": 4, "method": "trackstar"}).json()["record"]
+        for p, t in facts
+    ]
+    inside, peak, guard = [0], [0], threading.Lock()
+    original = engine._gradient
+
+    def counted(*args, **kwargs):
+        with guard:
+            inside[0] += 1
+            peak[0] = max(peak[0], inside[0])
+        time.sleep(0.05)  # widen the window an unserialized second call would overlap in
+        try:
+            return original(*args, **kwargs)
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    monkeypatch.setattr(engine, "_gradient", counted)
+    got = [None] * len(facts)
+    start = threading.Barrier(len(facts))
+
+    def ask(i):
+        start.wait()
+        p, t = facts[i]
+        got[i] = client.post("/api/query", json={"prompt": p, "target": t, "k": 4, "method": "trackstar"})
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(facts))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=120)
+    assert all(r is not None and r.status_code == 200 for r in got), [r and r.text for r in got]
+    assert [r.json()["record"] for r in got] == want
+    assert peak[0] == 1, f"{peak[0]} queries ran on the device at once"
+
+
 def test_page_is_served(served):
     client = served[3]
     r = client.get("/")
     assert r.status_code == 200 and "/api/query" in r.text and "Export jsonl" in r.text
+
+
+# ------------------------------------------------------------------------------------------
+# Browse an evaluation: /api/eval and /api/eval/query against the files evaluate wrote
+# ------------------------------------------------------------------------------------------
+
+
+def _eval_config():
+    """tests/test_notebook.py's run and evaluation, value for value: in a full session both
+    modules share the trained run (`tiny_run`) and evaluate finds its output and returns."""
+    methods = ("trex_gold", "bm25") + (("dense",) if embedding.is_available() else ()) + ("trackstar",)
+    return tiny_run_config(
+        num_facts=24,
+        num_distractors=30,
+        num_steps=10,
+        chunk_rows=32,
+        **{"eval.methods": methods, "eval.max_new_tokens": 4, "eval.num_examples_shown": 2, "tailpatch.batch_size": 8},
+    )
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_run):
+    """(workdir, engine, client) over a tiny run with `eval/` written by `evaluation.evaluate`."""
+    settings = config_lib.from_configdict(_eval_config())
+    workdir = tiny_run(_eval_config())
+    evaluation.evaluate(settings, workdir)
+    engine = engine_lib.Engine(settings, workdir, dense=False)
+    return workdir, engine, TestClient(app_lib.make_app(engine))
+
+
+def _eval_files(workdir):
+    """What evaluate wrote, read with plain json: queries, {method: records}, table."""
+    ev = workdir / "eval"
+    lines = lambda p: [json.loads(x) for x in p.read_text().splitlines() if x.strip()]  # noqa: E731
+    table = json.loads((ev / "table.json").read_text())
+    recs = {r["method"]: lines(ev / "retrievals" / f"{r['method']}.jsonl") for r in table["rows"]}
+    return lines(ev / "queries.jsonl"), recs, table
+
+
+def _none_if_nan(x):
+    return None if isinstance(x, float) and x != x else x
+
+
+def test_eval_api_equals_the_evaluation_files(evaluated):
+    workdir, engine, client = evaluated
+    queries, recs, table = _eval_files(workdir)
+    r = client.get("/api/eval")
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["name"] == "eval" and "eval" in got["evals"] and got["num_queries"] == len(queries)
+    assert [m["name"] for m in got["methods"]] == [row["method"] for row in table["rows"]]
+    assert [m["label"] for m in got["methods"]] == [row["label"] for row in table["rows"]]
+    for g, row in zip(got["table"]["rows"], table["rows"]):
+        for key in ("method", "num_queries", "mrr", "recall_at_10", "tailpatch_at_1", "tailpatch_at_10"):
+            assert g[key] == _none_if_nan(row[key]), (row["method"], key)
+    assert got["table"]["model_accuracy"] == table["model_accuracy"]
+    assert [q["query_id"] for q in got["queries"]] == [q["query_id"] for q in queries]
+    for g, q in zip(got["queries"], queries):
+        for key in ("fact_id", "relation", "subject", "object", "prompt", "target", "bucket"):
+            assert g[key] == q[key], key
+        assert g["frequency"] == len(q["mention_ids"])
+        assert [p["example_id"] for p in g["gold"]] == q["entailing_ids"]
+        assert [p["text"] for p in g["gold"]] == [engine.run.corpus.texts[i] for i in q["entailing_ids"]]
+        for m, recs_m in recs.items():
+            rec = recs_m[q["query_id"]]
+            assert g["model_correct"] == rec["model_correct"] and g["model_completion"] == rec["model_completion"]
+            # first gold rank, the naive way: scan the stored ids against the stored gold list
+            want_rank = None
+            for rank, pid in enumerate(rec["proponent_ids"], start=1):
+                if pid in q["entailing_ids"]:
+                    want_rank = rank
+                    break
+            cell = g["methods"][m]
+            assert cell["first_gold_rank"] == want_rank, (m, q["query_id"])
+            assert cell["tailpatch"] == rec["proponent_tailpatch"]
+            top = rec["proponent_tailpatch"][:10]  # fewer than 10 for the gold row: the mean is over those
+            assert cell["tailpatch_at_1"] == pytest.approx(top[0])
+            assert cell["tailpatch_at_10"] == pytest.approx(sum(top) / len(top))
+    # BM25 ranks the stating (template 0) passage first on the embedded corpus.
+    assert all(g["methods"]["bm25"]["first_gold_rank"] == 1 for g in got["queries"] if g["gold"])
+
+
+def test_eval_filters_return_exactly_the_matching_queries(evaluated):
+    workdir, _, client = evaluated
+    queries, recs, _ = _eval_files(workdir)
+    correct = {q["query_id"]: recs["bm25"][q["query_id"]]["model_correct"] for q in queries}
+    facets = client.get("/api/eval").json()["facets"]
+    assert facets["relation"] == sorted({q["relation"] for q in queries})
+    assert sorted(facets["bucket"]) == sorted({q["bucket"] for q in queries})
+    assert len(facets["relation"]) > 1, facets  # (one bucket and no correct answer here: see the next test)
+
+    def ids(**params):
+        r = client.get("/api/eval", params=params)
+        assert r.status_code == 200, (params, r.text)
+        assert r.json()["filters"] == params
+        return [q["query_id"] for q in r.json()["queries"]]
+
+    cases = [{"relation": v} for v in facets["relation"]] + [{"bucket": v} for v in facets["bucket"]]
+    cases += [{"correct": "true"}, {"correct": "false"}]
+    cases += [{"relation": facets["relation"][0], "bucket": b, "correct": "false"} for b in facets["bucket"]]
+    for params in cases:
+        want = [
+            q["query_id"]
+            for q in queries
+            if q["relation"] == params.get("relation", q["relation"])
+            and q["bucket"] == params.get("bucket", q["bucket"])
+            and ("correct" not in params or correct[q["query_id"]] == (params["correct"] == "true"))
+        ]
+        assert ids(**params) == want, params
+    assert sum(len(ids(relation=v)) for v in facets["relation"]) == len(queries)
+
+
+def test_eval_filters_on_mixed_buckets_and_correctness(evaluated, tmp_path):
+    """The tiny run has one frequency bucket and a model that answers nothing correctly: on a
+    copy of its eval files with buckets and correctness varied, each filter still returns
+    exactly its subset."""
+    workdir, engine, _ = evaluated
+    queries, recs, table = _eval_files(workdir)
+    (tmp_path / "eval" / "retrievals").mkdir(parents=True)
+    for q in queries:
+        q["bucket"] = ("0", "[1,10)", "[10,100)")[q["query_id"] % 3]
+    correct = {q["query_id"]: q["query_id"] % 2 == 0 for q in queries}
+    dump = lambda rows: "".join(json.dumps(x) + "\n" for x in rows)  # noqa: E731
+    (tmp_path / "eval" / "queries.jsonl").write_text(dump(queries))
+    (tmp_path / "eval" / "table.json").write_text(json.dumps(table))
+    for m, recs_m in recs.items():
+        for x in recs_m:
+            x["model_correct"] = correct[x["example_id"]]
+        (tmp_path / "eval" / "retrievals" / f"{m}.jsonl").write_text(dump(recs_m))
+    browser = browse.Browser(tmp_path, engine.run.corpus.texts)
+    assert browser.summary()["facets"]["bucket"] == ["0", "[1,10)", "[10,100)"]
+    assert browser.summary()["facets"]["correct"] == [True, False]
+    rel = queries[0]["relation"]
+    for b in ("0", "[1,10)", "[10,100)"):
+        for c in ("true", "false"):
+            for f in ({"bucket": b}, {"bucket": b, "correct": c}, {"bucket": b, "correct": c, "relation": rel}):
+                want = [
+                    q["query_id"]
+                    for q in queries
+                    if q["bucket"] == b
+                    and ("correct" not in f or correct[q["query_id"]] == (c == "true"))
+                    and q["relation"] == f.get("relation", q["relation"])
+                ]
+                got = browser.summary(filters=f)["queries"]
+                assert [q["query_id"] for q in got] == want, f
+                assert all(q["model_correct"] == correct[q["query_id"]] for q in got)
+    assert [q["query_id"] for q in browser.summary(filters={"correct": "true"})["queries"]] == [
+        q for q in correct if correct[q]
+    ]
+
+
+def test_eval_bad_filters_are_refused_and_the_server_keeps_serving(evaluated):
+    _, _, client = evaluated
+    bad = [
+        ("/api/eval?relation=P999", 400, "relation"),
+        ("/api/eval?bucket=%5B7,8)", 400, "bucket"),
+        ("/api/eval?correct=maybe", 400, "correct"),
+        ("/api/eval?correct=True", 400, "correct"),
+        ("/api/eval?colour=red", 400, "unknown parameters"),
+        ("/api/eval?relation=P19&relation=P20", 400, "more than once"),
+        ("/api/eval?name=nothing", 404, "no evaluation named"),
+        ("/api/eval?name=..", 404, "no evaluation named"),
+        ("/api/eval?name=../eval", 404, "no evaluation named"),
+        ("/api/eval/query?query_id=-1", 400, "query_id"),
+        ("/api/eval/query?query_id=x", 400, "query_id"),
+        ("/api/eval/query?query_id=100000", 400, "query_id"),
+        ("/api/eval/query", 400, "query_id"),
+        ("/api/eval/query?query_id=0&k=0", 400, "k:"),
+        ("/api/eval/query?query_id=0&k=ten", 400, "k:"),
+    ]
+    for url, status, match in bad:
+        r = client.get(url)
+        assert r.status_code == status and match in r.json()["error"], (url, r.status_code, r.text)
+    assert client.get("/api/eval").status_code == 200
+
+
+def test_eval_query_detail_equals_the_records(evaluated):
+    workdir, _, client = evaluated
+    queries, recs, _ = _eval_files(workdir)
+    qid = queries[1]["query_id"]
+    r = client.get("/api/eval/query", params={"query_id": qid, "k": 3})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    for m, recs_m in recs.items():
+        rec = recs_m[qid]
+        assert got["records"][m] == rec
+        shown = got["proponents"][m]
+        assert [p["example_id"] for p in shown] == rec["proponent_ids"][:3]
+        assert [p["score"] for p in shown] == rec["proponent_scores"][:3]
+        assert [p["tailpatch"] for p in shown] == rec["proponent_tailpatch"][:3]
+        assert [p["entailing"] for p in shown] == [i in queries[1]["entailing_ids"] for i in rec["proponent_ids"][:3]]
 
 
 # ------------------------------------------------------------------------------------------
@@ -245,6 +483,64 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "explorer.png"))
         assert (tmp_path / "explorer.png").stat().st_size > 0
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_browse_view_in_headless_chromium(evaluated, tmp_path):
+    """Open the browse view, filter by a relation: the rows shown are the API's filtered queries."""
+    _browser_or_skip()
+    import uvicorn
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    _, engine, client = evaluated
+    facets = client.get("/api/eval").json()["facets"]
+    relation = facets["relation"][1]
+    want = [q["query_id"] for q in client.get("/api/eval", params={"relation": relation}).json()["queries"]]
+    everything = [q["query_id"] for q in client.get("/api/eval").json()["queries"]]
+    assert 0 < len(want) < len(everything)
+    port = _free_port()
+    server = uvicorn.Server(uvicorn.Config(app_lib.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    opts = Options()
+    opts.binary_location = shutil.which("chromium")
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
+        opts.add_argument(a)
+    driver = None
+    try:
+        deadline = time.time() + 30
+        while not server.started:
+            assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.05)
+        driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+        driver.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(driver, 60)
+
+        def shown(d):
+            rows = d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q")
+            return [int(r.get_attribute("data-qid")) for r in rows]
+
+        driver.find_element(By.ID, "browse").click()
+        wait.until(lambda d: shown(d) == everything)
+        table_rows = client.get("/api/eval").json()["table"]["rows"]
+        assert len(driver.find_elements(By.CSS_SELECTOR, "#metrics tr")) == 1 + len(table_rows)
+        Select(driver.find_element(By.ID, "f-relation")).select_by_value(relation)
+        wait.until(lambda d: shown(d) == want)
+        cells = driver.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q td:nth-child(2)")
+        assert {c.text for c in cells} == {relation}
+        driver.find_element(By.CSS_SELECTOR, "#evalqueries tr.q").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evaldetail .gold"))
+        assert driver.find_element(By.ID, "error").text == ""
+        driver.save_screenshot(str(tmp_path / "browse.png"))
+        assert (tmp_path / "browse.png").stat().st_size > 0
     finally:
         if driver is not None:
             driver.quit()

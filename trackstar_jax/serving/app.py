@@ -9,8 +9,13 @@ keeps serving):
   "proponents": [{"example_id", "score", "text"}], "opponents", "method", "seconds", "record"}`.
   No target: the model's greedy completion is the target ("debugging incorrect predictions").
 - `GET /api/file?path=<relative to the workdir>` : a retrieval jsonl as a JSON list.
-- `GET /api/eval` : `eval/table.json` and the evaluation's queries with each method's
-  first-gold rank (404 when the run has no evaluation).
+- `GET /api/eval?name=eval&relation=&bucket=&correct=` : an evaluation's metrics table, its
+  filter values and the queries that pass the filters, each with its gold passages, the
+  model's completion / correctness, and per method the 1-based rank of the first gold passage
+  and the tail-patch deltas (`browse.Browser.summary`; 404 when the run has no such
+  evaluation, 400 for an unknown filter or value).
+- `GET /api/eval/query?name=eval&query_id=&k=` : one evaluation query's proponents per method
+  with gold labels and tail-patch deltas, and its raw records (`browse.Browser.query_detail`).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from starlette.staticfiles import StaticFiles
 
 from trackstar_jax import files
 from trackstar_jax.evaluation import results as results_lib
+from trackstar_jax.serving import browse as browse_lib
 from trackstar_jax.serving import engine as engine_lib
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
@@ -63,20 +69,6 @@ def read_jsonl(path: pathlib.Path, rel: str) -> list[dict]:
     except files.InputError as e:
         raise ValueError(str(e).replace(str(path), rel)) from None
     return out
-
-
-def eval_summary(workdir: pathlib.Path) -> dict:
-    """table.json + per query, each method's 0-based rank of its first gold passage (None: not retrieved)."""
-    res = results_lib.load_results(workdir)
-    qs = []
-    for i, q in enumerate(res.queries):
-        gold = set(int(g) for g in q.entailing_ids)
-        ranks = {}
-        for m, recs in res.retrievals.items():
-            ids = recs[i].get("proponent_ids", [])
-            ranks[m] = next((r for r, pid in enumerate(ids) if pid in gold), None)
-        qs.append({"query_id": q.query_id, "prompt": q.prompt, "target": q.target, "first_gold_rank": ranks})
-    return {"table": res.table, "queries": qs, "methods": res.methods}
 
 
 def make_app(engine: engine_lib.Engine) -> applications.Starlette:
@@ -125,13 +117,44 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
         except ValueError as e:
             return _error(400, str(e))
 
-    async def evaluation(request: requests.Request) -> responses.Response:
+    browser = browse_lib.Browser(engine.workdir, engine.run.corpus.texts)
+
+    def _single(request: requests.Request, allowed: tuple[str, ...]) -> dict[str, str]:
+        """The query parameters, each given at most once and each in `allowed` (BrowseError otherwise)."""
+        params = request.query_params
+        unknown = sorted(set(params.keys()) - set(allowed))
+        if unknown:
+            raise browse_lib.BrowseError(f"unknown parameters {unknown}; expected some of {list(allowed)}")
+        repeated = sorted(key for key in params.keys() if len(params.getlist(key)) > 1)
+        if repeated:
+            raise browse_lib.BrowseError(f"parameters {repeated} given more than once")
+        return dict(params.items())
+
+    async def _browse(call, request: requests.Request, allowed: tuple[str, ...]) -> responses.Response:
         try:
-            return responses.JSONResponse(eval_summary(engine.workdir))
+            params = _single(request, allowed)
+            out = await concurrency.run_in_threadpool(call, params.pop("name", results_lib.EVAL_DIR), params)
+        except browse_lib.BrowseError as e:
+            return _error(400, str(e))
         except FileNotFoundError as e:
             return _error(404, str(e))
-        except ValueError as e:
+        except (ValueError, files.InputError) as e:  # written files that do not read back
             return _error(500, str(e))
+        return responses.JSONResponse(out)
+
+    async def evaluation(request: requests.Request) -> responses.Response:
+        return await _browse(browser.summary, request, ("name",) + browse_lib.FILTERS)
+
+    def _detail(name: str, params: dict) -> dict:
+        k = params.get("k", "10")
+        if not k.isdigit() or not 1 <= int(k) <= engine.max_k:
+            raise browse_lib.BrowseError(f"k: must be an integer in [1, {engine.max_k}], got {k!r}")
+        if "query_id" not in params:
+            raise browse_lib.BrowseError("query_id: missing")
+        return browser.query_detail(name, params["query_id"], int(k))
+
+    async def eval_query(request: requests.Request) -> responses.Response:
+        return await _browse(_detail, request, ("name", "query_id", "k"))
 
     async def index(request: requests.Request) -> responses.Response:
         return responses.FileResponse(STATIC_DIR / "index.html")
@@ -143,6 +166,7 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
             routing.Route("/api/query", query, methods=["POST"]),
             routing.Route("/api/file", file),
             routing.Route("/api/eval", evaluation),
+            routing.Route("/api/eval/query", eval_query),
             routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
         ]
     )

@@ -255,7 +255,13 @@ class Engine:
         except ValueError as e:
             raise QueryError(str(e)) from e
         q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
-        scoring = row.scoring or scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
+        try:
+            scoring = row.scoring or scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
+        except ValueError as e:  # e.g. automatic λ needs R_eval of rank >= its crossing component: one query is not
+            raise QueryError(
+                f"method {method!r}: {e} (a served query is its own R_eval: start the server with a fixed "
+                "--config.hessian.mix_lambda, or use another method)"
+            ) from e
         res = topk.stream_topk(
             scoring.finalize_queries(q_raw),
             row.reader,

@@ -1,0 +1,228 @@
+"""Browsing an evaluation's output (`workdir/eval*/`) for the explorer: queries, filters, ranks.
+
+Reads what `evaluation.evaluate` wrote, through `evaluation.results.load_results` (queries,
+per-row retrievals in the PAIR-code schema with tail-patch deltas, table.json), and answers
+
+- `summary(...)`: the metrics table, the filter values on offer, and per query (after the
+  relation / frequency-bucket / model-correctness filters) its gold passages, the model's
+  completion and correctness, and for each method the 1-based rank of its first gold passage
+  (None: no gold passage among the retrieved) and the tail-patch deltas of its proponents;
+- `query_detail(...)`: one query's proponents per method (`results.proponent_rows`) and the
+  raw retrieval records (for export).
+
+Bad filter values raise `BrowseError` (the API answers 400); a missing evaluation raises
+FileNotFoundError (404). JSON has no NaN: non-finite floats become None.
+"""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import threading
+from typing import Any, Mapping, Sequence
+
+from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.evaluation import results as results_lib
+
+FILTERS = ("relation", "bucket", "correct")
+CORRECT_VALUES = {"true": True, "false": False}
+
+
+class BrowseError(ValueError):
+    """A browse request the server refuses (unknown evaluation name / filter / value)."""
+
+
+def finite(x: Any) -> Any:
+    """`x` with every non-finite float (NaN, inf) replaced by None, recursively (strict JSON)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {k: finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite(v) for v in x]
+    return x
+
+
+def list_evals(workdir: pathlib.Path) -> list[str]:
+    """Evaluation folders directly under `workdir` (those with table.json and queries.jsonl), sorted."""
+    return sorted(
+        p.name
+        for p in workdir.iterdir()
+        if p.is_dir() and (p / "table.json").is_file() and (p / "queries.jsonl").is_file()
+    )
+
+
+def first_gold_rank(proponent_ids: Sequence[int], gold: Sequence[int]) -> int | None:
+    """1-based rank of the first proponent in `gold` (the reciprocal of the query's MRR term); None: none."""
+    gold = set(int(g) for g in gold)
+    return next((r + 1 for r, pid in enumerate(proponent_ids) if int(pid) in gold), None)
+
+
+def tailpatch_means(deltas: Sequence[float | None], ks: Sequence[int]) -> dict[str, float | None]:
+    """`metrics.tailpatch_at_k` over the stored deltas of the top max(ks) proponents; None
+    for every k when one of those deltas was not computed."""
+    top = list(deltas[: max(ks)])
+    if any(d is None for d in top):
+        return {f"tailpatch_at_{k}": None for k in ks}
+    return finite(metrics_lib.tailpatch_at_k(top, ks))
+
+
+class Browser:
+    """The evaluations of one workdir, each loaded once (reloaded when its table.json changes).
+
+    Args:
+      workdir: the run directory (resolved).
+      texts: the corpus passages (gold passage texts).
+    """
+
+    def __init__(self, workdir: pathlib.Path, texts: Sequence[str]):
+        self.workdir, self.texts = workdir, texts
+        self._cache: dict[str, tuple[int, results_lib.Results]] = {}
+        self._lock = threading.Lock()
+
+    def results(self, name: str) -> results_lib.Results:
+        """The loaded evaluation `name` (a folder listed by `list_evals`).
+
+        Raises:
+          FileNotFoundError: no such evaluation (names those that exist).
+        """
+        available = list_evals(self.workdir) if self.workdir.is_dir() else []
+        if name not in available:
+            raise FileNotFoundError(
+                f"no evaluation named {name!r} in the workdir (have {available}; run `python -m launch.evaluate`)"
+                if available
+                else "no evaluation output in the workdir (run `python -m launch.evaluate` first)"
+            )
+        stamp = (self.workdir / name / "table.json").stat().st_mtime_ns
+        with self._lock:
+            hit = self._cache.get(name)
+            if hit is None or hit[0] != stamp:
+                hit = (stamp, results_lib.load_results(self.workdir, name))
+                self._cache[name] = hit
+        return hit[1]
+
+    def summary(self, name: str = results_lib.EVAL_DIR, filters: Mapping[str, str] | None = None) -> dict:
+        """`GET /api/eval`: table, facets and the filtered queries (see the module docstring).
+
+        Args:
+          name: the evaluation folder.
+          filters: `{"relation" | "bucket" | "correct": value}` (strings, as in a URL): a relation
+            or bucket the evaluation has, correct "true" / "false"; all given must hold.
+
+        Raises:
+          BrowseError: unknown filter or a value the evaluation does not have (names the choices).
+          FileNotFoundError: no such evaluation.
+        """
+        res = self.results(name)
+        filters = dict(filters or {})
+        unknown = sorted(set(filters) - set(FILTERS))
+        if unknown:
+            raise BrowseError(f"unknown filters {unknown}; expected some of {list(FILTERS)}")
+        first = next(iter(res.retrievals.values()), None)
+        correct = [None if first is None else first[i].get("model_correct") for i in range(len(res.queries))]
+        completion = [None if first is None else first[i].get("model_completion") for i in range(len(res.queries))]
+        buckets_present = {q.bucket for q in res.queries}
+        facets = {
+            "relation": sorted({q.relation for q in res.queries}),
+            "bucket": [b for b in _bucket_order(res) if b in buckets_present],
+            "correct": sorted({c for c in correct if c is not None}, reverse=True),
+        }
+        want: dict[str, Any] = {}
+        for key, value in filters.items():
+            if key == "correct":  # either value is meaningful, even when no query has it
+                if value not in CORRECT_VALUES:
+                    raise BrowseError(f"correct: {value!r} is not one of {list(CORRECT_VALUES)}")
+                want[key] = CORRECT_VALUES[value]
+            elif value not in facets[key]:
+                raise BrowseError(f"{key}: {value!r} is not one of this evaluation's values {facets[key]}")
+            else:
+                want[key] = value
+        top_ks = tuple(res.table.get("tailpatch", {}).get("top_ks", metrics_lib.DEFAULT_TAILPATCH_KS))
+        queries = []
+        for i, q in enumerate(res.queries):
+            if any(
+                (key == "relation" and q.relation != v)
+                or (key == "bucket" and q.bucket != v)
+                or (key == "correct" and correct[i] is not v)
+                for key, v in want.items()
+            ):
+                continue
+            per_method = {}
+            for m in res.methods:
+                rec = res.retrievals[m][i]
+                deltas = rec.get("proponent_tailpatch") or []
+                per_method[m] = {
+                    "first_gold_rank": first_gold_rank(rec.get("proponent_ids", []), q.entailing_ids),
+                    "tailpatch": deltas,
+                    **tailpatch_means(deltas, top_ks),
+                }
+            queries.append(
+                {
+                    "query_id": q.query_id,
+                    "fact_id": q.fact_id,
+                    "relation": q.relation,
+                    "subject": q.subject,
+                    "object": q.object,
+                    "subject_aliases": list(q.subject_aliases),
+                    "aliases": list(q.aliases),
+                    "prompt": q.prompt,
+                    "target": q.target,
+                    "bucket": q.bucket,
+                    "frequency": q.frequency,
+                    "model_completion": completion[i],
+                    "model_correct": correct[i],
+                    "gold": [{"example_id": int(g), "text": self.texts[int(g)]} for g in q.entailing_ids],
+                    "methods": per_method,
+                }
+            )
+        t = res.table
+        return finite(
+            {
+                "name": name,
+                "evals": list_evals(self.workdir),
+                "methods": [{"name": m, "label": res.label(m)} for m in res.methods],
+                "table": {
+                    "columns": list(metrics_lib.ATTRIBUTION_METRICS) + [f"tailpatch_at_{k}" for k in top_ks],
+                    "rows": t["rows"],
+                    **{k: t.get(k) for k in ("num_queries", "model_accuracy", "query_mode", "template_variant", "ci")},
+                    "corpus": t.get("corpus"),
+                    "checkpoint_step": t.get("model", {}).get("checkpoint_step"),
+                },
+                "facets": facets,
+                "filters": {k: filters[k] for k in FILTERS if k in filters},
+                "num_queries": len(res.queries),
+                "queries": queries,
+            }
+        )
+
+    def query_detail(self, name: str, query_id: str, k: int = 10) -> dict:
+        """`GET /api/eval/query`: one query's top-`k` proponents per method (`results.proponent_rows`:
+        rank, id, score, gold / mention labels, tail-patch delta, text) and its raw records.
+
+        Raises:
+          BrowseError: `query_id` is not an id of this evaluation.
+          FileNotFoundError: no such evaluation.
+        """
+        res = self.results(name)
+        try:
+            qi = int(query_id)
+        except (TypeError, ValueError):
+            qi = -1
+        if not 0 <= qi < len(res.queries) or str(qi) != str(query_id).strip():
+            raise BrowseError(f"query_id: {query_id!r} is not in [0, {len(res.queries) - 1}]")
+        return finite(
+            {
+                "name": name,
+                "query_id": qi,
+                "proponents": {m: results_lib.proponent_rows(res, qi, m, k=k) for m in res.methods},
+                "records": {m: res.retrievals[m][qi] for m in res.methods},
+            }
+        )
+
+
+def _bucket_order(res: results_lib.Results) -> list[str]:
+    """Bucket names in increasing frequency (the evaluation's own bucket edges), then any others sorted."""
+    edges = res.table.get("settings", {}).get("eval", {}).get("bucket_edges") or queries_lib.DEFAULT_BUCKET_EDGES
+    order = queries_lib.bucket_order(edges)
+    return order + sorted({q.bucket for q in res.queries} - set(order))
