@@ -28,7 +28,11 @@ def main(argv):
     logging.info("devices: %s", jax.devices())
     multihost.require_single_process("launch.evaluate")  # see BUILD_NOTES "Multi-host (pods)"
     settings = _config.settings(_CONFIG)
-    if _TRAIN.value:
+    if _TRAIN.value and settings.model.source:
+        logging.info(
+            "model.source is set: evaluating the imported run as it is (launch.train continues pretraining it)"
+        )
+    elif _TRAIN.value:
         summary = training.train(settings, _WORKDIR.value)
         print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")
     table = evaluation.evaluate(settings, _WORKDIR.value)

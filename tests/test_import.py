@@ -194,3 +194,53 @@ def test_no_estimate_refuses_the_correction(hf_folder, tmp_path):
     c.vectors.estimate_v_examples = 8  # a different estimate on a finished import is refused, not redone
     with pytest.raises(config_lib.ConfigError, match="estimate_v_examples=8"):
         importer.import_model(config_lib.from_configdict(c), workdir)
+
+
+@pytest.mark.slow  # ~140 s on the shared 2-core CPU (train + completions + index compiles)
+def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
+    """`training.train` on an import: starts from the imported parameters with a fresh Adafactor,
+    trains on the run's corpus, and the run then has a measured optimizer state."""
+    import jax
+
+    from trackstar_jax.training import step as step_lib
+
+    c = _config(hf_folder)
+    workdir = tmp_path / "run"
+    importer.import_model(config_lib.from_configdict(c), workdir)
+    c.train.num_steps, c.train.checkpoint_every_steps, c.train.max_checkpoints_to_keep = 2, 1, 5
+    summary = training.train(config_lib.from_configdict(c), workdir)
+    assert summary["step"] == 2 and np.isfinite(summary["train_loss"])
+
+    # Step 1 is one train step from the imported parameters with optax's initial state.
+    imported = checkpoint.load_run(workdir, step=0)
+    run1 = checkpoint.load_run(workdir, step=1)
+    settings = run1.settings
+    opt = step_lib.make_optimizer(settings.train.optimizer)
+    state0 = step_lib.TrainState(
+        step=jax.numpy.zeros((), jax.numpy.int32), params=imported.params, opt_state=opt.init(imported.params)
+    )
+    batch = next(
+        data_lib.train_batches(
+            run1.corpus,
+            run1.tokenizer,
+            settings.train.global_batch_size,
+            settings.model.max_len,
+            settings.seed,
+            start_step=0,
+        )
+    )
+    want, _ = step_lib.train_step(state0, batch, graphdef=run1.graphdef, opt=opt)
+    for p, x in lm.flat_params(want.params).items():
+        np.testing.assert_allclose(np.asarray(lm.flat_params(run1.params)[p]), x, rtol=1e-5, atol=1e-6, err_msg=p)
+
+    run = checkpoint.load_run(workdir)
+    assert run.step == 2 and run.opt_state is not None
+    assert run.opt_state_info["kind"] == "measured" and run.opt_state_info["steps"] == 2
+    assert run.opt_state_info["imported"]["kind"] == "estimated"
+    counts = [int(x) for p, x in jax.tree_util.tree_leaves_with_path(run.opt_state) if "count" in str(p)]
+    assert counts and all(n == 2 for n in counts)  # the optimizer's own count, not the estimate's
+
+    settings = config_lib.from_configdict(c)
+    build.build_index(settings, workdir)
+    man = store.read_manifest(build.index_dir(settings, workdir))
+    assert man["model"]["second_moment"]["kind"] == "measured"

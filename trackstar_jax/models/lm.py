@@ -48,8 +48,9 @@ ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 _ARCH_MODULES = {a: f"trackstar_jax.models.{a}" for a in ARCHS}
 
 # Parameters TrackStar never attributes (§3: "all model parameters except the token
-# embedding layer"); with tied embeddings this is also the output embedding.
-EXCLUDED_PARAMS = ("embed",)
+# embedding layer"); with tied embeddings this is also the output embedding. `unattributed`
+# holds what an adapted model's rules leave out (`models/adapter.py`).
+EXCLUDED_PARAMS = ("embed", "unattributed")
 # Attention key biases are not attributed either (the paper's models have none). Adding a
 # bias to every key shifts each query's scores by a constant, which the softmax ignores:
 # where RoPE does not rotate it (GPT-NeoX's un-rotated 75%), its gradient is identically

@@ -91,7 +91,9 @@ def prepare_data(
     model_cfg = settings.model
     corpus = prepare_corpus(settings, workdir)
     tok_path = workdir / checkpoint_lib.TOKENIZER_FILE
-    if tok_path.exists():
+    if settings.model.source:  # an imported run brings its tokenizer (launch.import_model)
+        tok = checkpoint_lib.load_run_tokenizer(workdir)
+    elif tok_path.exists():
         tok = data_lib.load_tokenizer(tok_path)
     else:
         tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, settings.data.tokenizer_model_type)
@@ -350,8 +352,48 @@ def _open_run_dir(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple
     return corpus, tok
 
 
+def imported_settings(settings: config_lib.Settings, workdir: pathlib.Path) -> config_lib.Settings:
+    """The settings of an imported run (`model.source` set): the model section resolved as
+    `launch.import_model` wrote it into the run's config.json.
+
+    Raises:
+      ConfigError: the workdir holds no import (run `launch.import_model` first), or the
+        config's model section disagrees with the import (named by `resolve_imported_model`).
+    """
+    if not (workdir / checkpoint_lib.OPT_STATE_INFO_FILE).exists():
+        raise config_lib.ConfigError(
+            f"config.model.source={settings.model.source!r}: {workdir} holds no imported model; run "
+            "`python -m launch.import_model` with this config and workdir first, then `launch.train` "
+            "continues pretraining it" + (f" (in {settings.source})" if settings.source else "")
+        )
+    saved = config_lib.load_run_settings(workdir)
+    model = config_lib.resolve_imported_model(settings.model, saved.model, settings.source)
+    return dataclasses.replace(settings, model=model)
+
+
+def record_measured_opt_state(workdir: pathlib.Path, step: int) -> None:
+    """Marks an imported run's optimizer state as the one training accumulated (`opt_state.json`
+    kind "measured"; the import's estimate is kept under "imported"), so the correction and the
+    index manifest stop calling it estimated."""
+    path = workdir / checkpoint_lib.OPT_STATE_INFO_FILE
+    before = checkpoint_lib.read_opt_state_info(workdir) or {}
+    before = before.get("imported", before) if before.get("kind") == "measured" else before
+    record = {
+        "kind": "measured",
+        "method": "optax.adafactor state of continued pretraining on the run's corpus (training.loop.train)",
+        "steps": int(step),
+        "imported": before,
+    }
+    files.atomic_write_json(path, record)
+
+
 def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 1: pretrain the run's model (resuming from its latest checkpoint).
+
+    An imported run (`model.source` set, written by `launch.import_model`) is continued
+    instead: from the imported parameters (checkpoint step 0), the project's Adafactor starts
+    from zero and trains on the run's corpus to `train.num_steps`; `opt_state.json` then says
+    "measured", and later stages use this state instead of the estimated V.
 
     A workdir of a different run is refused (naming the differing fields); a checkpoint at
     or beyond `train.num_steps` only reports. Multi-host: one SPMD program over the global
@@ -362,12 +404,9 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """
     workdir = pathlib.Path(workdir)
     logs.quiet_library_logs()
-    if settings.model.source:
-        raise config_lib.ConfigError(
-            f"config.model.source={settings.model.source!r}: an imported model is set up with "
-            "`python -m launch.import_model`, not trained (continued pretraining is not "
-            "implemented)" + (f" (in {settings.source})" if settings.source else "")
-        )
+    imported = bool(settings.model.source)
+    if imported:
+        settings = imported_settings(settings, workdir)
     t, model_cfg = settings.train, settings.model
     corpus, tok = _open_run_dir(settings, workdir)
 
@@ -393,6 +432,12 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     if mngr.latest_step() is not None:
         start, state = mngr.restore_latest(fns.target, expect_config=settings, **must_match)
         logging.info("resumed from %s at step %d", mngr.directory, start)
+        if imported and start == 0 and start < t.num_steps:
+            # Continued pretraining starts Adafactor from zero, as pretraining does: the V
+            # estimated at import (single-example gradients) is not mixed into batch moments.
+            opt_state = jax.jit(fns.opt.init, out_shardings=jax.tree.map(lambda x: x.sharding, fns.target.opt_state))
+            state = state.replace(opt_state=opt_state(state.params))
+            logging.info("continued pretraining of the imported model: a fresh Adafactor state")
     else:
         state, start = fns.init(), 0
     logging.info(
@@ -457,6 +502,8 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         log.close()
         mngr.wait_until_finished()
         mngr.close()
+    if imported and start < t.num_steps and multihost.is_primary():
+        record_measured_opt_state(workdir, t.num_steps)
     return _report(
         settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0], log.tokens_per_sec
     )
