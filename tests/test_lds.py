@@ -232,3 +232,19 @@ def test_side_by_side_retraining_equals_one_at_a_time(planted):
         _, want = retrain.retrain_subset(settings, run.corpus, run.tokenizer, m, steps, mesh)
         for got_leaf, want_leaf in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
             np.testing.assert_allclose(np.asarray(got_leaf[j]), np.asarray(want_leaf), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_trex_lds_config_validates_the_trex_run_in_place(variant):
+    from experiments import trex_lds, trex_table1
+
+    got = config_lib.from_configdict(trex_lds.get_config(variant), source="experiments/trex_lds.py")
+    run = config_lib.from_configdict(trex_table1.get_config(variant), source="experiments/trex_table1.py")
+    for sec in ("seed", "model", "data", "train", "vectors", "hessian", "eval"):  # the run and its table
+        assert getattr(got, sec) == getattr(run, sec), sec
+    v = got.validate
+    assert v.num_subsets >= 50 and v.fraction == 0.5 and v.num_steps == 0  # TRAK's M, alpha; full schedule
+    assert 0 < v.num_queries <= run.eval.max_queries  # a subset of the table's queries
+    assert v.num_subsets % v.parallel_subsets == 0  # no short last group
+    assert set(v.methods) == set(trex_table1.ALL_METHODS)
+    assert (v.parallel_subsets, run.model.num_layers) == ((10, 4) if variant == "gpu" else (5, 2))
