@@ -160,4 +160,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.validate.num_steps = 0  # retraining steps per subset (0 = train.num_steps)
     c.validate.methods = ("trackstar", "bm25")  # rows scored (names in methods.METHODS, e.g. "exp1", "trex_gold")
     c.validate.num_queries = 0  # fact queries scored (sets eval.max_queries for this stage; 0 = eval.max_queries)
+    c.validate.parallel_subsets = (
+        1  # K > 1: K subsets retrained side by side (vmap, one device; same result to rounding)
+    )
     return c

@@ -28,6 +28,11 @@ _PROCESS_INDEX = flags.DEFINE_integer(
     "This process's index in [0, process_count): it retrains subsets i with i % process_count == process_index.",
 )
 _PROCESS_COUNT = flags.DEFINE_integer("process_count", 1, "Number of independent processes sharing the subsets.")
+_SUBSET_COUNTS = flags.DEFINE_list(
+    "subset_counts",
+    [],
+    "Also report each row's LDS from its first m subsets for these m (e.g. 10,20,30,50): how the interval narrows.",
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -43,9 +48,12 @@ def main(argv):
         _WORKDIR.value,
         process_index=_PROCESS_INDEX.value,
         process_count=_PROCESS_COUNT.value,
+        subset_counts=[int(m) for m in _SUBSET_COUNTS.value],
     )
     if "report" in out:
         print(pathlib.Path(out["report"]).read_text())
+    for row in out.get("rows", []):
+        print(json.dumps({k: v for k, v in row.items() if k != "per_query"}))
     print(json.dumps({k: v for k, v in out.items() if k != "rows"}))
 
 

@@ -8,13 +8,16 @@ exactly ONE passage (phrasings_per_fact=1): an oracle attribution (the `trex_gol
 
 import json
 
+import jax
 import numpy as np
 import pytest
 import scipy.stats
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import training
+from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import lds, retrain
+from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -71,6 +74,20 @@ def test_lds_sign_convention_and_constant_loss_query():
         lds.lds(scores, masks, losses.T)
 
 
+def test_lds_by_m_is_the_lds_of_the_first_m_subsets():
+    rng = np.random.default_rng(2)
+    scores, masks = rng.normal(size=(5, 12)), rng.random((30, 12)) < 0.5
+    losses = -(masks.astype(float) @ scores.T) + rng.normal(size=(30, 5))  # noisy linear datamodel
+    by = lds.lds_by_m(scores, masks, losses, [10, 30], seed=3)
+    assert [b["m"] for b in by] == [10, 30]
+    for b in by:
+        want = lds.lds(scores, masks[: b["m"]], losses[: b["m"]], seed=3)
+        assert b["lds"] == want.mean and b["lds_ci"] == list(want.ci) and b["num_queries"] == 5
+    assert by[1]["lds"] > 0.3  # the losses follow the scores
+    with pytest.raises(ValueError, match="subset count 31 must be in"):
+        lds.lds_by_m(scores, masks, losses, [31])
+
+
 def test_draw_subset_is_a_function_of_seed_and_index():
     a = lds.draw_subset(101, 0.5, 3, 7)
     assert a.dtype == bool and a.sum() == 50
@@ -111,6 +128,7 @@ def _planted_settings(tiny_config, **validate):
     c.vectors.num_blocks = 1
     c.validate.num_subsets = M
     c.validate.methods = ("trex_gold", "bm25", "exp1")
+    c.validate.parallel_subsets = 4  # M=6: one group of 4 side by side, then 2
     for k, v in validate.items():
         setattr(c.validate, k, v)
     return config_lib.from_configdict(c, source="tests/test_lds.py")
@@ -123,7 +141,7 @@ def planted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lds_run")
     settings = _planted_settings(tiny.get_config())
     training.train(settings, workdir)
-    first = lds.validate(settings, workdir)
+    first = lds.validate(settings, workdir, subset_counts=(3, M))
     return settings, workdir, first
 
 
@@ -139,6 +157,10 @@ def test_retrains_every_subset_and_writes_the_table(planted):
     assert doc["num_subsets"] == M and doc["fraction"] == 0.5
     md = (workdir / "eval" / "lds.md").read_text()
     assert "| T-REx gold |" in md and f"| {M} | 0.5 |" in md
+    assert f"| Method | M=3 | M={M} |" in md
+    for row in first["rows"]:  # the last count is all subsets: the main figure again
+        assert [b["m"] for b in row["by_m"]] == [3, M]
+        assert row["by_m"][-1]["lds"] == row["lds"] and row["by_m"][-1]["lds_ci"] == row["lds_ci"]
 
 
 def test_oracle_attribution_beats_random(planted):
@@ -159,7 +181,7 @@ def test_rerun_reuses_subsets_and_gives_the_same_lds(planted):
     settings, workdir, first = planted
     again = lds.validate(settings, workdir)
     assert again["trained"] == [] and again["reused"] == list(range(M))
-    assert again["rows"] == first["rows"]
+    assert again["rows"] == [{k: v for k, v in r.items() if k != "by_m"} for r in first["rows"]]
     half = lds.validate(settings, workdir, process_index=1, process_count=2)  # one process's share
     assert half["reused"] == [1, 3, 5] and half["trained"] == []
 
@@ -172,3 +194,57 @@ def test_a_different_config_is_refused_naming_the_field(planted, tiny_config):
         lds.validate(_planted_settings(tiny_config, num_steps=50), workdir)
     for i in range(M):
         assert retrain.is_done(workdir, i)  # nothing was touched
+
+
+def test_a_different_corpus_or_query_set_is_refused_naming_the_field(planted, tiny_config):
+    _, workdir, _ = planted
+    settings = _planted_settings(tiny_config)
+    other = settings.replace({"data.embedded.num_distractors": 21})
+    with pytest.raises(config_lib.ConfigError, match="num_distractors"):
+        lds.validate(other, workdir)
+    with pytest.raises(config_lib.ConfigError, match="num_queries: saved 20, now 10"):
+        lds.validate(settings.replace({"validate.num_queries": 10}), workdir)
+
+
+def test_retraining_is_deterministic_and_parallel_width_does_not_matter(planted, tiny_config):
+    """Same seed -> same subsets, same retrained losses, same LDS; K side by side or one at a time."""
+    settings, workdir, first = planted
+    saved = retrain.read_subset(workdir, 5)[1]
+    for f in retrain.subset_dir(workdir, 5).iterdir():
+        f.unlink()
+    again = lds.validate(_planted_settings(tiny_config, parallel_subsets=1), workdir)  # K is not in the manifest
+    assert again["trained"] == [5] and again["reused"] == [0, 1, 2, 3, 4]
+    np.testing.assert_allclose(retrain.read_subset(workdir, 5)[1], saved, rtol=1e-4, atol=1e-5)
+    for a, b in zip(again["rows"], first["rows"]):
+        assert a["method"] == b["method"] and a["lds"] == pytest.approx(b["lds"], abs=1e-6)
+        assert a["num_queries"] == b["num_queries"]
+
+
+def test_side_by_side_retraining_equals_one_at_a_time(planted):
+    """`retrain_subsets` (vmap over K models) against `retrain_subset` (the training loop), per model."""
+    settings, workdir, _ = planted
+    mesh = sharding.make_mesh(settings.mesh.shape)
+    run = checkpoint.load_run(workdir, mesh=mesh)
+    masks = np.stack([lds.draw_subset(len(run.corpus.examples), 0.5, 9, i) for i in range(3)])
+    steps = retrain.SCAN_STEPS + 7  # a full scan chunk and a partial one
+    graphdef, stacked = retrain.retrain_subsets(settings, run.corpus, run.tokenizer, masks, steps, mesh)
+    for j, m in enumerate(masks):
+        _, want = retrain.retrain_subset(settings, run.corpus, run.tokenizer, m, steps, mesh)
+        for got_leaf, want_leaf in zip(jax.tree.leaves(stacked), jax.tree.leaves(want)):
+            np.testing.assert_allclose(np.asarray(got_leaf[j]), np.asarray(want_leaf), rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("variant", ["cpu", "gpu"])
+def test_trex_lds_config_validates_the_trex_run_in_place(variant):
+    from experiments import trex_lds, trex_table1
+
+    got = config_lib.from_configdict(trex_lds.get_config(variant), source="experiments/trex_lds.py")
+    run = config_lib.from_configdict(trex_table1.get_config(variant), source="experiments/trex_table1.py")
+    for sec in ("seed", "model", "data", "train", "vectors", "hessian", "eval"):  # the run and its table
+        assert getattr(got, sec) == getattr(run, sec), sec
+    v = got.validate
+    assert v.num_subsets >= 50 and v.fraction == 0.5 and v.num_steps == 0  # TRAK's M, alpha; full schedule
+    assert 0 < v.num_queries <= run.eval.max_queries  # a subset of the table's queries
+    assert v.num_subsets % v.parallel_subsets == 0  # no short last group
+    assert set(v.methods) == set(trex_table1.ALL_METHODS)
+    assert (v.parallel_subsets, run.model.num_layers) == ((10, 4) if variant == "gpu" else (5, 2))

@@ -223,8 +223,11 @@ class ValidateSettings:
     num_steps: int = 0  # retraining steps per subset (0 = train.num_steps)
     methods: tuple[str, ...] = ("trackstar", "bm25")  # rows scored (names in methods.METHODS)
     num_queries: int = 0  # queries (eval.max_queries for the LDS query set; 0 = eval.max_queries as set)
+    parallel_subsets: int = 1  # K subsets retrained side by side in one program (vmap; single device); 1 = sharded loop
 
     def __post_init__(self):
+        if self.parallel_subsets < 1:
+            raise ValueError(f"validate.parallel_subsets must be >= 1, got {self.parallel_subsets}")
         if self.num_subsets < 2:
             raise ValueError(f"validate.num_subsets must be >= 2 (a correlation over subsets), got {self.num_subsets}")
         if not 0.0 < self.fraction < 1.0:

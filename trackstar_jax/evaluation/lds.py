@@ -166,6 +166,37 @@ def lds(scores: np.ndarray, masks: np.ndarray, losses: np.ndarray, *, seed: int 
     return LDS(tuple(per_query), ci.mean, (ci.lo, ci.hi), ci.n, const_loss, const_pred)
 
 
+def lds_by_m(
+    scores: np.ndarray, masks: np.ndarray, losses: np.ndarray, counts: Sequence[int], *, seed: int = 0
+) -> list[dict]:
+    """The LDS from the first m subsets only, for each m in `counts` (how the interval narrows with M).
+
+    Args:
+      scores, masks, losses: as `lds`; counts: subset counts, each in [2, M].
+
+    Returns:
+      `[{"m", "lds", "lds_ci", "num_queries", "num_constant_loss"}]` in the order of `counts`.
+
+    Raises:
+      ValueError: a count outside [2, M].
+    """
+    out = []
+    for m in counts:
+        if not 2 <= m <= len(masks):
+            raise ValueError(f"subset count {m} must be in [2, M={len(masks)}] (retrain more subsets first)")
+        r = lds(scores, masks[:m], losses[:m], seed=seed)
+        out.append(
+            {
+                "m": int(m),
+                "lds": r.mean,
+                "lds_ci": list(r.ci),
+                "num_queries": r.num_queries,
+                "num_constant_loss": r.num_constant_loss,
+            }
+        )
+    return out
+
+
 # ---------------------------------------------------------------------------------------
 # Attribution scores of every (query, training example) pair
 # ---------------------------------------------------------------------------------------
@@ -272,12 +303,15 @@ def validate(
     *,
     process_index: int | None = None,
     process_count: int | None = None,
+    subset_counts: Sequence[int] = (),
 ) -> dict:
     """Stage: retrain this process's share of the M subsets; once all are done, score every row.
 
     Args:
       settings: the config (must describe the run in `workdir`).
       process_index, process_count: split subsets i with i % count == index across processes.
+      subset_counts: also the LDS of each row from its first m subsets, for each m (<= M);
+        each row gets `"by_m"` and lds.md a second table.
 
     Returns:
       `{"trained": [...], "reused": [...], "pending": n}` plus, once every subset is done,
@@ -299,12 +333,11 @@ def validate(
     check_manifest(workdir, _manifest(settings, run, eq, num_steps))
     n = len(run.corpus.examples)
     masks = [draw_subset(n, v.fraction, v.seed, i) for i in range(v.num_subsets)]
-    trained, reused = [], []
-    for i in range(pi, v.num_subsets, pc):
-        did = retrain_lib.run_subset(
-            settings, workdir, i, masks[i], run.corpus, run.tokenizer, eq.encoded, num_steps, mesh
-        )
-        (trained if did else reused).append(i)
+    mine = list(range(pi, v.num_subsets, pc))
+    trained = retrain_lib.run_subsets(
+        settings, workdir, mine, [masks[i] for i in mine], run.corpus, run.tokenizer, eq.encoded, num_steps, mesh
+    )
+    reused = [i for i in mine if i not in trained]
     pending = [i for i in range(v.num_subsets) if not retrain_lib.is_done(workdir, i)]
     out = {"trained": trained, "reused": reused, "pending": len(pending)}
     logging.info(
@@ -318,11 +351,17 @@ def validate(
         return out
     losses = np.stack([retrain_lib.read_subset(workdir, i)[1] for i in range(v.num_subsets)])
     ctx = rows_lib.Context(settings, workdir, run, mesh)
-    rows = []
+    counts = sorted(set(subset_counts))
+    if counts and not 2 <= counts[0] <= counts[-1] <= v.num_subsets:
+        raise ValueError(f"subset counts {counts} must lie in [2, validate.num_subsets={v.num_subsets}]")
+    rows, seed = [], settings.eval.bootstrap_seed
     for name in v.methods:
         m = methods_lib.method(name)
-        res = lds(method_scores(ctx, m, eq), np.stack(masks), losses, seed=settings.eval.bootstrap_seed)
+        scores = method_scores(ctx, m, eq)
+        res = lds(scores, np.stack(masks), losses, seed=seed)
         rows.append({"method": name, "label": m.label, **res.to_dict()})
+        if counts:
+            rows[-1]["by_m"] = lds_by_m(scores, np.stack(masks), losses, counts, seed=seed)
         logging.info(
             "validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries, res.num_constant_loss
         )
@@ -353,6 +392,21 @@ def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: in
             f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
             f"{r['num_constant_loss']} / {r['num_constant_prediction']} |"
         )
+    counts = [b["m"] for b in rows[0].get("by_m", [])] if rows else []
+    if counts:
+        lines += [
+            "",
+            "LDS [95% CI] from the first m subsets (the interval is a bootstrap over queries):",
+            "",
+            "| Method | " + " | ".join(f"M={m}" for m in counts) + " |",
+            "|---|" + "---|" * len(counts),
+        ]
+        for r in rows:
+            cells = [
+                "n/a" if b["lds"] is None else f"{b['lds']:.3f} [{b['lds_ci'][0]:.3f}, {b['lds_ci'][1]:.3f}]"
+                for b in r["by_m"]
+            ]
+            lines.append(f"| {r['label']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

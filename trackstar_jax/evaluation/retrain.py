@@ -28,6 +28,7 @@ from trackstar_jax import files
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.training import step as step_lib
 
 VALIDATE_DIR = "validate"
 MANIFEST_FILE = "manifest.json"
@@ -115,39 +116,96 @@ def retrain_subset(
     return fns.graphdef, state.params
 
 
-def run_subset(
+# Steps fused into one compiled call by `retrain_subsets` (lax.scan): one dispatch and one
+# host->device batch copy per chunk instead of per step.
+SCAN_STEPS = 50
+
+
+@functools.lru_cache(maxsize=4)
+def _parallel_fns(
+    model_cfg: model_lib.LMConfig, opt_cfg: step_lib.OptimizerConfig, seed: int, mesh: jax.sharding.Mesh
+) -> tuple[Any, step_lib.TrainState, Any]:
+    """`(graphdef, init state, chunk)`: `chunk(states [K], batches [T, K, B, L]) -> (states, losses [T, K])`.
+
+    `chunk` is the training step (`step.train_step`, the run's optimizer) vmapped over K
+    independent models and scanned over T steps; jitted once per (K, T), states donated.
+    """
+    opt = step_lib.make_optimizer(opt_cfg)
+    graphdef, state = loop_lib.init_train_state(model_cfg, opt, seed, mesh)
+    vstep = jax.vmap(functools.partial(step_lib.train_step, graphdef=graphdef, opt=opt))
+
+    def chunk(states, batches):
+        def body(s, b):
+            s, metrics = vstep(s, b)
+            return s, metrics["loss"]
+
+        return jax.lax.scan(body, states, batches)
+
+    return graphdef, state, jax.jit(chunk, donate_argnums=0)
+
+
+def retrain_subsets(
     settings: config_lib.Settings,
-    workdir: str | pathlib.Path,
-    i: int,
-    mask: np.ndarray,
     corpus: data_lib.Corpus,
     tok: data_lib.Tokenizer,
-    encoded: Sequence[tuple[np.ndarray, np.ndarray]],
+    masks: np.ndarray,
     num_steps: int,
     mesh: jax.sharding.Mesh,
-) -> bool:
-    """Retrains subset `i` and records its query losses, unless it is already done.
+) -> tuple[Any, Any]:
+    """`retrain_subset` for K subsets at once: K models trained side by side in one program.
+
+    Each model starts from the run's initialisation and sees exactly the batches
+    `retrain_subset` would give it (its own seeded shuffle of its subset); the step is the
+    run's `train_step` under `jax.vmap`, so the result equals K sequential retrainings up to
+    float rounding (tests/test_lds.py). Each model's state keeps the run's shardings on `mesh`
+    (the K axis is replicated); the batches are placed by jit.
+
+    Args:
+      masks: bool `[K, N]`.
 
     Returns:
-      True if this call trained it (False: reused).
+      `(graphdef, params)` with every params leaf stacked `[K, ...]`.
+
+    Raises:
+      FloatingPointError: a retrained loss is not finite (names the subset and step count).
     """
-    d = subset_dir(workdir, i)
-    if (d / DONE_FILE).is_file():
-        saved = np.load(d / "mask.npy", allow_pickle=False)
-        if not np.array_equal(saved, mask):  # the manifest check makes this unreachable unless files were edited
-            raise config_lib.ConfigError(f"{d}/mask.npy differs from subset {i} as drawn now; remove {d}")
-        return False
-    graphdef, params = retrain_subset(settings, corpus, tok, mask, num_steps, mesh)
-    losses = query_losses(graphdef, params, encoded)
-    if jax.process_index() == 0:
-        files.atomic_write(d / "mask.npy", files.npy_bytes(mask))
-        files.atomic_write(d / "losses.npy", files.npy_bytes(losses))
-        files.create_once(
-            d / DONE_FILE,
-            json.dumps(
-                {"subset": i, "num_examples": int(mask.sum()), "num_queries": len(losses), "num_steps": num_steps}
-            ),
+    t, model_cfg = settings.train, settings.model
+    masks = np.asarray(masks, bool)
+    graphdef, state0, chunk = _parallel_fns(model_cfg, t.optimizer, settings.seed, mesh)
+    k = len(masks)
+    states = jax.tree.map(lambda x: jnp.repeat(x[None], k, axis=0), state0)
+    streams = [
+        data_lib.train_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, example_ids=ids)
+        for ids in (np.flatnonzero(m) for m in masks)
+    ]
+    done, last = 0, None
+    while done < num_steps:
+        n = min(SCAN_STEPS, num_steps - done)
+        rows = [[next(s) for s in streams] for _ in range(n)]  # [T][K] batches
+        batches = {key: np.stack([np.stack([b[key] for b in row]) for row in rows]) for key in rows[0][0]}
+        states, losses = chunk(states, batches)
+        done, last = done + n, losses[-1]
+    last = np.asarray(jax.device_get(last))
+    if not np.isfinite(last).all():
+        j = int(np.flatnonzero(~np.isfinite(last))[0])
+        raise FloatingPointError(
+            f"retraining on a subset of {int(masks[j].sum())} examples (model {j} of {k}): "
+            f"loss {last[j]} after {num_steps} steps"
         )
+    return graphdef, states.params
+
+
+def _write_subset(workdir: str | pathlib.Path, i: int, mask: np.ndarray, losses: np.ndarray, num_steps: int) -> None:
+    """Subset i's unit of work: mask, losses, then the done marker (last)."""
+    if jax.process_index() != 0:
+        return
+    d = subset_dir(workdir, i)
+    files.atomic_write(d / "mask.npy", files.npy_bytes(mask))
+    files.atomic_write(d / "losses.npy", files.npy_bytes(losses))
+    files.create_once(
+        d / DONE_FILE,
+        json.dumps({"subset": i, "num_examples": int(mask.sum()), "num_queries": len(losses), "num_steps": num_steps}),
+    )
     logging.info(
         "validate: subset %d (%d examples) retrained %d steps; mean query loss %.4f",
         i,
@@ -155,4 +213,52 @@ def run_subset(
         num_steps,
         float(losses.mean()),
     )
+
+
+def _check_done(workdir: str | pathlib.Path, i: int, mask: np.ndarray) -> bool:
+    """True if subset i is finished (its saved mask must be the one drawn now)."""
+    d = subset_dir(workdir, i)
+    if not (d / DONE_FILE).is_file():
+        return False
+    saved = np.load(d / "mask.npy", allow_pickle=False)
+    if not np.array_equal(saved, mask):  # the manifest check makes this unreachable unless files were edited
+        raise config_lib.ConfigError(f"{d}/mask.npy differs from subset {i} as drawn now; remove {d}")
     return True
+
+
+def run_subsets(
+    settings: config_lib.Settings,
+    workdir: str | pathlib.Path,
+    ids: Sequence[int],
+    masks: Sequence[np.ndarray],
+    corpus: data_lib.Corpus,
+    tok: data_lib.Tokenizer,
+    encoded: Sequence[tuple[np.ndarray, np.ndarray]],
+    num_steps: int,
+    mesh: jax.sharding.Mesh,
+) -> list[int]:
+    """Retrains the unfinished subsets among `ids` and records each one's query losses.
+
+    With `validate.parallel_subsets` = K > 1 they are trained K at a time (`retrain_subsets`);
+    each subset is still written (and marked done) on its own, so an interruption loses at
+    most the K in flight.
+
+    Args:
+      masks: bool `[N]` per id: subset ids[j]'s membership.
+
+    Returns:
+      The ids this call trained (the others were reused).
+    """
+    todo = [(i, m) for i, m in zip(ids, masks) if not _check_done(workdir, i, m)]
+    k = settings.validate.parallel_subsets
+    for lo in range(0, len(todo), k):
+        group = todo[lo : lo + k]
+        if k == 1:
+            graphdef, params = retrain_subset(settings, corpus, tok, group[0][1], num_steps, mesh)
+            per_model = [params]
+        else:
+            graphdef, stacked = retrain_subsets(settings, corpus, tok, np.stack([m for _, m in group]), num_steps, mesh)
+            per_model = [jax.tree.map(lambda x, j=j: x[j], stacked) for j in range(len(group))]
+        for (i, m), params in zip(group, per_model):
+            _write_subset(workdir, i, m, query_losses(graphdef, params, encoded), num_steps)
+    return [i for i, _ in todo]
