@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import time
 from typing import Any
 
@@ -25,27 +24,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import memory
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import step as step_lib
 
-MEMORY_ENV = "TRACKSTAR_JAX_DEVICE_MEMORY_BYTES"
+MEMORY_ENV, KNOBS, DoesNotFitError = memory.MEMORY_ENV, memory.KNOBS, memory.DoesNotFitError
+check_fits, device_memory_limit = memory.check_fits, memory.device_memory_limit
 # Bytes per stored vector element; int8 rows also keep one float32 scale per row.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
-# Knobs that lower each step's memory per device, named in warnings and refusals.
-KNOBS = {
-    "train": "config.train.global_batch_size (fewer rows per device), config.mesh.shape with a larger fsdp axis "
-    "(e.g. --config.mesh.shape='(1,-1,1)'), config.model.dtype",
-    "featurize": "config.vectors.batch_size, config.mesh.shape with a larger fsdp axis",
-    "tailpatch": "config.tailpatch.batch_size (each pair holds a parameter copy), a larger fsdp axis",
-    "retrieve": "config.retrieval.read_chunk_rows, config.retrieval.query_batch_size, config.index.dtype",
-}
-
-
-class DoesNotFitError(RuntimeError):
-    """A step needs more device memory than the limit; the message names the knob."""
 
 
 def tree_bytes_per_device(tree: Any) -> int:
@@ -97,9 +85,7 @@ def train_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh) ->
 
 def index_bytes(num_examples: int, dim: int) -> dict:
     """Bytes of the stored vectors per storage dtype (int8 adds a float32 scale per row)."""
-    return {
-        dt: num_examples * dim * b + (4 * num_examples if dt == "int8" else 0) for dt, b in DTYPE_BYTES.items()
-    }
+    return {dt: num_examples * dim * b + (4 * num_examples if dt == "int8" else 0) for dt, b in DTYPE_BYTES.items()}
 
 
 def r_bytes(settings: config_lib.Settings) -> int:
@@ -125,24 +111,6 @@ def calibrate(seconds: float = 0.5) -> dict:
             best = min(best, time.perf_counter() - t0)
         rates[name] = work / best
     return rates
-
-
-def device_memory_limit() -> int | None:
-    """`TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, else the default device's `bytes_limit`, else None (CPU)."""
-    if os.environ.get(MEMORY_ENV):
-        return int(float(os.environ[MEMORY_ENV]))
-    stats = jax.devices()[0].memory_stats() or {}
-    return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
-
-
-def check_fits(step: str, peak_bytes: int, limit: int | None = None) -> None:
-    """Raises `DoesNotFitError` (naming the knobs of `step`) when `peak_bytes` exceed the limit."""
-    limit = device_memory_limit() if limit is None else limit
-    if limit is not None and peak_bytes > limit:
-        raise DoesNotFitError(
-            f"the {step} step needs {peak_bytes / 2**30:.2f} GiB per device, more than the "
-            f"{limit / 2**30:.2f} GiB limit ({MEMORY_ENV} or the device's own): lower {KNOBS[step]}"
-        )
 
 
 @dataclasses.dataclass(frozen=True)
