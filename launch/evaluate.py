@@ -11,9 +11,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from launch import _config
+from launch import _config, _distributed
 from trackstar_jax import evaluation, training
-from trackstar_jax.distributed import multihost
 from trackstar_jax.evaluation import report
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
@@ -25,17 +24,23 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.info("devices: %s", jax.devices())
-    multihost.require_single_process("launch.evaluate")  # see BUILD_NOTES "Multi-host (pods)"
+    _distributed.initialize()  # before anything starts JAX's backends
+    logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     settings = _config.settings(_CONFIG)
-    if _TRAIN.value and settings.model.source:
-        logging.info(
-            "model.source is set: evaluating the imported run as it is (launch.train continues pretraining it)"
-        )
-    elif _TRAIN.value:
-        summary = training.train(settings, _WORKDIR.value)
-        print(f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}")
-    table = evaluation.evaluate(settings, _WORKDIR.value)
+
+    def stage():
+        if _TRAIN.value and settings.model.source:
+            logging.info(
+                "model.source is set: evaluating the imported run as it is (launch.train continues pretraining it)"
+            )
+        elif _TRAIN.value:
+            summary = training.train(settings, _WORKDIR.value)
+            print(
+                f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}"
+            )
+        return evaluation.evaluate(settings, _WORKDIR.value)
+
+    table = _distributed.run(stage)  # under --distributed: rows, index ranges and tail-patch pairs split over hosts
     out = report.eval_dir(settings, _WORKDIR.value)
     print((out / "table.md").read_text())
     print(

@@ -10,6 +10,7 @@ Queries: by default the evaluation's fact queries (`config.eval`); or your own j
 `{"prompt": ..., "target": " ..."}` lines: `--config.retrieval.queries=my_queries.jsonl`.
 Other overrides: `--config.retrieval.top_k=100`, `--config.retrieval.output=name`,
 `--config.retrieval.overwrite=True` (existing output is refused otherwise).
+On a pod add `--distributed` on every host: each streams its own rows of the index, process 0 writes.
 """
 
 import json
@@ -18,9 +19,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from launch import _config
+from launch import _config, _distributed
 from trackstar_jax import evaluation
-from trackstar_jax.distributed import multihost
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -32,10 +32,11 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    logging.info("devices: %s", jax.devices())
-    multihost.require_single_process("launch.retrieve")  # see BUILD_NOTES "Multi-host (pods)"
+    _distributed.initialize()  # before anything starts JAX's backends
+    logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     settings = _config.settings(_CONFIG)
-    manifest = evaluation.retrieve(settings, _WORKDIR.value)  # a query file, or the evaluation's fact queries
+    # a query file, or the evaluation's fact queries; under --distributed every host takes a row range
+    manifest = _distributed.run(lambda: evaluation.retrieve(settings, _WORKDIR.value))
     print(json.dumps({k: manifest[k] for k in ("output", "num_queries", "index_rows", "k") if k in manifest}))
 
 

@@ -7,7 +7,11 @@ Which stage does what on a pod (BUILD_NOTES.md, "Multi-host (pods)"):
 - `build_index`: each host is an independent index writer over its *local* devices
   (per-example gradients need no communication); process 0 finalises R_train once after
   all writers have finished.
-- `retrieve` / `evaluate` run on one host (a single-process JAX program).
+- `retrieve` / `evaluate`: each process streams its own row range of the index on its local
+  devices and keeps a local top-k / bottom-k with global ids; the candidates are gathered
+  (`gather_from_processes`) and merged; query featurization and tail-patch are one SPMD
+  program over the global mesh (pairs split over every process's devices); process 0 writes
+  the outputs.
 
 Every synchronisation point goes through `step`: a process that fails inside a step tells
 the others through the coordination service's key-value store, so they fail at once with
@@ -18,13 +22,19 @@ outright is detected by JAX's heartbeat (`heartbeat_timeout_s`), which ends the 
 from __future__ import annotations
 
 import contextlib
+import os
+import signal
 import socket
+import sys
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 import jax
 
 _KV_PREFIX = "trackstar_jax/sync"
+# Fault injection for the tests of "a process that dies": `TRACKSTAR_JAX_HOLD_AT=<sync name>@<process>`
+# makes that process stop (SIGSTOP) on reaching the named barrier, so a test can kill it there.
+HOLD_ENV = "TRACKSTAR_JAX_HOLD_AT"
 _POLL_S = 0.1
 # name -> how many times this process has synced on it. Process-global on purpose: the
 # coordination service's key-value store is process-global too, and every process of a job
@@ -196,6 +206,7 @@ def sync(name: str, timeout_s: float = 3600.0, error: BaseException | None = Non
     """
     if not is_multiprocess():
         return
+    _hold_if_asked(name)
     client, me, n = _client(), jax.process_index(), jax.process_count()
     _calls[name] = _calls.get(name, 0) + 1
     prefix = f"{_KV_PREFIX}/{name}/{_calls[name]}/"
@@ -216,6 +227,33 @@ def sync(name: str, timeout_s: float = 3600.0, error: BaseException | None = Non
             arrived = sorted(int(k.rsplit("/", 1)[-1]) for k in posted)
             raise RuntimeError(f"'{name}': only processes {arrived} of {n} arrived within {timeout_s:.0f}s")
         time.sleep(_POLL_S)
+
+
+def _hold_if_asked(name: str) -> None:
+    """Stops this process at barrier `name` when `TRACKSTAR_JAX_HOLD_AT` asks for it (tests)."""
+    if os.environ.get(HOLD_ENV) == f"{name}@{jax.process_index()}":
+        print(
+            f"{HOLD_ENV}: process {jax.process_index()} holds at '{name}' (pid {os.getpid()})",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def gather_from_processes(x: Any) -> Any:
+    """`[process_count, *x.shape]`: every process's host array `x` (same shape and dtype on all),
+    stacked in process order on every process; `x[None]` in a single process.
+
+    Runs as one all-gather over the processes (their devices' collectives). A process that
+    has died is detected by JAX's heartbeat, which ends the others.
+    """
+    import numpy as np  # noqa: PLC0415
+
+    if not is_multiprocess():
+        return np.asarray(x)[None]
+    from jax.experimental import multihost_utils  # noqa: PLC0415
+
+    return np.asarray(multihost_utils.process_allgather(np.asarray(x), tiled=False))
 
 
 @contextlib.contextmanager

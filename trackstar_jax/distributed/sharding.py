@@ -151,3 +151,29 @@ def device_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Arra
     if mesh.is_multi_process:
         return {k: jax.make_array_from_callback(v.shape, sh[k], lambda idx, v=v: v[idx]) for k, v in batch.items()}
     return {k: jax.device_put(v, sh[k]) for k, v in batch.items()}
+
+
+def put_global(x: Any, sharding: NamedSharding) -> jax.Array:
+    """A host array (the same full value on every process) placed in `sharding`.
+
+    On a mesh that spans several processes each process places only the pieces its own devices
+    hold (`make_array_from_callback`); on a process-local mesh this is `jax.device_put`.
+    """
+    x = np.asarray(x)
+    if sharding.mesh.is_multi_process:
+        return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+    return jax.device_put(x, sharding)
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf as a full numpy array on every process (an all-gather across processes when
+    a leaf is split over devices of other processes; plain `np.asarray` otherwise)."""
+
+    def one(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            from jax.experimental import multihost_utils  # noqa: PLC0415  (only multi-process runs need it)
+
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return jax.tree.map(one, tree)

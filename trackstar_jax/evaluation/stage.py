@@ -25,6 +25,7 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.data import templates as templates_lib
+from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import claims as claims_lib
@@ -100,7 +101,7 @@ def tailpatch_all(
     bar = tqdm.tqdm(
         total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True
     )
-    res = tailpatch_lib.run_pairs(
+    res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the pairs split over every process's devices
         fn,
         run.params,
         run.opt_state,
@@ -110,6 +111,7 @@ def tailpatch_all(
         batch_size=bs,
         lr_scale=lr_scale,
         progress=lambda n: bar.update(n - bar.n),
+        mesh=mesh,
     )
     bar.close()
     return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
@@ -157,7 +159,7 @@ def _prepare(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[rows
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
     stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
-    if stale:  # overwrite: a previous evaluation's rows would not match this query set
+    if stale and multihost.is_primary():  # overwrite: a previous evaluation's rows would not match this query set
         logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
         for f in stale:
             f.unlink()
@@ -167,9 +169,10 @@ def _prepare(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[rows
 def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQueries:
     ev = ctx.settings.eval
     eq = query_set.make_eval_queries(ctx.run, ctx.settings)
-    queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")
     rep = eq.report.to_dict()
-    files.atomic_write_json(out_dir / "query_report.json", rep)
+    if multihost.is_primary():  # every process holds the same query set; one writes it
+        queries_lib.save_queries(eq.queries, out_dir / "queries.jsonl")
+        files.atomic_write_json(out_dir / "query_report.json", rep)
     logging.info(
         "eval: %d queries (%s mode, template %d), model accuracy %.3f, %d without evidence, %d empty targets; "
         "buckets %s",
@@ -202,7 +205,8 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     logs.quiet_library_logs()
     methods = check_methods(settings)
     ev, tp = settings.eval, settings.tailpatch
-    done = _finished(settings, report.eval_dir(settings, workdir))
+    with multihost.step("evaluate:checked"):  # every process decides on the same files
+        done = _finished(settings, report.eval_dir(settings, workdir))
     if done is not None:
         return done
     ctx, out_dir = _prepare(settings, workdir)
@@ -231,7 +235,8 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     table_rows, records = [], {}
     for m in methods:
         r = retrieved[m.name]
-        report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
+        if multihost.is_primary():
+            report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
         extra = {
             "label": m.label,
             "kind": m.kind,
@@ -280,13 +285,17 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         "seconds": time.perf_counter() - t0,
         "settings": config_lib.to_dict(settings.replace({"retrieval.overwrite": False})),
     }
-    files.atomic_write_json(out_dir / "table.json", table)
-    files.atomic_write(
-        out_dir / "table.md",
-        report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown)
-        + "\n"
-        + claims_lib.markdown(table["comparisons"], {m.name: m.label for m in methods}),
-    )
+    # Process 0 writes; table.json last but one, table.md last (a table.json marks a finished
+    # evaluation). The others wait for it, so a failed write fails the job.
+    with multihost.step("evaluate:written"):
+        if multihost.is_primary():
+            files.atomic_write_json(out_dir / "table.json", table)
+            files.atomic_write(
+                out_dir / "table.md",
+                report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown)
+                + "\n"
+                + claims_lib.markdown(table["comparisons"], {m.name: m.label for m in methods}),
+            )
     logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
     return table
 

@@ -172,6 +172,7 @@ def run_pairs(
     batch_size: int,
     lr_scale: float,
     progress=None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, np.ndarray]:
     """Runs `jit_fn` over index pairs in fixed-size batches (the last one padded by repetition).
 
@@ -184,6 +185,8 @@ def run_pairs(
       batch_size: pairs per call (static shape; a multiple of the data-parallel size).
       lr_scale: see `learning_rate_scale`.
       progress: optional callable(num_done) for progress reporting.
+      mesh: `jit_fn`'s mesh; when it spans several processes (a pod) the pairs of each batch
+        are placed where its devices are and the results gathered to every process.
 
     Returns:
       `{"log_prob_before", "log_prob_after", "delta_prob"}`, each `[P]` float64 numpy.
@@ -195,9 +198,14 @@ def run_pairs(
         n = len(chunk)
         if n < batch_size:
             chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - n, axis=0)])
-        props = {k: jnp.asarray(prop_rows[k][chunk[:, 1]]) for k in ("tokens", "loss_mask")}
-        qs = {k: jnp.asarray(query_rows[k][chunk[:, 0]]) for k in ("tokens", "loss_mask")}
-        res = jax.device_get(jit_fn(params, opt_state, props, qs, jnp.float32(lr_scale)))
+        props = {k: prop_rows[k][chunk[:, 1]] for k in ("tokens", "loss_mask")}
+        qs = {k: query_rows[k][chunk[:, 0]] for k in ("tokens", "loss_mask")}
+        if mesh is not None and mesh.is_multi_process:  # a pod: each process places its devices' pairs
+            props, qs = sharding_lib.device_batch(props, mesh), sharding_lib.device_batch(qs, mesh)
+            lr = sharding_lib.put_global(np.float32(lr_scale), sharding_lib.replicated(mesh))
+        else:
+            props, qs, lr = jax.tree.map(jnp.asarray, (props, qs)) + (jnp.float32(lr_scale),)
+        res = sharding_lib.to_host(jit_fn(params, opt_state, props, qs, lr))
         for k in out:
             out[k][start : start + n] = np.asarray(res[k][:n], np.float64)
         if progress is not None:

@@ -27,8 +27,17 @@ def _row_scale_step(stored, scale, w, *, unit_norm):
     return hessian.row_scale(store.dequantize(stored, scale), w, unit_norm)
 
 
-def compute_row_scale(reader: store.IndexReader, whitening: hessian.Whitening, *, cache: bool = True) -> np.ndarray:
+def compute_row_scale(
+    reader: store.IndexReader,
+    whitening: hessian.Whitening,
+    *,
+    cache: bool = True,
+    rows: tuple[int, int] | None = None,
+) -> np.ndarray:
     """Per-row scale `1/||W g_m||` of on-the-fly scoring over the whole index (one streamed pass).
+
+    With `rows=(lo, hi)` only those rows are read (a process of a multi-host retrieval
+    scores only its range); the others are NaN, so using them by mistake is an error.
 
     The scale applies to the *dequantised* rows: for int8 storage, scores against the raw int8
     values are `(int8_row · q') * int8_scale * row_scale`.
@@ -45,16 +54,21 @@ def compute_row_scale(reader: store.IndexReader, whitening: hessian.Whitening, *
         return np.ones(reader.num_rows, np.float32)
     h = hashlib.sha256(store.manifest_fingerprint(reader.manifest).encode())
     h.update(b"none" if whitening.matrix is None else np.ascontiguousarray(whitening.matrix).tobytes())
-    f = reader.path / "scoring" / f"{h.hexdigest()[:32]}.npy"
+    lo, hi = (0, reader.num_rows) if rows is None else (int(rows[0]), int(rows[1]))
+    part = "" if (lo, hi) == (0, reader.num_rows) else f"-rows{lo}-{hi}"
+    f = reader.path / "scoring" / f"{h.hexdigest()[:32]}{part}.npy"
     if cache and f.exists():
-        return _load_cached_scale(f, reader.num_rows)
+        out = np.full(reader.num_rows, np.nan, np.float32)
+        out[lo:hi] = _load_cached_scale(f, hi - lo)
+        return out
     w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
-    out = np.empty(reader.num_rows, np.float32)
-    for start, rows, scale in reader.iter_blocks():
-        out[start : start + len(rows)] = np.asarray(_row_scale_step(rows, scale, w, unit_norm=True))
-    if cache:
+    out = np.full(reader.num_rows, np.nan, np.float32)
+    for start, block, scale in reader.iter_blocks(start=lo, stop=hi) if hi > lo else ():
+        out[start : start + len(block)] = np.asarray(_row_scale_step(block, scale, w, unit_norm=True))
+    if cache and hi > lo:
+        out_part = out[lo:hi]
         f.parent.mkdir(exist_ok=True)
-        data = files.npy_bytes(out)
+        data = files.npy_bytes(np.ascontiguousarray(out_part))
         # The checksum first: a cache file without its checksum beside it is never trusted.
         files.atomic_write(f.with_suffix(".sha256"), files.sha256_bytes(data))
         files.atomic_write(f, data)
@@ -105,6 +119,7 @@ def prepare_scoring(
     query_vectors: Float[Array, "q d"] | None = None,
     *,
     cache: bool = True,
+    rows: tuple[int, int] | None = None,
 ) -> Scoring:
     """Resolves R (none / train / mixed with automatic λ), R^{-1/2} and the per-row scales.
 
@@ -113,6 +128,7 @@ def prepare_scoring(
       cfg: hessian config.
       query_vectors: raw query vectors (R_eval for mode "mixed").
       cache: cache the per-row scales under the index.
+      rows: only these rows get their scales (`compute_row_scale`); default all.
 
     Returns:
       Scoring.
@@ -125,7 +141,7 @@ def prepare_scoring(
         )
     r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
     whit = hessian.make_whitening(cfg, r_train, r_ev)
-    return Scoring(whit, compute_row_scale(reader, whit, cache=cache))
+    return Scoring(whit, compute_row_scale(reader, whit, cache=cache, rows=rows))
 
 
 def write_finalized(

@@ -23,6 +23,7 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
@@ -73,14 +74,24 @@ def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
 def query_vectors(
     run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, encoded: list[tuple[np.ndarray, np.ndarray]]
 ) -> np.ndarray:
-    """Raw query vectors `[Q, d]` (loss on the target tokens only), in batches of `vectors.batch_size`."""
+    """Raw query vectors `[Q, d]` (loss on the target tokens only), in batches of `vectors.batch_size`.
+
+    On a mesh that spans several processes this is one SPMD program: every process builds the
+    same batches, its devices featurize their rows, and the vectors are gathered to all.
+    """
     bs = vec_fn.vec_cfg.batch_size
     seq_len = max(len(t) for t, _ in encoded)
     out = []
     for lo in range(0, len(encoded), bs):
         items = encoded[lo : lo + bs]
         batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
-        out.append(vec_fn(run.params, vec_fn.precond, batch)[: len(items)])
+        if vec_fn.mesh.is_multi_process:
+            placed = sharding_lib.device_batch({k: batch[k] for k in ("tokens", "loss_mask")}, vec_fn.mesh)
+            vecs, aux = sharding_lib.to_host(vec_fn.jitted(run.params, vec_fn.precond, placed))
+            vectors_lib.check_outputs(vecs, aux, batch["example_id"])
+        else:
+            vecs = vec_fn(run.params, vec_fn.precond, batch)
+        out.append(np.asarray(vecs)[: len(items)])
     return np.concatenate(out)
 
 
@@ -161,18 +172,35 @@ def retrieve_queries(
         r_eval_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in enc_r])
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw)
-    q_prime = scoring.finalize_queries(q_raw)
-    t2 = time.perf_counter()
-    res = topk.stream_topk(
-        q_prime,
-        reader,
-        k,
-        st.read_chunk_rows,
-        mesh=mesh,
-        row_scale=scoring.row_scale,
-        query_batch_size=st.query_batch_size,
-    )
+    if multihost.is_multiprocess():
+        # A pod: this process scores only its rows, on its own devices; candidates are merged.
+        rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
+        scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw, rows=rows)
+        q_prime = scoring.finalize_queries(q_raw)
+        t2 = time.perf_counter()
+        res = topk.process_stream_topk(
+            q_prime,
+            reader,
+            k,
+            st.read_chunk_rows,
+            mesh=sharding_lib.make_mesh(devices=jax.local_devices()),
+            row_scale=scoring.row_scale,
+            query_batch_size=st.query_batch_size,
+        )
+        info["process_rows"] = list(rows)
+    else:
+        scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw)
+        q_prime = scoring.finalize_queries(q_raw)
+        t2 = time.perf_counter()
+        res = topk.stream_topk(
+            q_prime,
+            reader,
+            k,
+            st.read_chunk_rows,
+            mesh=mesh,
+            row_scale=scoring.row_scale,
+            query_batch_size=st.query_batch_size,
+        )
     t3 = time.perf_counter()
     info.update(
         whitening=scoring.whitening.describe(),
@@ -251,7 +279,7 @@ def retrieve(
     config_lib.check_matches_run(settings, workdir)
     run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh)
     recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh)
-    files.atomic_write(out, "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs))
+    info.pop("process_rows", None)  # differs per process; the outputs do not
     reader = store_lib.open_index(info["index"])
     manifest = {
         "format": RETRIEVAL_FORMAT,
@@ -266,10 +294,17 @@ def retrieve(
         "retrieval": dataclasses.asdict(st),
         "mesh": dict(mesh.shape),
         "devices": [str(d) for d in jax.devices()],
+        "process_count": jax.process_count(),
         "jax_version": jax.__version__,
         **info,
     }
-    files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
+    # Process 0 writes (a pod's processes hold the same records); the others wait, so that a
+    # failed write fails the job. The jsonl first, the manifest last: it marks the output done.
+    with multihost.step("retrieve:written"):
+        if multihost.is_primary():
+            body = "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs)
+            files.atomic_write(out, body)
+            files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
     logging.info(
         "retrieve: %d queries x %d rows in %.2fs -> %s",
         len(recs),

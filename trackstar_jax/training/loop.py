@@ -27,6 +27,7 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import generate as generate_lib
@@ -166,6 +167,9 @@ def compile_train_fns(
             mem.output_size_in_bytes / 2**20,
             mem.temp_size_in_bytes / 2**20,
         )
+        # Refuse before the first step (and before init allocates the state) when it cannot fit.
+        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+        memory_lib.check_fits("train", int(peak))
     return TrainFns(graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params))
 
 
