@@ -90,6 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.vectors.path = (
         "fast"  # "fast" (factored; rank-one V where optax kept a full v) | "reference" (vmap(grad), exact V)
     )
+    # fast path with an element-wise V (Adam / unfactored Adafactor): True applies it exactly
+    # (one layer's per-example gradient materialised at a time), False its rank-one factorisation
+    c.vectors.exact_v = False
     c.vectors.batch_size = 32  # examples per featurize step (global)
     c.vectors.estimate_v_examples = (
         256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V

@@ -26,9 +26,15 @@ backward pass).
 Cost per token: forward + input-gradient backward (~4 |theta| FLOPs, vs ~6 for a training
 step) plus the projections.
 
-Where V is not rank-one (unfactored Adafactor, Adam) this path uses the Adafactor-style
-rank-one factorisation of V (`preconditioner.rank_one_factors`); the reference path applies
-the exact V. The measured difference is recorded in BUILD_NOTES.md ("Issue 3").
+Where V is not rank-one (unfactored Adafactor, Adam) this path by default uses the
+Adafactor-style rank-one factorisation of V (`preconditioner.rank_one_factors`); the reference
+path applies the exact V. The measured difference is recorded in BUILD_NOTES.md ("Issue 3").
+With `exact_v=True` (config `vectors.exact_v`) a dense layer whose correction holds an exact
+element-wise factor F (`Correction.full`) is instead captured by `_capture_dense_exact`: its
+backward materialises that one layer's per-example gradient `G_b = sum_t x_t g_t^T`
+(`[B, m, n]`, freed before the next layer's), applies `G_b * F` and projects
+`P0 (G_b * F) P1^T`: exact V at the cost of one weight-gradient contraction per such layer
+(what a training step pays; bergson's Adam path does the same per module).
 """
 
 from __future__ import annotations
@@ -100,6 +106,40 @@ _capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
 
 
 @jax.custom_vjp
+def _capture_dense_exact(
+    y: Float[Array, "b t n"],
+    x: Float[Array, "b t m"],
+    p0: Float[Array, "k m"],
+    p1: Float[Array, "k n"],
+    f: Float[Array, "m n"],
+    z: Float[Array, "b k k"],
+) -> Float[Array, "b t n"]:
+    """Identity on `y`; its VJP sends `P0 ((sum_t x_t g_t^T) * F) P1^T` to `z`: the layer's
+    per-example gradient materialised (one layer at a time), corrected element-wise by `F`."""
+    del x, p0, p1, f, z
+    return y
+
+
+def _capture_dense_exact_fwd(y, x, p0, p1, f, z):
+    del z
+    return y, (x, p0, p1, f)
+
+
+def _capture_dense_exact_bwd(res, g):
+    x, p0, p1, f = res
+    grad = jnp.einsum("btm,btn->bmn", x, g, preferred_element_type=jnp.float32) * f[None]
+    # project the cheaper side first: [B, k, n] when m >= n, else [B, m, k]
+    if grad.shape[1] >= grad.shape[2]:
+        dz = jnp.einsum("bkn,ln->bkl", jnp.einsum("km,bmn->bkn", p0, grad), p1)
+    else:
+        dz = jnp.einsum("km,bml->bkl", p0, jnp.einsum("bmn,ln->bml", grad, p1))
+    return g, None, None, None, None, dz
+
+
+_capture_dense_exact.defvjp(_capture_dense_exact_fwd, _capture_dense_exact_bwd)
+
+
+@jax.custom_vjp
 def _capture_scale(
     y: Float[Array, "b t n"],
     xhat: Float[Array, "b t n"],
@@ -152,13 +192,14 @@ _capture_bias.defvjp(_capture_bias_fwd, _capture_bias_bwd)
 
 
 def folded_projections(
-    plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None, seed: int
+    plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None, seed: int, unfolded: frozenset = frozenset()
 ) -> dict[str, tuple[Array, Array]]:
-    """`{path: (P0 diag(a) [k, m], P1 diag(b) [k, n])}`: projections with the correction folded in."""
+    """`{path: (P0 diag(a) [k, m], P1 diag(b) [k, n])}`: projections with the correction folded in
+    (plain `(P0, P1)` for the paths in `unfolded`, whose correction is applied element-wise)."""
     out = {}
     for e in plan.entries:
         p0, p1 = proj_lib.side_matrices(seed, e.path, e.shape, plan.proj_dim)
-        if correction is not None:
+        if correction is not None and e.path not in unfolded:
             p0 = p0 * correction.row[e.path][None, :]
             p1 = p1 * correction.col[e.path][None, :]
         out[e.path] = (p0, p1)
@@ -175,19 +216,23 @@ def factored_vectors(
     output_fn: str = "loss",
     role: str = "index",
     seed: int = 0,
+    exact_v: bool = False,
 ) -> Float[Array, "b d"]:
     """Projected, corrected per-example gradients by the factored path (same signature as
-    `grads.reference_vectors`).
+    `grads.reference_vectors`, plus `exact_v`).
 
     Args:
       params: model parameters.
       correction: `1/sqrt(V)`; its rank-one pair `(row, col)` is used (exact for factored
-        Adafactor), `full` is ignored. None = no correction.
+        Adafactor), and `full` is ignored unless `exact_v`. None = no correction.
       batch: `tokens [B, T]`, `loss_mask [B, T]`.
       graphdef: model graph definition.
       plan: block plan (k = plan.proj_dim).
       output_fn, role: see `grads.token_objective`.
       seed: projection seed.
+      exact_v: apply the exact element-wise factor (`correction.full`, built with
+        `from_opt_state(..., exact=True)`) to the dense layers that have one, by materialising
+        one layer's per-example gradient at a time (`_capture_dense_exact`).
 
     Returns:
       `[B, d]` float32 in the layout `[2*num_blocks, k, k]`.
@@ -198,7 +243,8 @@ def factored_vectors(
     params = grads_lib.pure_params(params)
     inputs, targets, weights = model_lib.lm_targets(batch)
     b, k = inputs.shape[0], plan.proj_dim
-    projs = folded_projections(plan, correction, seed)
+    exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
+    projs = folded_projections(plan, correction, seed, exact)
     entries = {e.path: e for e in plan.entries}
 
     def objective(zs):
@@ -216,6 +262,8 @@ def factored_vectors(
                 return _capture_bias(y, p0[:, 0], p1, zs[e.side])
             if e.kind == "scale":
                 return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
+            if path in exact:
+                return _capture_dense_exact(y, x, p0, p1, correction.full[path], zs[e.side])
             if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
                 return _capture_dense_lazy(y, x, p0, p1, zs[e.side])
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)

@@ -49,6 +49,10 @@ class VectorConfig:
       proj_seed: the one projection seed.
       correction: divide by sqrt(V) from the optimizer state.
       path: "fast" (factored) or "reference" (vmap(grad), materialised).
+      exact_v: on the fast path, apply an element-wise (Adam, unfactored Adafactor) V exactly
+        by materialising one layer's per-example gradient at a time (`factored.py`); False:
+        its Adafactor-style rank-one factorisation (no per-example gradient is materialised).
+        No effect where V is rank-one (factored Adafactor) or on the reference path.
       batch_size: examples per featurize step (global; used by the pipeline).
       estimate_v_examples: corpus examples whose per-example gradients estimate V for an
         imported model, which ships no optimizer state (`features.second_moment`; 0 = none).
@@ -61,6 +65,7 @@ class VectorConfig:
     proj_seed: int = 0
     correction: bool = True
     path: str = "fast"
+    exact_v: bool = False
     batch_size: int = 32
     estimate_v_examples: int = 256
     estimate_v_seed: int = 0
@@ -102,14 +107,17 @@ def make_precond(
     model_cfg: model_lib.LMConfig | None = None,
 ) -> precond_lib.Correction | None:
     """The correction for `vec_cfg`: None when `correction=False`; otherwise read from `opt_state`
-    (exact element-wise V kept only for the reference path). Raises if `opt_state` is None."""
+    (exact element-wise V kept for the reference path, and for the fast one with `exact_v`).
+    Raises if `opt_state` is None."""
     if not vec_cfg.correction:
         return None
     if plan is None:
         if model_cfg is None:
             raise ValueError("make_precond needs the block plan or the model config")
         plan = make_block_plan(params, model_cfg, vec_cfg)
-    return precond_lib.from_opt_state(params, opt_state, plan.paths, exact=vec_cfg.path == "reference")
+    return precond_lib.from_opt_state(
+        params, opt_state, plan.paths, exact=vec_cfg.path == "reference" or vec_cfg.exact_v
+    )
 
 
 def vector_step(
@@ -135,7 +143,10 @@ def vector_step(
       `(vectors [B, d] float32, aux)` with `aux["num_targets"] [B]` (target tokens per row)
       and `aux["finite"] [B] bool` (no NaN/inf in the row's vector).
     """
-    fn = factored_lib.factored_vectors if vec_cfg.path == "fast" else grads_lib.reference_vectors
+    if vec_cfg.path == "fast":
+        fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v)
+    else:
+        fn = grads_lib.reference_vectors
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
     vecs = fn(
         params,

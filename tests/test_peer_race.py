@@ -1,0 +1,63 @@
+"""benchmarks/peer_race.py: the JSON row schema on a micro run without bergson (the side
+virtualenv with torch / transformers / datasets must exist; the race creates it)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from benchmarks import peer_race
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_top10_cosine_and_overlap_match_brute_force():
+    rng = np.random.default_rng(0)
+    q, rows = rng.normal(size=(3, 5)), rng.normal(size=(20, 5)) * rng.uniform(0.1, 10, (20, 1))
+    top = peer_race.top10_cosine(q, rows)
+    for i in range(3):
+        cos = [q[i] @ r / np.linalg.norm(q[i]) / np.linalg.norm(r) for r in rows]
+        assert list(top[i]) == list(np.argsort(cos)[::-1][:10])
+    assert peer_race.overlap(top, top) == 1.0
+    assert peer_race.overlap(top, top[:, ::-1]) == 1.0  # order inside the top 10 does not matter
+    assert peer_race.overlap(top[:, :10], np.full_like(top, 99)) == 0.0
+
+
+def test_tokens_are_deterministic_and_in_vocab():
+    a = peer_race.make_tokens(8, 16, 512, seed=1)
+    assert a.shape == (8, 16) and a.dtype == np.int32
+    assert np.array_equal(a, peer_race.make_tokens(8, 16, 512, seed=1))
+    assert a.min() >= 4 and a.max() < 512
+
+
+@pytest.mark.slow
+def test_micro_race_schema_without_bergson(tmp_path):
+    if not peer_race.venv_ready(peer_race.DEFAULT_VENV, need_bergson=False):
+        pytest.skip(
+            f"the peer virtualenv {peer_race.DEFAULT_VENV} (torch, transformers, datasets, tokenizers) is absent; "
+            "`python -m benchmarks.peer_race --quick` creates it"
+        )
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.peer_race", "--quick", "--no_bergson", "--corrections", "adam"]
+        + ["--out", str(tmp_path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+        # conftest's 8 fake devices would split the one-query batch 8 ways: the race runs as a user does
+        env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},
+    )
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == 1
+    row = rows[0]
+    for f in peer_race.ROW_FIELDS:
+        assert f in row, f
+    assert row["shape"] == "micro" and row["correction"] == "adam" and row["ours_exact_v"] is True
+    assert row["d"] == 2 * 2 * 4**2
+    assert row["ours_tokens_per_s"] > 0 and row["ours_peak_rss_bytes"] > 0 and row["ours_query_seconds"] > 0
+    assert 0.0 <= row["ours_top10_overlap"] <= 1.0
+    assert row["bergson_tokens_per_s"] is None and row["ours_over_bergson"] is None
