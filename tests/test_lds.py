@@ -247,4 +247,4 @@ def test_trex_lds_config_validates_the_trex_run_in_place(variant):
     assert 0 < v.num_queries <= run.eval.max_queries  # a subset of the table's queries
     assert v.num_subsets % v.parallel_subsets == 0  # no short last group
     assert set(v.methods) == set(trex_table1.ALL_METHODS)
-    assert (v.parallel_subsets, run.model.num_layers) == ((10, 4) if variant == "gpu" else (5, 2))
+    assert v.parallel_subsets == (10 if variant == "gpu" else 5)  # the GPU retrains more side by side
