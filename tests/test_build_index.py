@@ -82,6 +82,7 @@ def test_manifest_identifies_the_run(run_dir, f32_index):
         "proj_seed": 0,
         "correction": True,
         "path": "fast",
+        "exact_v": False,
         "dim": 256,
         "num_blocks_total": 4,
         "block_dim": 64,

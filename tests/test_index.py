@@ -508,3 +508,15 @@ def test_an_index_from_before_a_model_field_existed_still_opens(tmp_path):
         index.check_manifest(
             {"model": {"config": old}}, {"model": {"config": {**cfg, "arch": "llama"}}}, path="p", action="open"
         )
+
+
+def test_an_index_from_before_exact_v_existed_still_opens():
+    """`vectors.exact_v` (session 4) is absent from older manifests: expected at its default
+    (False) they open; an index asked for with exact_v=True is refused by name."""
+    from trackstar_jax.features import vectors as vectors_lib
+
+    cfg = dataclasses.asdict(vectors_lib.VectorConfig())
+    old = {k: v for k, v in cfg.items() if k != "exact_v"}
+    index.check_manifest({"vectors": old}, {"vectors": cfg}, path="p", action="open")
+    with pytest.raises(index.IndexMismatchError, match="no field 'vectors.exact_v'"):
+        index.check_manifest({"vectors": old}, {"vectors": {**cfg, "exact_v": True}}, path="p", action="open")

@@ -70,8 +70,9 @@ def test_methods_lists_indexed_rows_and_text_baselines(served):
     _, workdir, engine, client = served
     d = client.get("/api/methods").json()
     names = [m["name"] for m in d["methods"]]
-    # TrackStar, Exp. 4 and Exp. 5 share the default (loss, corrected) index; the rest have none here.
-    assert names == ["exp4", "exp5", "trackstar", "bm25"] and d["default"] == "trackstar"
+    # TrackStar (automatic and fixed λ 0.90), Exp. 4 and Exp. 5 share the default (loss, corrected)
+    # index; the rest have none here.
+    assert names == ["exp4", "exp5", "trackstar", "trackstar_l090", "bm25"] and d["default"] == "trackstar"
     assert "no index" in d["skipped"]["exp2"] and d["skipped"]["dense"] == "disabled"
     assert d["num_passages"] == len(engine.run.corpus.texts)
 
@@ -528,10 +529,12 @@ def test_browse_view_in_headless_chromium(evaluated, tmp_path):
             rows = d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q")
             return [int(r.get_attribute("data-qid")) for r in rows]
 
+        wait.until(lambda d: d.find_element(By.ID, "browse").is_displayed())
         driver.find_element(By.ID, "browse").click()
         wait.until(lambda d: shown(d) == everything)
         table_rows = client.get("/api/eval").json()["table"]["rows"]
-        assert len(driver.find_elements(By.CSS_SELECTOR, "#metrics tr")) == 1 + len(table_rows)
+        # The metrics table and the query rows render from one response, but not in one paint: wait.
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#metrics tr")) == 1 + len(table_rows))
         Select(driver.find_element(By.ID, "f-relation")).select_by_value(relation)
         wait.until(lambda d: shown(d) == want)
         cells = driver.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q td:nth-child(2)")

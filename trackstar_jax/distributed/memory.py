@@ -28,10 +28,12 @@ class DoesNotFitError(RuntimeError):
 
 
 def device_memory_limit() -> int | None:
-    """`TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, else the default device's `bytes_limit`, else None (CPU)."""
+    """`TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, else this process's first device's `bytes_limit`, else
+    None (CPU). A local device: on a pod, `jax.devices()[0]` may belong to another process, whose
+    memory stats cannot be read from here."""
     if os.environ.get(MEMORY_ENV):
         return int(float(os.environ[MEMORY_ENV]))
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}
     return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
 
 

@@ -56,6 +56,7 @@ from jaxtyping import Array, Float
 
 import trackstar_jax
 from trackstar_jax import files
+from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
 from trackstar_jax.models import lm
 
@@ -240,14 +241,21 @@ def _report_order(key: str) -> tuple:
     return (key in _DERIVED, _SECTION_ORDER.index(sec) if sec in _SECTION_ORDER else len(_SECTION_ORDER), key)
 
 
+# Manifest sections whose fields are a config dataclass: a field added later (with its default)
+# is absent from the manifests of indices built before it.
+_DEFAULTS_OF = {"model.config.": lm.LMConfig, "vectors.": vectors_lib.VectorConfig}
+
+
 def _added_with_default(key: str, expected: Any) -> bool:
-    """A model-config field added after an index was built (e.g. `arch`), expected at its
-    default: the index was made by a model with that default, so it still opens."""
-    if not key.startswith("model.config."):
-        return False
-    field = key.split(".", 2)[2]
-    defaults = {f.name: f.default for f in dataclasses.fields(lm.LMConfig)}
-    return field in defaults and json.loads(json.dumps(defaults[field])) == expected
+    """A config field added after an index was built (e.g. `model.config.arch`,
+    `vectors.exact_v`), expected at its default: the index was made with that default, so it
+    still opens."""
+    for prefix, cls in _DEFAULTS_OF.items():
+        if key.startswith(prefix) and "." not in key[len(prefix) :]:
+            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+            field = key[len(prefix) :]
+            return field in defaults and json.loads(json.dumps(defaults[field])) == expected
+    return False
 
 
 def _identity(manifest: Mapping[str, Any]) -> dict:

@@ -124,6 +124,12 @@ class TrainFns:
     init: Callable[[], step_lib.TrainState]  # placed in its shardings
     step: Any  # compiled train step (state donated)
     eval: Any  # jit(eval_step)
+    peak_bytes: int | None = None  # compiled step's peak device memory (None: no memory analysis)
+
+    def check_fits(self) -> None:
+        """Refuses (memory.DoesNotFitError, naming the knobs) a step that cannot fit in device memory."""
+        if self.peak_bytes is not None:
+            memory_lib.check_fits("train", self.peak_bytes)
 
 
 def init_train_state(
@@ -167,10 +173,16 @@ def compile_train_fns(
             mem.output_size_in_bytes / 2**20,
             mem.temp_size_in_bytes / 2**20,
         )
-        # Refuse before the first step (and before init allocates the state) when it cannot fit.
+    peak = None
+    if mem is not None:
         peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
-        memory_lib.check_fits("train", int(peak))
-    return TrainFns(graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params))
+    fns = TrainFns(
+        graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params), peak
+    )
+    # Refuse before the first step (and before init allocates the state) when it cannot fit. Not
+    # inside the cache alone: the limit may change between calls that share a compiled step.
+    fns.check_fits()
+    return fns
 
 
 # ---------------------------------------------------------------------------------------
@@ -433,6 +445,7 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
                 f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: " + "; ".join(bad)
             )
     fns = compile_train_fns(model_cfg, t.optimizer, settings.seed, mesh, t.global_batch_size)
+    fns.check_fits()  # also when the compiled step came from the cache
     if mngr.latest_step() is not None:
         start, state = mngr.restore_latest(fns.target, expect_config=settings, **must_match)
         logging.info("resumed from %s at step %d", mngr.directory, start)
