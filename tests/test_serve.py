@@ -2,6 +2,7 @@
 and keeps serving, never serves files outside the workdir; and the page works in headless
 Chromium (skipped when chromium / chromedriver / selenium are not installed)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -425,26 +426,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_page_in_headless_chromium(served, tmp_path):
-    _browser_or_skip()
+@contextlib.contextmanager
+def _page_in_chromium(engine):
+    """The app served by uvicorn on a free port and a headless Chromium driver on its page."""
     import uvicorn
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
-    from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import Select, WebDriverWait
 
-    _, _, engine, client = served
-    prompt, target = _fact(engine, 4)
-    want = {
-        m: [
-            p["example_id"]
-            for p in client.post("/api/query", json={"prompt": prompt, "target": target, "k": 5, "method": m}).json()[
-                "proponents"
-            ]
-        ]
-        for m in ("trackstar", "bm25")
-    }
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app_lib.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -461,6 +450,31 @@ def test_page_in_headless_chromium(served, tmp_path):
             time.sleep(0.05)
         driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
         driver.get(f"http://127.0.0.1:{port}/")
+        yield driver
+    finally:
+        if driver is not None:
+            driver.quit()
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
+def test_page_in_headless_chromium(served, tmp_path):
+    _browser_or_skip()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    _, _, engine, client = served
+    prompt, target = _fact(engine, 4)
+    want = {
+        m: [
+            p["example_id"]
+            for p in client.post("/api/query", json={"prompt": prompt, "target": target, "k": 5, "method": m}).json()[
+                "proponents"
+            ]
+        ]
+        for m in ("trackstar", "bm25")
+    }
+    with _page_in_chromium(engine) as driver:
         wait = WebDriverWait(driver, 120)
         wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#method option"))
         driver.find_element(By.ID, "prompt").send_keys(prompt)
@@ -484,20 +498,11 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "explorer.png"))
         assert (tmp_path / "explorer.png").stat().st_size > 0
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.should_exit = True
-        thread.join(timeout=10)
 
 
 def test_browse_view_in_headless_chromium(evaluated, tmp_path):
     """Open the browse view, filter by a relation: the rows shown are the API's filtered queries."""
     _browser_or_skip()
-    import uvicorn
-    from selenium import webdriver
-    from selenium.webdriver.chrome.options import Options
-    from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -507,22 +512,7 @@ def test_browse_view_in_headless_chromium(evaluated, tmp_path):
     want = [q["query_id"] for q in client.get("/api/eval", params={"relation": relation}).json()["queries"]]
     everything = [q["query_id"] for q in client.get("/api/eval").json()["queries"]]
     assert 0 < len(want) < len(everything)
-    port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(app_lib.make_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    opts = Options()
-    opts.binary_location = shutil.which("chromium")
-    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1400,1000"):
-        opts.add_argument(a)
-    driver = None
-    try:
-        deadline = time.time() + 30
-        while not server.started:
-            assert time.time() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.05)
-        driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
-        driver.get(f"http://127.0.0.1:{port}/")
+    with _page_in_chromium(engine) as driver:
         wait = WebDriverWait(driver, 60)
 
         def shown(d):
@@ -544,8 +534,3 @@ def test_browse_view_in_headless_chromium(evaluated, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "browse.png"))
         assert (tmp_path / "browse.png").stat().st_size > 0
-    finally:
-        if driver is not None:
-            driver.quit()
-        server.should_exit = True
-        thread.join(timeout=10)

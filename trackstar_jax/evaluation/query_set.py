@@ -152,7 +152,7 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     report = queries_lib.QueryReport(corpus=dict(corpus.info), selection_seed=sel.seed)
     report.dropped_relation_filter = len(corpus.facts) - len(facts) - len(in_train)
     report.dropped_train_split = len(in_train)
-    report.num_facts = len(corpus.facts) - len(facts)
+    report.num_facts = len(corpus.facts) - len(facts)  # select_facts adds len(facts): the total is the corpus's
     selected = queries_lib.select_facts(facts, freq, sel, report, correct=correct_all)
     selected = queries_lib.take_balanced(selected, freq, ev.max_queries, sel.bucket_edges, report)
     qs = queries_lib.build_queries(

@@ -172,35 +172,23 @@ def retrieve_queries(
         r_eval_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in enc_r])
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
-    if multihost.is_multiprocess():
-        # A pod: this process scores only its rows, on its own devices; candidates are merged.
-        rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
-        scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw, rows=rows)
-        q_prime = scoring.finalize_queries(q_raw)
-        t2 = time.perf_counter()
-        res = topk.process_stream_topk(
-            q_prime,
-            reader,
-            k,
-            st.read_chunk_rows,
-            mesh=sharding_lib.make_mesh(devices=jax.local_devices()),
-            row_scale=scoring.row_scale,
-            query_batch_size=st.query_batch_size,
-        )
+    # On a pod each process scores only its rows, on its own devices, and the candidates are merged.
+    pod = multihost.is_multiprocess()
+    rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw, rows=rows if pod else None)
+    q_prime = scoring.finalize_queries(q_raw)
+    t2 = time.perf_counter()
+    res = (topk.process_stream_topk if pod else topk.stream_topk)(
+        q_prime,
+        reader,
+        k,
+        st.read_chunk_rows,
+        mesh=sharding_lib.make_mesh(devices=jax.local_devices()) if pod else mesh,
+        row_scale=scoring.row_scale,
+        query_batch_size=st.query_batch_size,
+    )
+    if pod:
         info["process_rows"] = list(rows)
-    else:
-        scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw)
-        q_prime = scoring.finalize_queries(q_raw)
-        t2 = time.perf_counter()
-        res = topk.stream_topk(
-            q_prime,
-            reader,
-            k,
-            st.read_chunk_rows,
-            mesh=mesh,
-            row_scale=scoring.row_scale,
-            query_batch_size=st.query_batch_size,
-        )
     t3 = time.perf_counter()
     info.update(
         whitening=scoring.whitening.describe(),
