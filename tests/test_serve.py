@@ -26,6 +26,8 @@ from trackstar_jax import (
 from trackstar_jax import methods as methods_lib  # noqa: E402
 from trackstar_jax.evaluation import embedding, rows  # noqa: E402
 from trackstar_jax.index import build  # noqa: E402
+from trackstar_jax.index import hessian as hessian_lib  # noqa: E402
+from trackstar_jax.index import scoring as scoring_lib  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
 from trackstar_jax.serving import app as app_lib  # noqa: E402
 from trackstar_jax.serving import browse  # noqa: E402
@@ -47,6 +49,9 @@ def _config():
     c.train.max_new_tokens = 2
     c.index.chunk_rows = 32
     c.eval.max_new_tokens = 4
+    # The automatic λ crosses at component 8 of d = 256: above one query's rank (4, one per
+    # diagonal block), below the evaluation queries' (`test_automatic_lambda_above_one_querys_rank_is_served`).
+    c.hessian.lambda_component_fraction = 8 / 256
     return c
 
 
@@ -78,7 +83,7 @@ def test_methods_lists_indexed_rows_and_text_baselines(served):
     assert d["num_passages"] == len(engine.run.corpus.texts)
 
 
-@pytest.mark.parametrize("method", ["trackstar", "exp5"])  # R_eval from the query (mixed) / cached R_train
+@pytest.mark.parametrize("method", ["trackstar", "exp5"])  # R_eval from the evaluation's queries (mixed) / R_train
 def test_query_equals_retrieve_queries(served, method):
     settings, workdir, engine, client = served
     prompt, target = _fact(engine, 3)
@@ -86,8 +91,9 @@ def test_query_equals_retrieve_queries(served, method):
     assert r.status_code == 200, r.text
     got = r.json()
     ms = rows.method_settings(settings, methods_lib.METHODS[method])
+    r_eval = engine.r_eval_set().queries if method == "trackstar" else None
     want, _ = retrieval_stage.retrieve_queries(
-        engine.run, ms, workdir, [retrieval_stage.TextQuery(0, prompt, target)], k=7
+        engine.run, ms, workdir, [retrieval_stage.TextQuery(0, prompt, target)], k=7, r_eval_queries=r_eval
     )
     want = want[0]
     assert got["record"] == want
@@ -96,6 +102,94 @@ def test_query_equals_retrieve_queries(served, method):
     assert [p["text"] for p in got["proponents"]] == want["proponents"]
     assert [p["example_id"] for p in got["opponents"]] == want["opponent_ids"]
     assert got["target"] == target and got["completion"] is None and got["method"] == method and got["seconds"] > 0
+
+
+def test_mixed_rows_take_r_eval_from_the_evaluations_queries(served):
+    """R_eval of the mixed rows is the evaluation's query set (built once at start, independently
+    rebuilt here), not the served query; `describe` says so and gives the λ used."""
+    settings, _, engine, client = served
+    eq = evaluation.query_set.make_eval_queries(engine.run, settings)
+    assert len(eq.queries) > 1 and not eq.r_eval_prompts
+    assert [(q.prompt, q.target) for q in engine.r_eval_set().queries] == [(q.prompt, q.target) for q in eq.queries]
+    methods = {m["name"]: m for m in client.get("/api/methods").json()["methods"]}
+    for name in ("trackstar", "trackstar_l090"):
+        r_eval = methods[name]["r_eval"]
+        assert r_eval["kind"] == "eval_queries" and r_eval["num_examples"] == len(eq.queries), r_eval
+        assert methods[name]["mix_lambda"] == r_eval["mix_lambda"] == engine._rows[name].scoring.whitening.mix_lambda
+    assert (
+        methods["trackstar"]["r_eval"]["lambda"] == "automatic" and methods["trackstar"]["r_eval"]["lambda_component"]
+    )
+    assert methods["trackstar_l090"]["r_eval"]["lambda"] == "fixed" and methods["trackstar_l090"]["mix_lambda"] == 0.9
+    assert "r_eval" not in methods["exp5"] and "mix_lambda" not in methods["exp5"]
+
+
+def test_automatic_lambda_above_one_querys_rank_is_served(served):
+    """The fixture's automatic λ crosses above one query's rank: the query alone cannot be R_eval
+    (`prepare_scoring` refuses it, as the engine's per-query R_eval used to: a 400), yet it is
+    served, with λ resolved at that crossing from the evaluation's queries."""
+    settings, _, engine, client = served
+    row = engine._rows["trackstar"]
+    one_rank = row.reader.num_blocks_total  # one vector: rank 1 per diagonal block
+    crossing = hessian_lib.lambda_component(row.reader.dim, settings.hessian.lambda_component_fraction)
+    assert one_rank < crossing and row.settings.hessian.mix_lambda < 0
+    prompt, target = _fact(engine, 5)
+    q_raw = retrieval_stage.featurize_text_queries(
+        engine.run, row.vec_fn, [retrieval_stage.TextQuery(0, prompt, target)]
+    )
+    with pytest.raises(ValueError, match=f"R_eval has numerical rank {one_rank} < crossing component {crossing}"):
+        scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
+    r = client.post("/api/query", json={"prompt": prompt, "target": target, "k": 6, "method": "trackstar"})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["proponents"]) == len(r.json()["opponents"]) == 6
+    (m,) = [m for m in client.get("/api/methods").json()["methods"] if m["name"] == "trackstar"]
+    assert m["r_eval"]["lambda_component"] == crossing and 0 < m["mix_lambda"] < 1
+
+
+def test_mixed_rows_without_an_r_eval_set_are_not_offered(served, monkeypatch):
+    """A corpus whose evaluation queries cannot be built: the mixed rows are skipped, saying why
+    and what to give; the other rows are served, and asking for TrackStar is a 400 naming it."""
+    settings, workdir, engine, _ = served
+
+    def no_facts(run, settings):
+        raise ValueError(f"corpus {run.corpus.name} has no facts to query")
+
+    monkeypatch.setattr(evaluation.query_set, "make_eval_queries", no_facts)
+    engine2 = engine_lib.Engine(settings, workdir, dense=False)
+    assert engine2.methods == ["exp4", "exp5", "bm25"]
+    for name in ("trackstar", "trackstar_l090"):
+        assert "has no facts to query" in engine2.skipped[name] and "retrieval.queries" in engine2.skipped[name]
+    client2 = TestClient(app_lib.make_app(engine2))
+    assert client2.get("/api/methods").json()["default"] == "exp4"
+    prompt, target = _fact(engine, 1)
+    r = client2.post("/api/query", json={"prompt": prompt, "target": target, "k": 3, "method": "trackstar"})
+    assert r.status_code == 400 and "has no facts to query" in r.json()["error"], r.text
+    r = client2.post("/api/query", json={"prompt": prompt, "target": target, "k": 3, "method": "exp5"})
+    assert r.status_code == 200 and r.json()["record"] == engine.query(prompt, target, 3, "exp5")["record"]
+
+
+def test_r_eval_from_the_retrieval_query_file(served, tmp_path):
+    """With `retrieval.queries` set, R_eval is that file's queries, as `launch.retrieve` takes it."""
+    settings, workdir, engine, _ = served
+    facts = [_fact(engine, i) for i in (0, 2, 4, 6)]
+    path = tmp_path / "task.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in facts))
+    s2 = settings.replace({"retrieval.queries": str(path)})
+    engine2 = engine_lib.Engine(s2, workdir, dense=False)
+    d = {m["name"]: m for m in engine2.describe()["methods"]}
+    assert d["trackstar"]["r_eval"]["kind"] == "retrieval_queries" and d["trackstar"]["r_eval"]["num_examples"] == 4
+    prompt, target = _fact(engine, 3)
+    got = engine2.query(prompt, target, k=5, method="trackstar")
+    ms = rows.method_settings(s2, methods_lib.METHODS["trackstar"])
+    want, _ = retrieval_stage.retrieve_queries(
+        engine2.run,
+        ms,
+        workdir,
+        [retrieval_stage.TextQuery(0, prompt, target)],
+        k=5,
+        r_eval_queries=retrieval_stage.load_text_queries(path),
+    )
+    assert got["record"] == want[0]
+    assert got["record"] != engine.query(prompt, target, k=5, method="trackstar")["record"]  # another R_eval
 
 
 def test_no_target_uses_the_models_completion(served):
@@ -388,6 +482,28 @@ def test_eval_bad_filters_are_refused_and_the_server_keeps_serving(evaluated):
         r = client.get(url)
         assert r.status_code == status and match in r.json()["error"], (url, r.status_code, r.text)
     assert client.get("/api/eval").status_code == 200
+
+
+def test_served_mixed_row_equals_the_evaluations_records(evaluated):
+    """An evaluation query asked of the explorer's TrackStar row (R_eval from the same query set,
+    built at start) gets the proponents and opponents `evaluate` wrote for it."""
+    workdir, engine, client = evaluated
+    queries, recs, table = _eval_files(workdir)
+    k = len(recs["trackstar"][0]["proponent_ids"])
+    (row,) = [r for r in table["rows"] if r["method"] == "trackstar"]
+    for q in queries[:3]:
+        r = client.post(
+            "/api/query", json={"prompt": q["prompt"], "target": q["target"], "k": k, "method": "trackstar"}
+        )
+        assert r.status_code == 200, r.text
+        got, want = r.json()["record"], recs["trackstar"][q["query_id"]]
+        for kind in ("proponent", "opponent"):
+            assert got[f"{kind}_ids"] == want[f"{kind}_ids"], (q["query_id"], kind)
+            assert got[f"{kind}_scores"] == pytest.approx(want[f"{kind}_scores"], rel=1e-5, abs=1e-6)
+    d = {m["name"]: m for m in client.get("/api/methods").json()["methods"]}
+    assert d["trackstar"]["r_eval"]["num_examples"] == len(queries)
+    want_lambda = row["scoring"]["whitening"]["mix_lambda"]  # the λ the evaluation resolved
+    assert d["trackstar"]["mix_lambda"] == pytest.approx(want_lambda, rel=1e-6)
 
 
 def test_eval_query_detail_equals_the_records(evaluated):

@@ -40,6 +40,12 @@ class EvalQueries:
     templates: dict[str, list[str]]
     r_eval_prompts: list[retrieval_stage.TextQuery] = dataclasses.field(default_factory=list)
 
+    def r_eval_queries(self) -> list[retrieval_stage.TextQuery]:
+        """The examples whose gradients define R_eval of a mixed R (§3, §A.1.3): the task
+        prompts (hessian.r_eval_source = "task_prompts"), else the queries themselves. The
+        evaluation, `launch.retrieve` of the fact queries and the explorer all take R_eval here."""
+        return list(self.r_eval_prompts) or self.text_queries()
+
     def text_queries(self, with_fact_fields: bool = False) -> list[retrieval_stage.TextQuery]:
         """The queries as retrieval's `TextQuery` (with fact fields and gold ids for output files)."""
         if not with_fact_fields:

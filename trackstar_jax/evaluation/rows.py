@@ -92,7 +92,7 @@ class GradientRetriever:
             eq.text_queries(),
             mesh=self.ctx.mesh,
             k=k,
-            r_eval_queries=eq.r_eval_prompts or None,
+            r_eval_queries=eq.r_eval_queries(),
         )
         return Retrieved(
             [r["proponent_ids"] for r in recs],

@@ -320,7 +320,13 @@ def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathL
     eq = query_set.make_eval_queries(run, settings)
     source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
     return retrieval_stage.retrieve(
-        settings, workdir, eq.text_queries(with_fact_fields=True), name=name, source=source, run=run
+        settings,
+        workdir,
+        eq.text_queries(with_fact_fields=True),
+        name=name,
+        source=source,
+        run=run,
+        r_eval_queries=eq.r_eval_queries(),
     )
 
 

@@ -95,6 +95,29 @@ def query_vectors(
     return np.concatenate(out)
 
 
+def featurize_text_queries(
+    run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, queries: Sequence[TextQuery]
+) -> np.ndarray:
+    """Text queries -> raw query vectors `[Q, d]`: `data.encode_query` (loss on the target
+    tokens) then `query_vectors`. Used for the scored queries and for R_eval's examples.
+
+    Raises:
+      ValueError: a query that cannot be encoded (names it: its file:line, else its id).
+    """
+    encoded = [
+        data_lib.encode_query(
+            run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.where or q.example_id
+        )
+        for q in queries
+    ]
+    return query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+
+
+def same_text(a: Sequence[TextQuery], b: Sequence[TextQuery]) -> bool:
+    """Whether two query lists featurize alike: the same (prompt, target) in the same order."""
+    return [(q.prompt, q.target) for q in a] == [(q.prompt, q.target) for q in b]
+
+
 def open_checked_index(
     run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike
 ) -> store_lib.IndexReader:
@@ -126,8 +149,9 @@ def retrieve_queries(
 ) -> tuple[list[dict], dict]:
     """Featurizes text queries like the index and retrieves their proponents / opponents.
 
-    `r_eval_queries` (hessian.r_eval_source = "task_prompts") are featurized the same way and
-    define R_eval instead of `queries` (§A.1.3: any examples of the task).
+    For hessian mode "mixed", R_eval comes from `r_eval_queries`, featurized the same way
+    (§A.1.3: examples of the task, e.g. the evaluation's `EvalQueries.r_eval_queries()`);
+    without them (or when they are the queries' texts) from `queries` themselves.
 
     Notebook use: `records, info = retrieval.retrieve_queries(run, settings, workdir,
     [retrieval.TextQuery(0, "Paris is the capital of", " France")])`.
@@ -153,23 +177,13 @@ def retrieve_queries(
     if not queries:
         return [], info
     t0 = time.perf_counter()
-    encoded = [
-        data_lib.encode_query(
-            run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.where or q.example_id
-        )
-        for q in queries
-    ]
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
     )
-    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+    q_raw = featurize_text_queries(run, vec_fn, queries)
     r_eval_raw = q_raw
-    if r_eval_queries and settings.hessian.mode == "mixed":
-        enc_r = [
-            data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
-            for q in r_eval_queries
-        ]
-        r_eval_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in enc_r])
+    if r_eval_queries and settings.hessian.mode == "mixed" and not same_text(r_eval_queries, queries):
+        r_eval_raw = featurize_text_queries(run, vec_fn, r_eval_queries)
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
     # On a pod each process scores only its rows, on its own devices, and the candidates are merged.
@@ -228,6 +242,7 @@ def retrieve(
     name: str | None = None,
     source: dict | None = None,
     run: checkpoint_lib.Run | None = None,
+    r_eval_queries: Sequence[TextQuery] | None = None,
 ) -> dict:
     """Stage 3: retrieve for a query set and write its jsonl + manifest.
 
@@ -239,6 +254,8 @@ def retrieve(
       name: output name (default `config.retrieval.output`, else the query file's stem).
       source: what the queries are (recorded in the manifest).
       run: the loaded run, if the caller has it.
+      r_eval_queries: R_eval's examples for hessian mode "mixed" (default: the queries), as in
+        `retrieve_queries`.
 
     Returns:
       The manifest (also written), with counts and timings.
@@ -266,7 +283,7 @@ def retrieve(
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
     run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh)
-    recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh)
+    recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh, r_eval_queries=r_eval_queries)
     info.pop("process_rows", None)  # differs per process; the outputs do not
     reader = store_lib.open_index(info["index"])
     manifest = {

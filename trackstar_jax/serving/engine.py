@@ -2,11 +2,27 @@
 
 `Engine` loads the run (`training.checkpoint.load_run`) once, opens every gradient index
 of the workdir that matches the run (one per table row whose index exists), and keeps
-per row the featurizer and the scoring setup (R^{-1/2}, unit norm, row scales). A query
-runs the same steps as `retrieval.stage.retrieve_queries` for one `TextQuery` (same
-encoding, same padded batch, same `prepare_scoring`, same `stream_topk`), so its result
-equals that function's record. BM25 and the dense-embedding row (when its model is
-installed) rank by text, as the evaluation's `TextRetriever`.
+per row the featurizer and the scoring setup (R^{-1/2}, unit norm, row scales), prepared
+once at start. A query runs the same steps as `retrieval.stage.retrieve_queries` for one
+`TextQuery` (same encoding, same padded batch, same `stream_topk`) with that scoring, so
+its result equals the record of a retrieval made with the same R.
+
+Rows with hessian mode "mixed" (TrackStar, R = λ R_eval + (1-λ) R_train) need R_eval from a
+task-specific set of examples (§3, §A.1.3), never from the one served query (its rank is too
+low for the automatic λ, and the scores would depend on the query twice). At start the
+engine takes the query set that retrieval with this config runs: the jsonl at
+`config.retrieval.queries` when set (as `launch.retrieve`), else the evaluation's fact
+queries (`evaluation.query_set.make_eval_queries`; their task prompts when
+`hessian.r_eval_source = "task_prompts"`, `EvalQueries.r_eval_queries`). It featurizes them
+with the row's featurizer (`retrieval.stage.featurize_text_queries`) and calls
+`index.scoring.prepare_scoring` once, so a served evaluation query equals the evaluation's
+record for it (and the automatic λ is the evaluation's). When that set cannot be built (a
+corpus without facts and no query file), the mixed rows are not offered and `skipped` says
+why: serving them with a per-query R_eval would be another method under TrackStar's name.
+`describe()` reports, per mixed row, where R_eval came from and the λ used.
+
+BM25 and the dense-embedding row (when its model is installed) rank by text, as the
+evaluation's `TextRetriever`.
 
 Queries are serialized by one lock: the device runs one query at a time.
 """
@@ -30,6 +46,7 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
@@ -46,15 +63,28 @@ class QueryError(ValueError):
     """A query the server refuses (bad prompt / target / method / k); the message says why."""
 
 
+class _REvalUnavailable(RuntimeError):
+    """The mixed rows' R_eval set cannot be built (the message says why and what to give)."""
+
+
 @dataclasses.dataclass
 class _GradientRow:
-    """One gradient row's loaded state (`scoring` is None for hessian mode "mixed": its R_eval
-    comes from the query itself, as in `retrieve_queries`, so it is prepared per query)."""
+    """One gradient row's loaded state; `r_eval` (mode "mixed") says where R_eval came from."""
 
     settings: config_lib.Settings
     reader: Any
     vec_fn: vectors_lib.VectorFn
-    scoring: scoring_lib.Scoring | None
+    scoring: scoring_lib.Scoring
+    r_eval: dict | None = None
+
+
+@dataclasses.dataclass
+class _REvalSet:
+    """R_eval's examples for the mixed rows (`Engine.r_eval_set`): the queries and what they are."""
+
+    queries: list[retrieval_stage.TextQuery]
+    source: dict
+    seconds: float
 
 
 class Engine:
@@ -83,6 +113,8 @@ class Engine:
         self._lock = threading.Lock()
         self._rows: dict[str, _GradientRow] = {}
         self._vec_fns: dict[tuple, vectors_lib.VectorFn] = {}
+        self._r_eval_set: _REvalSet | Exception | None = None  # built on the first mixed row
+        self._r_eval_raw: dict[tuple, Any] = {}  # featurizer key -> R_eval's raw vectors [n, d]
         self.skipped: dict[str, str] = {}  # method -> why it is not offered
         for name, m in methods_lib.METHODS.items():
             if m.kind == "gradient":
@@ -113,12 +145,83 @@ class Engine:
                     mesh=self.mesh,
                     role="query",
                 )
-            scoring = None if ms.hessian.mode == "mixed" else scoring_lib.prepare_scoring(reader, ms.hessian)
+            r_eval, r_eval_raw = None, None
+            if ms.hessian.mode == "mixed":
+                r_eval = self.r_eval_set()
+                if key not in self._r_eval_raw:
+                    t0 = time.perf_counter()
+                    self._r_eval_raw[key] = retrieval_stage.featurize_text_queries(
+                        self.run, self._vec_fns[key], r_eval.queries
+                    )
+                    logging.info(
+                        "serve: featurized R_eval's %d examples for %s in %.1fs",
+                        len(r_eval.queries),
+                        path,
+                        time.perf_counter() - t0,
+                    )
+                r_eval_raw = self._r_eval_raw[key]
+            scoring = scoring_lib.prepare_scoring(reader, ms.hessian, r_eval_raw)
+        except _REvalUnavailable as e:
+            self.skipped[name] = str(e)
+            logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
+            return
         except Exception as e:  # noqa: BLE001 -- an unusable index is skipped, not fatal: say why
             self.skipped[name] = f"{type(e).__name__}: {e}"
             logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
             return
-        self._rows[name] = _GradientRow(ms, reader, self._vec_fns[key], scoring)
+        info = None
+        if r_eval is not None:
+            w = scoring.whitening
+            info = {
+                **r_eval.source,
+                "num_examples": len(r_eval.queries),
+                "mix_lambda": w.mix_lambda,
+                "lambda": "automatic" if ms.hessian.mix_lambda < 0 else "fixed",
+                "lambda_component": w.component,
+            }
+            logging.info("serve: %s scores with R_eval from %s, λ = %.4g", name, r_eval.source["kind"], w.mix_lambda)
+        self._rows[name] = _GradientRow(ms, reader, self._vec_fns[key], scoring, info)
+
+    def r_eval_set(self) -> _REvalSet:
+        """R_eval's examples for the mixed rows, built once (see the module docstring): the jsonl
+        at `config.retrieval.queries` when set, else the evaluation's `r_eval_queries()`.
+
+        Raises:
+          _REvalUnavailable: neither can be built (the message says why and what to give).
+        """
+        if self._r_eval_set is None:
+            t0 = time.perf_counter()
+            s = self.settings
+            try:
+                if s.retrieval.queries:
+                    qs = retrieval_stage.load_text_queries(s.retrieval.queries)
+                    if not qs:
+                        raise ValueError(f"{s.retrieval.queries} holds no query")
+                    source = {"kind": "retrieval_queries", "path": str(s.retrieval.queries)}
+                else:
+                    eq = query_set.make_eval_queries(self.run, s)
+                    qs = eq.r_eval_queries()
+                    source = {
+                        "kind": "task_prompts" if eq.r_eval_prompts else "eval_queries",
+                        "query_mode": s.eval.query_mode,
+                        "template_variant": s.eval.template_variant,
+                    }
+                self._r_eval_set = _REvalSet(qs, source, time.perf_counter() - t0)
+                logging.info(
+                    "serve: R_eval of the mixed rows: %d %s (built in %.1fs)",
+                    len(qs),
+                    source["kind"],
+                    time.perf_counter() - t0,
+                )
+            except Exception as e:  # noqa: BLE001 -- kept: every mixed row is skipped with this reason
+                self._r_eval_set = _REvalUnavailable(
+                    f"hessian mode 'mixed' needs R_eval from a task's examples, and none could be built: "
+                    f"{type(e).__name__}: {e}. Give --config.retrieval.queries=<jsonl of prompt/target queries of "
+                    "the task> (R_eval is then those queries, as in launch.retrieve), or use another method"
+                )
+        if isinstance(self._r_eval_set, Exception):
+            raise self._r_eval_set
+        return self._r_eval_set
 
     # ------------------------------------------------------------------------------------
     # What is offered
@@ -144,6 +247,8 @@ class Engine:
                     hessian=s.hessian.mode,
                     unit_norm=s.hessian.unit_norm,
                 )
+                if self._rows[name].r_eval is not None:
+                    entry.update(mix_lambda=self._rows[name].r_eval["mix_lambda"], r_eval=self._rows[name].r_eval)
             out.append(entry)
         default = "trackstar" if "trackstar" in self._rows else (self.methods[0] if self.methods else None)
         return {
@@ -255,20 +360,13 @@ class Engine:
         except ValueError as e:
             raise QueryError(str(e)) from e
         q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
-        try:
-            scoring = row.scoring or scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
-        except ValueError as e:  # e.g. automatic λ needs R_eval of rank >= its crossing component: one query is not
-            raise QueryError(
-                f"method {method!r}: {e} (a served query is its own R_eval: start the server with a fixed "
-                "--config.hessian.mix_lambda, or use another method)"
-            ) from e
         res = topk.stream_topk(
-            scoring.finalize_queries(q_raw),
+            row.scoring.finalize_queries(q_raw),
             row.reader,
             k,
             row.settings.retrieval.read_chunk_rows,
             mesh=self.mesh,
-            row_scale=scoring.row_scale,
+            row_scale=row.scoring.row_scale,
             query_batch_size=row.settings.retrieval.query_batch_size,
         )
         return records.pair_record(
