@@ -84,7 +84,6 @@ class _REvalSet:
 
     queries: list[retrieval_stage.TextQuery]
     source: dict
-    seconds: float
 
 
 class Engine:
@@ -206,7 +205,7 @@ class Engine:
                         "query_mode": s.eval.query_mode,
                         "template_variant": s.eval.template_variant,
                     }
-                self._r_eval_set = _REvalSet(qs, source, time.perf_counter() - t0)
+                self._r_eval_set = _REvalSet(qs, source)
                 logging.info(
                     "serve: R_eval of the mixed rows: %d %s (built in %.1fs)",
                     len(qs),
