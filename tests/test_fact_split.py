@@ -250,6 +250,11 @@ def test_queries_come_from_the_eval_split_only(lama_dir, monkeypatch):
     ]
     assert all(t.prompt.endswith(":") for t in eq.r_eval_prompts)
     assert len({(t.prompt, t.target) for t in eq.r_eval_prompts}) == 30
+    # R_eval's examples (what evaluate, launch.retrieve and the explorer use): the task prompts
+    # here, the queries themselves without them
+    assert eq.r_eval_queries() == eq.r_eval_prompts
+    eq.r_eval_prompts = []
+    assert eq.r_eval_queries() == eq.text_queries() and len(eq.r_eval_queries()) == len(eq.queries)
 
 
 # ---------------------------------------------------------------------------------------
