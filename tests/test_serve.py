@@ -620,6 +620,7 @@ def test_page_in_headless_chromium(served, tmp_path):
 def test_browse_view_in_headless_chromium(evaluated, tmp_path):
     """Open the browse view, filter by a relation: the rows shown are the API's filtered queries."""
     _browser_or_skip()
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select, WebDriverWait
 
@@ -630,7 +631,8 @@ def test_browse_view_in_headless_chromium(evaluated, tmp_path):
     everything = [q["query_id"] for q in client.get("/api/eval").json()["queries"]]
     assert 0 < len(want) < len(everything)
     with _page_in_chromium(engine) as driver:
-        wait = WebDriverWait(driver, 60)
+        # A re-render between finding the rows and reading them leaves stale elements: look again.
+        wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
 
         def shown(d):
             rows = d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q")
