@@ -91,6 +91,48 @@ def test_params_sharded_over_fsdp_give_the_same_vectors():
     np.testing.assert_array_equal(np.asarray(raw), got)
 
 
+@functools.lru_cache(maxsize=None)
+def _full_v_state():
+    # min_dim_size_to_factor above every dim: Adafactor keeps an element-wise V, as Adam does.
+    cfg = _state()[0]
+    opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=128, warmup_steps=1))
+    graphdef, state = train.init_state(cfg, opt, seed=0)
+    state, _ = train.train_step(state, _batch(0), graphdef=graphdef, opt=opt)
+    return cfg, graphdef, state
+
+
+def test_exact_v_equals_reference_on_1_and_8_devices_and_fsdp():
+    # vectors.exact_v through the jitted, sharded step: 1 device, 8 on the data axis, and
+    # params sharded over fsdp (2 x 4) all equal the unsharded reference path.
+    skip_if_not_enough_devices(8)
+    cfg, graphdef, state = _full_v_state()
+    batch = _batch(4)
+    meshes = {
+        "1": sharding.make_mesh(devices=jax.devices()[:1]),
+        "8": sharding.make_mesh(devices=jax.devices()[:8]),
+        "fsdp2x4": sharding.make_mesh((2, 4, 1), devices=jax.devices()[:8]),
+    }
+    out = {}
+    for path, exact_v in (("reference", False), ("fast", True), ("fast", False)):
+        vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=3, path=path, exact_v=exact_v)
+        for name, mesh in meshes.items():
+            if (path == "reference" or not exact_v) and name != "1":
+                continue  # the references run unsharded
+            fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state, mesh=mesh)
+            # the element-wise V is kept (reference, exact_v), or reduced to rank one (default fast)
+            assert bool(fn.precond.full) == (path == "reference" or exact_v)
+            with jax.default_matmul_precision("highest"):
+                out[path, exact_v, name] = np.asarray(fn(state.params, fn.precond, batch))
+    want = out["reference", False, "1"]
+    assert want.shape == (B, VC.dim) and np.abs(want).max() > 0
+    for name in meshes:
+        got = out["fast", True, name]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=name)
+    # The default rank-one fast path really differs here (so the equality above is not vacuous).
+    rank1 = out["fast", False, "1"]
+    assert np.max(np.abs(rank1 - want)) > 1e-3 * np.abs(want).max()
+
+
 def test_bad_input_errors():
     cfg, graphdef, state = _state()
     with pytest.raises(ValueError, match="correction=False"):
