@@ -159,16 +159,33 @@ def retrieve_queries(
         )
         for q in queries
     ]
-    vec_fn = vectors_lib.make_vector_fn(
-        run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
-    )
-    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
-    r_eval_raw = q_raw
+    enc_r = []
     if r_eval_queries and settings.hessian.mode == "mixed":
         enc_r = [
             data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
             for q in r_eval_queries
         ]
+    vec_fn = vectors_lib.make_vector_fn(
+        run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
+    )
+    # On a pod each process scores its own rows on its own devices.
+    score_mesh = sharding_lib.make_mesh(devices=jax.local_devices()) if multihost.is_multiprocess() else mesh
+    # Refused before any query is featurized: a featurize step of the longest query batch, or
+    # a read chunk + query batch + candidates, that cannot fit in device memory.
+    vec_fn.check_fits(run.params, seq_len=max(len(e["tokens"]) for e in encoded + enc_r))
+    topk.check_fits(
+        len(queries),
+        reader.dim,
+        reader.dtype,
+        k,
+        st.read_chunk_rows,
+        score_mesh,
+        num_rows=reader.num_rows,
+        query_batch_size=st.query_batch_size,
+    )
+    q_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+    r_eval_raw = q_raw
+    if enc_r:
         r_eval_raw = query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in enc_r])
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
@@ -183,7 +200,7 @@ def retrieve_queries(
             reader,
             k,
             st.read_chunk_rows,
-            mesh=sharding_lib.make_mesh(devices=jax.local_devices()),
+            mesh=score_mesh,
             row_scale=scoring.row_scale,
             query_batch_size=st.query_batch_size,
         )
