@@ -1,12 +1,15 @@
 """Cost planner: `python -m launch.plan --config=experiments/paper_8b.py --num_examples=365000000 --tokens_per_example=512`.
 
 Prints, before anything runs (abstract shapes only, nothing allocated): parameter and
-optimizer-state bytes per device, the compiled train step's memory per device, index bytes
-per storage dtype, R bytes, bytes read per retrieval query batch, and time estimates from a
-short calibration on this machine (or `--flops_per_s` / `--bytes_per_s` per device, stated).
+optimizer-state bytes per device, the compiled memory per device of the train, featurize
+(fast and reference paths; `configured` is what `build_index` runs), tail-patch and
+retrieval-scoring steps, index bytes per storage dtype, R bytes, bytes read per retrieval
+query batch, and time estimates from a short calibration on this machine (or
+`--flops_per_s` / `--bytes_per_s` per device, stated).
 `--fake_devices=N` plans an N-device mesh on this host (CPU devices; set before JAX starts),
 e.g. `--fake_devices=64 --config.mesh.shape='(4,16,1)'`. Warns when a step does not fit the
-device memory limit (`--device_memory_gib`, `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, or the device's).
+device memory limit (`--device_memory_gib`, `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, or the device's),
+naming the knob; the stages refuse such a step at their start, before any work.
 """
 
 import json
@@ -24,7 +27,9 @@ _FAKE = flags.DEFINE_integer("fake_devices", 0, "Plan on this many fake CPU devi
 _FLOPS = flags.DEFINE_float("flops_per_s", 0.0, "Stated FLOP/s per device (0: measure on this machine).")
 _BW = flags.DEFINE_float("bytes_per_s", 0.0, "Stated memory bytes/s per device (0: measure on this machine).")
 _MEM = flags.DEFINE_float("device_memory_gib", 0.0, "Device memory limit in GiB (0: env / device).")
-_COMPILE = flags.DEFINE_bool("compile", True, "Compile the train step abstractly for its memory analysis.")
+_COMPILE = flags.DEFINE_bool(
+    "compile", True, "Compile the train / featurize / tail-patch / retrieval steps abstractly for their memory."
+)
 flags.mark_flags_as_required(["config"])
 
 
@@ -61,14 +66,13 @@ def main(argv):
         tokens_per_example=_T.value or settings.model.max_len,
         rates=rates,
         num_queries=_Q.value,
-        compile_train=_COMPILE.value,
+        compile_steps=_COMPILE.value,
     )
     out["num_examples"] = n
     print(json.dumps(out, indent=1))
-    peak = out.get("train_step", {}).get("peak_bytes")
-    if peak is not None:
+    for step, peak in plan.peaks(out).items():
         try:
-            plan.check_fits("train", peak)
+            plan.check_fits(step, peak)
         except plan.DoesNotFitError as e:
             print(f"WARNING: {e}", file=sys.stderr)
 

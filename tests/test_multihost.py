@@ -7,12 +7,10 @@ with an error naming the flag. Every subprocess has a timeout, so a hang fails t
 """
 
 import json
-import os
-import pathlib
-import socket
 import subprocess
 import sys
 
+import _multihost_util as mh
 import jax
 import numpy as np
 import pytest
@@ -26,101 +24,22 @@ from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-TIMEOUT_S = 240  # per launch of both processes; a hang fails instead of blocking CI
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _override_flags(config) -> list[str]:
-    """`--config.a.b=v` for every key where `config` differs from experiments/tiny.py."""
-    from experiments import tiny
-
-    base, new = (index.store.flatten(c.to_dict()) for c in (tiny.get_config(), config))
-    return [f"--config.{k}={v}" for k, v in sorted(new.items()) if base.get(k) != v]
-
-
-_CACHE_DIR = None
-
-
-def _env(num_devices: int = 2) -> dict:
-    global _CACHE_DIR
-    if _CACHE_DIR is None:  # one compilation cache for every launch of this module
-        import tempfile
-
-        _CACHE_DIR = tempfile.mkdtemp(prefix="multihost_jax_cache")
-    env = dict(os.environ)
-    env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
-        JAX_PLATFORMS="cpu",
-        # the same compiler setting as this process (fast_compile), so the bits compare
-        JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),
-        JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
-        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
-    )
-    return env
-
 
 def _launch(
-    stage: str, workdir, *extra: str, num_processes: int = 2, per_process=None, timeout_s: float = TIMEOUT_S
+    stage: str, workdir, *extra: str, num_processes: int = 2, per_process=None, timeout_s: float = mh.TIMEOUT_S
 ) -> list[subprocess.CompletedProcess]:
     """Runs `python -m launch.<stage>` as `num_processes` processes of one jax.distributed job."""
-    port = _free_port()
-    args = [
-        sys.executable,
-        "-m",
-        f"launch.{stage}",
-        "--config=experiments/tiny.py",
-        *_override_flags(_config()),
-        f"--workdir={workdir}",
-        "--distributed",
-        f"--coordinator_address=localhost:{port}",
-        f"--num_processes={num_processes}",
-        "--heartbeat_timeout_s=10",
-        *extra,
-    ]
-    procs = [
-        subprocess.Popen(
-            args + [f"--process_id={i}"] + list((per_process or {}).get(i, ())),
-            cwd=REPO,
-            env=_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(num_processes)
-    ]
-    out = []
-    try:
-        for _i, p in enumerate(procs):
-            stdout, stderr = p.communicate(timeout=timeout_s)
-            out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"launch.{stage} with {num_processes} processes did not finish within {timeout_s}s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
-
-
-def _ok(results) -> list[str]:
-    for i, r in enumerate(results):
-        assert r.returncode == 0, f"process {i} failed:\n{r.stderr[-4000:]}"
-    return [r.stdout for r in results]
+    flags = [*mh.override_flags(_config()), *extra]
+    procs = mh.start(stage, workdir, flags, num_processes=num_processes, per_process=per_process)
+    return mh.wait(procs, stage, timeout_s)
 
 
 @pytest.fixture(scope="module")
 def two_host_run(tmp_path_factory):
     """A run trained by 2 processes, then indexed by 2 processes; `(workdir, index summaries)`."""
     workdir = tmp_path_factory.mktemp("multihost")
-    _ok(_launch("train", workdir))
-    outs = _ok(_launch("build_index", workdir))
+    mh.ok(_launch("train", workdir))
+    outs = mh.ok(_launch("build_index", workdir))
     return workdir, [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
@@ -198,7 +117,7 @@ def test_a_failing_process_fails_the_others_at_once(two_host_run):
 
 
 def test_missing_coordinator_is_named(tmp_path):
-    port = _free_port()  # nobody listens there
+    port = mh.free_port()  # nobody listens there
     args = [sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py", f"--workdir={tmp_path}"]
     r = subprocess.run(
         args
@@ -209,8 +128,8 @@ def test_missing_coordinator_is_named(tmp_path):
             "--process_id=1",
             "--distributed_timeout_s=2",
         ],
-        cwd=REPO,
-        env=_env(),
+        cwd=mh.REPO,
+        env=mh.env(),
         capture_output=True,
         text=True,
         timeout=120,

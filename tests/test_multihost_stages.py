@@ -12,15 +12,13 @@ import json
 import pathlib
 import shutil
 import signal
-import subprocess
-import sys
 import time
 
+import _multihost_util as mh
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import tiny_run_config
-from test_multihost import REPO, _env, _free_port
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import evaluation
@@ -30,7 +28,7 @@ from trackstar_jax.retrieval import topk
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
-TIMEOUT_S = 240
+TIMEOUT_S = mh.TIMEOUT_S
 NUM_DEVICES = 8  # global devices in every case: 1 x 8 (this process), 2 x 4, 4 x 2
 # The run: 30 facts (130 passages), 3 steps; 16-row chunks so each process streams several.
 OVERRIDES = {
@@ -62,14 +60,6 @@ def _config(**more):
     return c
 
 
-def _flags(**more) -> list[str]:
-    out = []
-    for k, v in {**OVERRIDES, **more}.items():
-        v = "(" + ",".join(f'"{x}"' for x in v) + ",)" if isinstance(v, tuple) else v
-        out.append(f"--config.{k}={v}")
-    return out
-
-
 @pytest.fixture(scope="module")
 def indexed_run(tiny_run, tmp_path_factory):
     """A trained (in-process) run with its index, copied to a directory of this module."""
@@ -82,33 +72,19 @@ def indexed_run(tiny_run, tmp_path_factory):
 
 
 def _start(stage, workdir, num_processes, *extra, hold=None, logs=None):
-    port = _free_port()
-    procs = []
-    for i in range(num_processes):
-        env = _env(NUM_DEVICES // num_processes)
-        if hold is not None:
-            env[multihost.HOLD_ENV] = hold
-        err = open(logs / f"p{i}.err", "w") if logs else subprocess.PIPE  # noqa: SIM115
-        args = [sys.executable, "-m", f"launch.{stage}", "--config=experiments/tiny.py", *_flags(), *extra]
-        args += [f"--workdir={workdir}", "--distributed", f"--coordinator_address=localhost:{port}"]
-        args += [f"--num_processes={num_processes}", f"--process_id={i}", "--heartbeat_timeout_s=10"]
-        procs.append(subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True))
-    return procs
+    return mh.start(
+        stage,
+        workdir,
+        [*mh.override_flags(_config()), *extra],
+        num_processes=num_processes,
+        num_devices=NUM_DEVICES // num_processes,
+        extra_env={multihost.HOLD_ENV: hold} if hold is not None else None,
+        logs=logs,
+    )
 
 
 def _run(stage, workdir, num_processes, *extra):
-    procs = _start(stage, workdir, num_processes, *extra)
-    try:
-        outs = [p.communicate(timeout=TIMEOUT_S) for p in procs]
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"launch.{stage} with {num_processes} processes did not finish within {TIMEOUT_S}s (a hang)")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for i, (p, (_, err)) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"process {i} failed:\n{err[-4000:]}"
+    mh.ok(mh.wait(_start(stage, workdir, num_processes, *extra), stage, TIMEOUT_S))
 
 
 def _same_retrieval(ref: pathlib.Path, got: pathlib.Path):

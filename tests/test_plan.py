@@ -1,15 +1,19 @@
-"""The planner's figures against hand arithmetic (tiny config), and the refusal of a step that
-does not fit a forced device-memory limit."""
+"""The planner's figures against hand arithmetic (tiny config), and the refusal, at each
+stage's start, of a step that does not fit a forced device-memory limit."""
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import plan, training
+from trackstar_jax import evaluation, index, plan, training
 from trackstar_jax.distributed import memory, sharding
+from trackstar_jax.index import build
 from trackstar_jax.models import lm as model_lib
+from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.retrieval import topk
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -52,6 +56,28 @@ def test_figures_equal_hand_arithmetic(tiny_config):
     m = out["train_step"]
     assert m["argument_bytes"] >= out["params"]["per_device_bytes"] + out["opt_state"]["per_device_bytes"]
     assert m["peak_bytes"] == m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"] > 0
+    # Featurize (both paths; fast configured), tail-patch, retrieval: compiled on abstract shapes.
+    f = out["featurize_step"]
+    assert f["configured"] == "fast" and set(f) == {"fast", "reference", "configured"}
+    for m in (f["fast"], f["reference"], out["tailpatch_step"]):
+        assert m["argument_bytes"] >= out["params"]["per_device_bytes"]  # the parameters are an argument
+        assert m["peak_bytes"] == m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"] > 0
+    assert out["tailpatch_step"]["pairs"] == 16  # tiny: tailpatch.batch_size 16, a multiple of the 8 data shards
+    r = out["retrieval_step"]
+    assert r["chunk_rows"] == 256 and r["query_batch_size"] == 64  # tiny: read_chunk_rows 256, 64 queries a batch
+    assert r["prefetch_bytes"] == (256 * d * 2 + 256 * 4) // 8  # the next bfloat16 chunk + its scales, per device
+    assert r["results_bytes"] == 16 * 4 * 64 * settings.retrieval.top_k * 4  # 16 query batches, 4 [64, k] lists
+    assert r["argument_bytes"] >= 64 * d * 4 + 256 * d * 2 // 8  # the float32 query batch + this device's rows
+    assert plan.peaks(out) == {
+        "train": out["train_step"]["peak_bytes"],
+        "featurize": f["fast"]["peak_bytes"],
+        "tailpatch": out["tailpatch_step"]["peak_bytes"],
+        "retrieve": r["peak_bytes"],
+    }
+    # More rows per step, more memory per device (activations; each tail-patch pair a parameter copy).
+    double = settings.replace({"vectors.batch_size": 2 * settings.vectors.batch_size, "tailpatch.batch_size": 32})
+    assert plan.featurize_step_memory(double, mesh)["peak_bytes"] > f["fast"]["peak_bytes"]
+    assert plan.tailpatch_step_memory(double, mesh)["peak_bytes"] > out["tailpatch_step"]["peak_bytes"]
 
 
 def test_a_step_that_does_not_fit_is_refused_before_training(tmp_path, monkeypatch):
@@ -63,3 +89,61 @@ def test_a_step_that_does_not_fit_is_refused_before_training(tmp_path, monkeypat
     monkeypatch.delenv(memory.MEMORY_ENV)
     assert memory.device_memory_limit() is None  # CPU reports no limit of its own
     memory.check_fits("train", 10**12, limit=None)  # no limit: never refused
+
+
+TINY = 100_000  # bytes: far below any step of the tiny model (its featurize step needs ~5 MB)
+
+
+@pytest.fixture(scope="module")
+def small_run(tiny_run):
+    """A 2-step tiny run (its stages write under names of this module: index_plan, ...)."""
+    c = tiny_run_config(num_facts=4, num_distractors=4, num_steps=2, chunk_rows=8)
+    c.index.dir = "index_plan"
+    return c, tiny_run(tiny_run_config(num_facts=4, num_distractors=4, num_steps=2, chunk_rows=8))
+
+
+def test_stages_refuse_a_step_that_does_not_fit_before_any_work(small_run, monkeypatch):
+    c, workdir = small_run
+    settings = config_lib.from_configdict(c)
+    # build_index: the featurize step, before the index directory exists.
+    monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
+    with pytest.raises(memory.DoesNotFitError, match=r"the featurize step .* lower config\.vectors\.batch_size"):
+        build.build_index(settings, workdir)
+    assert not (workdir / "index_plan").exists()
+    # Without the limit it runs.
+    monkeypatch.delenv(memory.MEMORY_ENV)
+    assert build.build_index(settings, workdir)["complete"]
+    assert index.verify_index(workdir / "index_plan")["ok"]
+    # retrieve: query featurization, before any output is written.
+    queries = [retrieval_stage.TextQuery(0, "The capital of", " France")]
+    monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
+    with pytest.raises(memory.DoesNotFitError, match=r"the featurize step .* config\.vectors\.batch_size"):
+        retrieval_stage.retrieve(settings, workdir, queries, name="plan_q")
+    assert not list((workdir / "retrieval").glob("plan_q*"))
+    monkeypatch.delenv(memory.MEMORY_ENV)
+    man = retrieval_stage.retrieve(settings, workdir, queries, name="plan_q")
+    assert man["num_queries"] == 1 and (workdir / "retrieval" / "plan_q.jsonl").exists()
+    # evaluate: a gradient row's featurize step; without one, the tail-patch step; no output folder.
+    monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
+    for methods, knob in ((("trex_gold", "trackstar"), "vectors"), (("trex_gold", "bm25"), "tailpatch")):
+        ev = settings.replace({"eval.methods": methods, "eval.output_dir": "eval_plan"})
+        with pytest.raises(memory.DoesNotFitError, match=rf"lower config\.{knob}\.batch_size"):
+            evaluation.evaluate(ev, workdir)
+        assert not (workdir / "eval_plan").exists()
+
+
+def test_the_retrieval_read_chunk_is_refused_naming_read_chunk_rows(monkeypatch):
+    """The scoring step of a 2^17-row bfloat16 read chunk (8 MB per device here) under a 1 MB limit:
+    refused from shapes alone (nothing read or allocated); a 1k-row chunk fits."""
+    mesh = sharding.make_mesh((8, 1, 1))
+    kw = dict(num_rows=1 << 20, query_batch_size=64)
+    monkeypatch.setenv(memory.MEMORY_ENV, str(1 << 20))
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    with pytest.raises(
+        memory.DoesNotFitError, match=r"the retrieve step \(read chunks of 131072 rows x d=256 bfloat16"
+    ):
+        topk.check_fits(64, 256, bf16, 10, 1 << 17, mesh, **kw)
+    with pytest.raises(memory.DoesNotFitError, match=r"lower config\.retrieval\.read_chunk_rows"):
+        topk.check_fits(64, 256, bf16, 10, 1 << 17, mesh, **kw)
+    small = topk.check_fits(64, 256, bf16, 10, 1024, mesh, **kw)
+    assert small["prefetch_bytes"] == (1024 * 256 * 2 + 1024 * 4) // 8 and 0 < small["peak_bytes"] < 1 << 20

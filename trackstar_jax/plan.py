@@ -3,7 +3,9 @@
 Everything here works on abstract shapes (`jax.ShapeDtypeStruct`, `checkpoint.abstract_state`):
 no parameter is allocated. Figures:
 - parameter and optimizer-state bytes per device (the mesh's fsdp split, `sharding.fsdp_spec`);
-- the compiled train step's memory per device, from `jit(...).lower(abstract).compile().memory_analysis()`;
+- the compiled memory per device of the train, featurize (both paths; the configured one is
+  what `build_index` runs), tail-patch and retrieval-scoring steps, from
+  `jit(...).lower(abstract).compile().memory_analysis()` (`memory.compiled_memory`);
 - index bytes per storage dtype, R bytes, bytes read per retrieval query batch;
 - time estimates from a short calibration on the present hardware (a float32 matmul for
   FLOP/s, a jitted sum for memory bandwidth) or from rates the caller states.
@@ -26,7 +28,10 @@ import numpy as np
 from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import memory
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import tailpatch as tailpatch_lib
 from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import store as store_lib
+from trackstar_jax.retrieval import topk as topk_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import step as step_lib
 
@@ -57,20 +62,6 @@ def state_bytes(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict:
     return out
 
 
-def _memory(compiled) -> dict:
-    m = compiled.memory_analysis()
-    if m is None:
-        return {}
-    peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    return {
-        "argument_bytes": int(m.argument_size_in_bytes),
-        "output_bytes": int(m.output_size_in_bytes),
-        "temp_bytes": int(m.temp_size_in_bytes),
-        "alias_bytes": int(m.alias_size_in_bytes),
-        "peak_bytes": int(peak),
-    }
-
-
 def train_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict:
     """The compiled train step's memory per device (abstract state and batch; nothing allocated)."""
     opt = step_lib.make_optimizer(settings.train.optimizer)
@@ -80,7 +71,54 @@ def train_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh) ->
         k: jax.ShapeDtypeStruct((n,) + ((settings.model.max_len,) if k != "example_id" else ()), np.int32, sharding=sh)
         for k, sh in sharding_lib.batch_shardings(mesh).items()
     }
-    return _memory(step_lib.make_jit_train_step(graphdef, opt, mesh, target).lower(target, batch).compile())
+    compiled = step_lib.make_jit_train_step(graphdef, opt, mesh, target).lower(target, batch).compile()
+    return memory.compiled_memory(compiled)
+
+
+def featurize_step_memory(
+    settings: config_lib.Settings, mesh: jax.sharding.Mesh, *, seq_len: int | None = None, path: str | None = None
+) -> dict:
+    """The compiled featurize step's memory per device (`vectors.featurize_step_memory`) for
+    `vectors.batch_size` rows of `seq_len` tokens (default `model.max_len`) on `path` (default the
+    configured one), from the abstract trained state: what `build_index` and query featurization run."""
+    opt = step_lib.make_optimizer(settings.train.optimizer)
+    graphdef, target = checkpoint_lib.abstract_state(settings.model, opt, mesh)
+    vec_cfg = settings.vectors if path is None else dataclasses.replace(settings.vectors, path=path)
+    return vectors_lib.featurize_step_memory(
+        graphdef, settings.model, vec_cfg, target.params, target.opt_state, mesh, seq_len=seq_len
+    )
+
+
+def tailpatch_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict:
+    """The compiled tail-patch step's memory per device: `tailpatch.batch_size` pairs (rounded up
+    to the data-parallel size, as `evaluate` does) of `model.max_len`-token proponents and queries."""
+    opt = step_lib.make_optimizer(settings.train.optimizer)
+    graphdef, target = checkpoint_lib.abstract_state(settings.model, opt, mesh)
+    dp = sharding_lib.data_parallel_size(mesh)
+    bs = -(-settings.tailpatch.batch_size // dp) * dp
+    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
+    n = settings.model.max_len
+    out = memory.compiled_memory(tailpatch_lib.compile_tailpatch(fn, target.params, target.opt_state, bs, n, n))
+    return {**out, "pairs": bs} if out else out
+
+
+def retrieval_step_memory(
+    settings: config_lib.Settings, mesh: jax.sharding.Mesh, *, num_examples: int, num_queries: int
+) -> dict:
+    """`topk.stream_memory` of `retrieve` over `num_examples` stored rows: one read chunk of
+    `retrieval.read_chunk_rows` rows, the next (prefetched) one, a query batch and the candidates."""
+    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
+    st = settings.retrieval
+    return topk_lib.stream_memory(
+        num_queries,
+        num_blocks_total * block_dim,
+        store_lib.NP_DTYPES[settings.index.dtype],
+        min(st.top_k, num_examples),
+        st.read_chunk_rows,
+        mesh,
+        num_rows=num_examples,
+        query_batch_size=st.query_batch_size,
+    )
 
 
 def index_bytes(num_examples: int, dim: int) -> dict:
@@ -130,7 +168,7 @@ def plan(
     tokens_per_example: int,
     rates: Rates,
     num_queries: int = 1000,
-    compile_train: bool = True,
+    compile_steps: bool = True,
 ) -> dict:
     """Every figure of the planner as one dict (see the module docstring).
 
@@ -165,9 +203,43 @@ def plan(
         "featurize_seconds": featurize_flops / (rates.flops_per_s * devices),
         "retrieval_seconds_per_1k_queries": math.ceil(num_queries / qbs) * stored / (rates.bytes_per_s * devices),
     }
-    if compile_train:
+    if compile_steps:
         out["train_step"] = train_step_memory(settings, mesh)
+        # Featurize: the configured path is the one `build_index` runs (and checks); the other for comparison.
+        paths = (settings.vectors.path,) + tuple(p for p in vectors_lib.PATHS if p != settings.vectors.path)
+        out["featurize_step"] = {p: featurize_step_memory(settings, mesh, path=p) for p in paths}
+        out["featurize_step"]["configured"] = settings.vectors.path
+        out["tailpatch_step"] = tailpatch_step_memory(settings, mesh)
+        out["retrieval_step"] = retrieval_step_memory(
+            settings, mesh, num_examples=num_examples, num_queries=num_queries
+        )
     return out
 
 
-__all__ = ("plan", "calibrate", "check_fits", "state_bytes", "train_step_memory", "index_bytes", "r_bytes")
+def peaks(out: dict) -> dict[str, int]:
+    """`{step: peak bytes per device}` of a `plan(...)` result, for `memory.KNOBS` steps (the
+    featurize step on the configured path): what `launch.plan` warns about and the stages refuse."""
+    found = {
+        "train": out.get("train_step", {}).get("peak_bytes"),
+        "featurize": out.get("featurize_step", {})
+        .get(out.get("featurize_step", {}).get("configured"), {})
+        .get("peak_bytes"),
+        "tailpatch": out.get("tailpatch_step", {}).get("peak_bytes"),
+        "retrieve": out.get("retrieval_step", {}).get("peak_bytes"),
+    }
+    return {k: v for k, v in found.items() if v is not None}
+
+
+__all__ = (
+    "plan",
+    "peaks",
+    "calibrate",
+    "check_fits",
+    "state_bytes",
+    "train_step_memory",
+    "featurize_step_memory",
+    "tailpatch_step_memory",
+    "retrieval_step_memory",
+    "index_bytes",
+    "r_bytes",
+)

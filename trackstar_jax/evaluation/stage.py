@@ -35,8 +35,11 @@ from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import query_set, report
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
+from trackstar_jax.retrieval import topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import step as step_lib
@@ -94,8 +97,7 @@ def tailpatch_all(
     )
     opt_cfg = run.settings.train.optimizer
     lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, tp.learning_rate)
-    dp = sharding_lib.data_parallel_size(mesh)
-    bs = -(-tp.batch_size // dp) * dp
+    bs = pair_batch_size(settings, mesh)
     fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
     idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
     bar = tqdm.tqdm(
@@ -152,18 +154,68 @@ def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | No
     return table
 
 
-def _prepare(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[rows_lib.Context, pathlib.Path]:
+def pair_batch_size(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> int:
+    """Tail-patch pairs per step: `tailpatch.batch_size` rounded up to the data-parallel size."""
+    dp = sharding_lib.data_parallel_size(mesh)
+    return -(-settings.tailpatch.batch_size // dp) * dp
+
+
+def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> dict:
+    """Refuses (`memory.DoesNotFitError`, naming the step and its knob) an evaluation whose steps
+    cannot fit in device memory, before any work: for every gradient row, its featurize step
+    (`vectors.batch_size` rows of `model.max_len` tokens, on the mesh `build_index` uses, whose
+    compile it then reuses) and its retrieval read chunk (`retrieval.read_chunk_rows`, one
+    query batch, `eval.num_proponents` candidates); then the tail-patch step
+    (`tailpatch.batch_size` pairs of `model.max_len` tokens).
+
+    Returns:
+      `{step name: memory.compiled_memory}` of what was checked.
+    """
+    run, settings, out = ctx.run, ctx.settings, {}
+    index_mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())  # as build_index's
+    score_mesh = index_mesh if multihost.is_multiprocess() else ctx.mesh  # as retrieve_queries'
+    for m in methods:
+        if m.kind != "gradient":
+            continue
+        ms = rows_lib.method_settings(settings, m)
+        vec_fn = vectors_lib.make_vector_fn(
+            run.graphdef, run.model_cfg, ms.vectors, run.params, run.opt_state, mesh=index_mesh, role="index"
+        )
+        out[f"featurize:{m.name}"] = vec_fn.check_fits(run.params)
+        qbs = settings.retrieval.query_batch_size
+        out[f"retrieve:{m.name}"] = topk.check_fits(
+            qbs,
+            vec_fn.dim,
+            store_lib.NP_DTYPES[ms.index.dtype],
+            settings.eval.num_proponents,
+            settings.retrieval.read_chunk_rows,
+            score_mesh,
+            num_rows=len(run.corpus.examples),
+            query_batch_size=qbs,
+        )
+    opt = step_lib.make_optimizer(run.settings.train.optimizer)
+    fn = tailpatch_lib.make_jit_tailpatch(ctx.mesh, graphdef=run.graphdef, opt=opt)
+    bs = pair_batch_size(settings, ctx.mesh)
+    out["tailpatch"] = tailpatch_lib.check_fits(fn, run.params, run.opt_state, bs, run.model_cfg.max_len)
+    return out
+
+
+def _prepare(
+    settings: config_lib.Settings, workdir: pathlib.Path, methods: list[baselines_lib.Method]
+) -> tuple[rows_lib.Context, pathlib.Path]:
     out_dir = report.eval_dir(settings, workdir)
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, mesh=mesh)
+    ctx = rows_lib.Context(settings, workdir, run, mesh)
+    check_fits(ctx, methods)  # before anything is written or replaced
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
     stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
     if stale and multihost.is_primary():  # overwrite: a previous evaluation's rows would not match this query set
         logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
         for f in stale:
             f.unlink()
-    return rows_lib.Context(settings, workdir, run, mesh), out_dir
+    return ctx, out_dir
 
 
 def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQueries:
@@ -209,7 +261,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         done = _finished(settings, report.eval_dir(settings, workdir))
     if done is not None:
         return done
-    ctx, out_dir = _prepare(settings, workdir)
+    ctx, out_dir = _prepare(settings, workdir, methods)
     run = ctx.run
     eq = _queries(ctx, out_dir)
 

@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
@@ -137,7 +138,40 @@ def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: 
         params, opt_state = jax.device_put((params, opt_state), sharding_lib.fsdp_shardings((params, opt_state), mesh))
         return jitted(params, opt_state, proponents, queries, lr_scale)
 
+    call.jitted, call.mesh = jitted, mesh
     return call
+
+
+def compile_tailpatch(jit_fn, params: Any, opt_state: Any, batch_size: int, prop_len: int, query_len: int) -> Any:
+    """AOT-compiles `make_jit_tailpatch`'s step for `batch_size` pairs of a `prop_len`-token
+    proponent and a `query_len`-token query, on the shapes of `params` / `opt_state` (arrays or
+    ShapeDtypeStructs, placed as the call places them; nothing is computed or allocated)."""
+    mesh = jit_fn.mesh
+    state_sh = sharding_lib.fsdp_shardings((params, opt_state), mesh)
+    state = jax.tree.map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), (params, opt_state), state_sh
+    )
+    rows = sharding_lib.batch_sharding(mesh, 2)
+
+    def pair(t):
+        return {k: jax.ShapeDtypeStruct((batch_size, t), np.int32, sharding=rows) for k in ("tokens", "loss_mask")}
+
+    lr = jax.ShapeDtypeStruct((), np.float32, sharding=sharding_lib.replicated(mesh))
+    return jit_fn.jitted.lower(*state, pair(prop_len), pair(query_len), lr).compile()
+
+
+def check_fits(jit_fn, params: Any, opt_state: Any, batch_size: int, max_len: int) -> dict:
+    """Refuses (`memory.DoesNotFitError`, naming `tailpatch.batch_size` and the other knobs) a
+    tail-patch step of `batch_size` pairs of `max_len`-token proponents and queries (the longest
+    rows) that does not fit in device memory; before any pair runs.
+
+    Returns:
+      The step's `memory.compiled_memory` (`{}` without an analysis).
+    """
+    mem = memory_lib.compiled_memory(compile_tailpatch(jit_fn, params, opt_state, batch_size, max_len, max_len))
+    what = f"{batch_size} pairs x {max_len} tokens on mesh {dict(jit_fn.mesh.shape)}"
+    memory_lib.check_fits("tailpatch", mem.get("peak_bytes"), what=what)
+    return mem
 
 
 def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_rate: float) -> float:

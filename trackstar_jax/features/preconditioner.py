@@ -85,6 +85,8 @@ def _moment_leaves(opt_state: Any, field: str, paths: set[str]) -> dict[str, Arr
 
 def _floor(v: Array, path: str, what: str) -> Array:
     v = jnp.asarray(v, jnp.float32)
+    if isinstance(v, jax.core.Tracer):  # an abstract state (jax.eval_shape, the planner): no values to check
+        return jnp.maximum(v, EPSILON)
     if not bool(jnp.all(jnp.isfinite(v))):
         raise ValueError(f"optimizer second moment {what} of parameter {path!r} contains NaN/inf")
     if bool(jnp.any(v < 0)):

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
+from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import factored as factored_lib
 from trackstar_jax.features import grads as grads_lib
@@ -188,15 +189,72 @@ def jit_vector_step(
     Returns:
       `jitted(params, precond, batch) -> (vectors, aux)`.
     """
-    rep = sharding_lib.replicated(mesh)
-    rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
-    params_sh = rep
+    params_sh = None  # replicated
     if int(mesh.shape[sharding_lib.FSDP]) > 1:
         if params is None:
             raise ValueError("jit_vector_step needs `params` (shapes) to shard them over the fsdp axis")
-        params_sh = param_shardings(grads_lib.pure_params(params), mesh)
+        leaves, treedef = jax.tree.flatten(param_shardings(grads_lib.pure_params(params), mesh))
+        params_sh = (treedef, tuple(leaves))
+    return _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh)
+
+
+# One jitted step per (model, settings, mesh, role): the stages' VectorFns (build_index, query
+# featurization, evaluate's memory check) share it, so a shape compiled once, for a memory
+# check or a batch, is not compiled again in the same process.
+@functools.lru_cache(maxsize=16)
+def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh):
+    rep = sharding_lib.replicated(mesh)
+    rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
+    params_sh = rep if params_sh is None else jax.tree.unflatten(params_sh[0], params_sh[1])
     step = functools.partial(vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role)
     return jax.jit(step, in_shardings=(params_sh, rep, rows), out_shardings=(rows, rows))
+
+
+def abstract_precond(
+    params: Any, opt_state: Any, vec_cfg: VectorConfig, plan: proj_lib.BlockPlan
+) -> precond_lib.Correction | None:
+    """`make_precond` on shapes only (`jax.eval_shape`; parameters and optimizer state may be
+    ShapeDtypeStructs): the correction's ShapeDtypeStructs, nothing computed."""
+    if not vec_cfg.correction:
+        return None
+    return jax.eval_shape(lambda p, o: make_precond(p, o, vec_cfg, plan), params, opt_state)
+
+
+def compile_vector_step(step: Any, params: Any, precond: Any, batch_size: int, seq_len: int, mesh: Mesh) -> Any:
+    """AOT-compiles a `jit_vector_step` (on `mesh`) for a `[batch_size, seq_len]` batch on the
+    shapes of `params` / `precond` (arrays or ShapeDtypeStructs; nothing is computed or
+    allocated). The structs carry the step's own shardings, so that a later call with arrays of
+    these shapes reuses the executable (JAX's cache of `step`; without them it compiles again)."""
+    pure = grads_lib.pure_params(params)
+    rep, rows = sharding_lib.replicated(mesh), sharding_lib.batch_sharding(mesh, 2)
+    params_sh = (
+        param_shardings(pure, mesh) if int(mesh.shape[sharding_lib.FSDP]) > 1 else jax.tree.map(lambda _: rep, pure)
+    )
+    sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
+    batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=rows) for k in ("tokens", "loss_mask")}
+    args = (jax.tree.map(sds, pure, params_sh), jax.tree.map(lambda x: sds(x, rep), precond), batch)
+    return step.lower(*args).compile()
+
+
+def featurize_step_memory(
+    graphdef: nnx.GraphDef,
+    model_cfg: model_lib.LMConfig,
+    vec_cfg: VectorConfig,
+    params: Any,
+    opt_state: Any,
+    mesh: Mesh,
+    *,
+    seq_len: int | None = None,
+    role: str = "index",
+) -> dict:
+    """The featurize step's memory per device (`memory.compiled_memory`) for `vec_cfg.batch_size`
+    rows of `seq_len` tokens (default `model_cfg.max_len`), from abstract parameters and
+    optimizer state (ShapeDtypeStructs, e.g. `checkpoint.abstract_state`): the planner's figure."""
+    plan = make_block_plan(params, model_cfg, vec_cfg)
+    precond = abstract_precond(params, opt_state, vec_cfg, plan)
+    step = jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params=params)
+    compiled = compile_vector_step(step, params, precond, vec_cfg.batch_size, seq_len or model_cfg.max_len, mesh)
+    return memory_lib.compiled_memory(compiled)
 
 
 def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> None:
@@ -246,6 +304,23 @@ class VectorFn:
     @property
     def dim(self) -> int:
         return self.plan.dim
+
+    def check_fits(self, params: Any, seq_len: int | None = None) -> dict:
+        """Refuses (`memory.DoesNotFitError`, naming the knobs) a featurize step of
+        `vec_cfg.batch_size` rows of `seq_len` tokens (default `model.max_len`, the longest
+        batch) that does not fit in device memory; before any batch runs. Compiles the step on
+        shapes only; the stage's own batches of that shape reuse it.
+
+        Returns:
+          The step's `memory.compiled_memory` (`{}` without an analysis).
+        """
+        seq_len = seq_len or self.model_cfg.max_len
+        bs = self.vec_cfg.batch_size
+        compiled = compile_vector_step(self.step, params, self.precond, bs, seq_len, self.mesh)
+        mem = memory_lib.compiled_memory(compiled)
+        what = f"{self.vec_cfg.path} path, {bs} rows x {seq_len} tokens on mesh {dict(self.mesh.shape)}"
+        memory_lib.check_fits("featurize", mem.get("peak_bytes"), what=what)
+        return mem
 
     def place_params(self, params: Any) -> Any:
         """`params` in the step's shardings (a no-op unless the mesh has an fsdp axis > 1;

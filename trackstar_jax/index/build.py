@@ -172,6 +172,9 @@ def build_index(
     # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
     # the others, which then fail at once instead of waiting for it at the barrier.
     with multihost.step("build_index:written", sync_timeout_s):
+        # A featurize step of the longest batch that cannot fit is refused before anything is
+        # written (the compile is the one the longest batches reuse).
+        vec_fn.check_fits(run.params)
         builder = builder_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
         counters = {"tokens": 0, "truncated": 0}
         rows_fn = make_rows_fn(run, vec_fn, mesh, counters)

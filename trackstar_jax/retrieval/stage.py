@@ -95,22 +95,34 @@ def query_vectors(
     return np.concatenate(out)
 
 
-def featurize_text_queries(
-    run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, queries: Sequence[TextQuery]
-) -> np.ndarray:
-    """Text queries -> raw query vectors `[Q, d]`: `data.encode_query` (loss on the target
-    tokens) then `query_vectors`. Used for the scored queries and for R_eval's examples.
+def encode_text_queries(run: checkpoint_lib.Run, queries: Sequence[TextQuery]) -> list[dict]:
+    """Text queries -> `data.encode_query` dicts (loss on the target tokens).
 
     Raises:
       ValueError: a query that cannot be encoded (names it: its file:line, else its id).
     """
-    encoded = [
+    return [
         data_lib.encode_query(
             run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.where or q.example_id
         )
         for q in queries
     ]
-    return query_vectors(run, vec_fn, [(e["tokens"], e["loss_mask"]) for e in encoded])
+
+
+def _pairs(encoded: Sequence[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
+    return [(e["tokens"], e["loss_mask"]) for e in encoded]
+
+
+def featurize_text_queries(
+    run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, queries: Sequence[TextQuery]
+) -> np.ndarray:
+    """Text queries -> raw query vectors `[Q, d]`: `encode_text_queries` then `query_vectors`.
+    Used for the scored queries and for R_eval's examples (also by the explorer).
+
+    Raises:
+      ValueError: a query that cannot be encoded (names it: its file:line, else its id).
+    """
+    return query_vectors(run, vec_fn, _pairs(encode_text_queries(run, queries)))
 
 
 def same_text(a: Sequence[TextQuery], b: Sequence[TextQuery]) -> bool:
@@ -177,17 +189,33 @@ def retrieve_queries(
     if not queries:
         return [], info
     t0 = time.perf_counter()
+    encoded = encode_text_queries(run, queries)
+    enc_r = []
+    if r_eval_queries and settings.hessian.mode == "mixed" and not same_text(r_eval_queries, queries):
+        enc_r = encode_text_queries(run, r_eval_queries)
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state, mesh=mesh, role="query"
     )
-    q_raw = featurize_text_queries(run, vec_fn, queries)
-    r_eval_raw = q_raw
-    if r_eval_queries and settings.hessian.mode == "mixed" and not same_text(r_eval_queries, queries):
-        r_eval_raw = featurize_text_queries(run, vec_fn, r_eval_queries)
-    t1 = time.perf_counter()
-    info["featurize_seconds"] = t1 - t0
     # On a pod each process scores only its rows, on its own devices, and the candidates are merged.
     pod = multihost.is_multiprocess()
+    score_mesh = sharding_lib.make_mesh(devices=jax.local_devices()) if pod else mesh
+    # Refused before any query is featurized: a featurize step of the longest query batch, or
+    # a read chunk + query batch + candidates, that cannot fit in device memory.
+    vec_fn.check_fits(run.params, seq_len=max(len(e["tokens"]) for e in encoded + enc_r))
+    topk.check_fits(
+        len(queries),
+        reader.dim,
+        reader.dtype,
+        k,
+        st.read_chunk_rows,
+        score_mesh,
+        num_rows=reader.num_rows,
+        query_batch_size=st.query_batch_size,
+    )
+    q_raw = query_vectors(run, vec_fn, _pairs(encoded))
+    r_eval_raw = query_vectors(run, vec_fn, _pairs(enc_r)) if enc_r else q_raw
+    t1 = time.perf_counter()
+    info["featurize_seconds"] = t1 - t0
     rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
     scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw, rows=rows if pod else None)
     q_prime = scoring.finalize_queries(q_raw)
@@ -197,7 +225,7 @@ def retrieve_queries(
         reader,
         k,
         st.read_chunk_rows,
-        mesh=sharding_lib.make_mesh(devices=jax.local_devices()) if pod else mesh,
+        mesh=score_mesh,
         row_scale=scoring.row_scale,
         query_batch_size=st.query_batch_size,
     )

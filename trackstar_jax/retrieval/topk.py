@@ -56,6 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax.distributed import memory
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import native
 
@@ -644,6 +645,81 @@ def stream_topk(
             results[b] = cand if results[b] is None else merge(results[b], cand)
     out = [_finish(r, min(qbs, q.shape[0] - b * qbs)) for b, r in enumerate(results)]
     return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))
+
+
+def stream_memory(
+    num_queries: int,
+    dim: int,
+    dtype: Any,
+    k: int,
+    chunk_rows: int,
+    mesh: Mesh,
+    *,
+    num_rows: int,
+    query_batch_size: int | None = None,
+    has_scale: bool = True,
+    plan: Plan | None = None,
+) -> dict:
+    """Per-device bytes of `stream_topk` (same arguments), from shapes only: the scoring step of
+    one read chunk AOT-compiled (`memory.compiled_memory`: the chunk's share of rows, the query
+    batch, the score tiles, the candidates), plus the next chunk the prefetch thread has put on
+    the devices (`prefetch_bytes`) and the running top-k / bottom-k of every query batch
+    (`results_bytes`), both added to `peak_bytes`. The stage's own chunks reuse the compile."""
+    num_dev = mesh.devices.size
+    chunk_rows = -(-min(int(chunk_rows), int(num_rows)) // num_dev) * num_dev
+    qbs = min(int(query_batch_size or num_queries), int(num_queries))
+    k = min(int(k), int(num_rows))
+    plan = plan or make_score_plan(qbs, dim, dtype)
+    axes = tuple(mesh.axis_names)
+    dt = np.dtype(dtype)
+    rows_shape, rows_dt = (chunk_rows, dim), dt
+    if plan.upcast == "bf16_pairs" and dt == np.dtype(ml_dtypes.bfloat16):  # `_put_rows` views them as uint32 pairs
+        rows_shape, rows_dt = (chunk_rows, dim // 2), np.dtype(np.uint32)
+    rep = NamedSharding(mesh, P())
+    args = (
+        jax.ShapeDtypeStruct((qbs, dim), np.float32, sharding=rep),
+        jax.ShapeDtypeStruct(rows_shape, rows_dt, sharding=NamedSharding(mesh, P(axes, None))),
+    )
+    if has_scale:
+        args += (jax.ShapeDtypeStruct((chunk_rows,), np.float32, sharding=NamedSharding(mesh, P(axes))),)
+    args += (jax.ShapeDtypeStruct((), np.int32, sharding=rep),) * 2
+    mem = memory.compiled_memory(_sharded_fn(mesh, k, plan, has_scale).lower(*args).compile())
+    if not mem:
+        return mem
+    mem["prefetch_bytes"] = (chunk_rows * dim * dt.itemsize + (4 * chunk_rows if has_scale else 0)) // num_dev
+    mem["results_bytes"] = -(-int(num_queries) // qbs) * 4 * qbs * k * 4  # (scores, ids) x (top, bottom), replicated
+    mem["peak_bytes"] += mem["prefetch_bytes"] + mem["results_bytes"]
+    mem.update(chunk_rows=chunk_rows, query_batch_size=qbs)
+    return mem
+
+
+def check_fits(
+    num_queries: int,
+    dim: int,
+    dtype: Any,
+    k: int,
+    chunk_rows: int,
+    mesh: Mesh,
+    *,
+    num_rows: int,
+    query_batch_size: int | None = None,
+) -> dict:
+    """Refuses (`memory.DoesNotFitError`, naming `retrieval.read_chunk_rows` and the other knobs)
+    a `stream_topk` whose read chunk, query batch and candidates do not fit in device memory
+    (`stream_memory`); before any row is read.
+
+    Returns:
+      `stream_memory(...)`.
+    """
+    mem = stream_memory(
+        num_queries, dim, dtype, k, chunk_rows, mesh, num_rows=num_rows, query_batch_size=query_batch_size
+    )
+    what = (
+        f"read chunks of {mem.get('chunk_rows', chunk_rows)} rows x d={dim} {_dtype_name(dtype)}, "
+        f"{mem.get('query_batch_size', query_batch_size)} queries x k={k} on mesh {dict(mesh.shape)}"
+    )
+    memory.check_fits("retrieve", mem.get("peak_bytes"), what=what)
+    return mem
 
 
 def search(

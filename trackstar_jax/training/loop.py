@@ -165,17 +165,15 @@ def compile_train_fns(
         for k, sh in sharding_lib.batch_shardings(mesh).items()
     }
     compiled = step_lib.make_jit_train_step(graphdef, opt, mesh, target).lower(target, abstract_batch).compile()
-    mem = compiled.memory_analysis()
-    if mem is not None:
+    mem = memory_lib.compiled_memory(compiled)
+    if mem:
         logging.info(
             "train step memory: arguments %.1f MiB, outputs %.1f MiB, temporaries %.1f MiB",
-            mem.argument_size_in_bytes / 2**20,
-            mem.output_size_in_bytes / 2**20,
-            mem.temp_size_in_bytes / 2**20,
+            mem["argument_bytes"] / 2**20,
+            mem["output_bytes"] / 2**20,
+            mem["temp_bytes"] / 2**20,
         )
-    peak = None
-    if mem is not None:
-        peak = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes - mem.alias_size_in_bytes
+    peak = mem.get("peak_bytes")
     fns = TrainFns(
         graphdef, opt, target, init, compiled, step_lib.make_jit_eval_step(graphdef, mesh, target.params), peak
     )
