@@ -39,14 +39,16 @@ compile and writing included, both tools alike); 100 queries one at a time (grad
 cosine score against the whole index + top-10), after one warm-up query; and on the first
 `--subset` index examples the top-10 overlap, over `--overlap_queries` held-out queries, with
 the exact cosine of the unprojected corrected gradients (computed with materialised
-per-example gradients by our reference path; `_full`: every parameter TrackStar attributes
-(all but the token embedding: biases, LayerNorms and `embed_out` included), `_linear`: only
-the 24 Linear weights bergson attributes).
+per-example gradients by our reference path; `_full`: every parameter TrackStar attributes by
+default (all but the token embedding and the untied `embed_out`: biases and LayerNorms
+included), `_linear`: only the 24 Linear weights bergson attributes, `_unembed`: `_full` plus
+`embed_out`, the set ours attributes with `--unembed` (`vectors.unembed`), as before session 5).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -80,6 +82,7 @@ ROW_FIELDS = (
     "ours_top10_overlap",
     "bergson_top10_overlap",
 )
+EXACT_SETS = ("full", "linear", "unembed")  # parameter sets of the exact reference (module docstring)
 
 
 # ------------------------------------------------------------------------------------------
@@ -319,6 +322,7 @@ def _ours_setup(spec: dict, correction: str):
         proj_dim=spec["proj_dim"],
         correction=correction != "none",
         exact_v=correction == "adam",
+        unembed=spec.get("unembed", False),
         batch_size=spec["batch"],
     )
     return cfg, graphdef, params, opt_state, vc
@@ -415,7 +419,7 @@ def stage_exact(spec: dict) -> dict:
     d = pathlib.Path(spec["dir"])
     corrections = spec["corrections"]
     cfg, graphdef, params, _, vc = _ours_setup(spec, "none")
-    plan = vectors.make_block_plan(params, cfg, vc)
+    plan = vectors.make_block_plan(params, cfg, dataclasses.replace(vc, unembed=True))  # every set's params
     factors = []  # per correction: {path: f^2}, f = exact element-wise 1/sqrt(V)
     for c in corrections:
         if c == "none":
@@ -427,6 +431,8 @@ def stage_exact(spec: dict) -> dict:
         factors.append({p: jnp.square(corr.elementwise(p, shapes[p])) for p in plan.paths})
     # bergson's set: the Linear weights of the decoder layers (not unembed, biases or norms)
     linear = {p for p in plan.paths if p.endswith("/kernel") and p.startswith("layer_")}
+    default = set(vectors.make_block_plan(params, cfg, dataclasses.replace(vc, unembed=False)).paths)
+    sets = {"full": default, "linear": linear, "unembed": set(plan.paths)}
 
     def per_example(batch):
         return grads.per_example_grads(params, batch, plan, graphdef=graphdef)
@@ -434,18 +440,19 @@ def stage_exact(spec: dict) -> dict:
     @jax.jit
     def dots(batch, qg, f2s):
         g = per_example(batch)
-        out = []  # [C, 2 (full, linear), B, Q] dots and [C, 2, B] squared norms
+        out = []  # [C, S (EXACT_SETS), B, Q] dots and [C, S, B] squared norms
         for f2 in f2s:
-            dfull = dlin = nfull = nlin = 0.0
+            d = {s: 0.0 for s in EXACT_SETS}
+            n = {s: 0.0 for s in EXACT_SETS}
             for p in plan.paths:
                 gb = g[p].reshape(g[p].shape[0], -1)
                 gf = (g[p] * f2[p]).reshape(gb.shape[0], -1)
                 dp = gf @ qg[p].reshape(qg[p].shape[0], -1).T
                 np_ = jnp.sum(gf * gb, axis=1)
-                dfull, nfull = dfull + dp, nfull + np_
-                if p in linear:
-                    dlin, nlin = dlin + dp, nlin + np_
-            out.append((jnp.stack([dfull, dlin]), jnp.stack([nfull, nlin])))
+                for s in EXACT_SETS:
+                    if p in sets[s]:
+                        d[s], n[s] = d[s] + dp, n[s] + np_
+            out.append((jnp.stack([d[s] for s in EXACT_SETS]), jnp.stack([n[s] for s in EXACT_SETS])))
         return out
 
     b = spec["exact_batch"]
@@ -455,9 +462,14 @@ def stage_exact(spec: dict) -> dict:
     del qparts
     qnorm = []
     for f2 in factors:
-        full = sum(jnp.sum((qg[p] ** 2 * f2[p]).reshape(len(queries), -1), 1) for p in plan.paths)
-        lin = sum(jnp.sum((qg[p] ** 2 * f2[p]).reshape(len(queries), -1), 1) for p in linear)
-        qnorm.append(np.stack([np.asarray(full), np.asarray(lin)]))
+        qnorm.append(
+            np.stack(
+                [
+                    np.asarray(sum(jnp.sum((qg[p] ** 2 * f2[p]).reshape(len(queries), -1), 1) for p in sets[s]))
+                    for s in EXACT_SETS
+                ]
+            )
+        )
     tokens = np.load(d / "index_tokens.npy")[: spec["subset"]]
     dot_parts = [[] for _ in corrections]
     norm_parts = [[] for _ in corrections]
@@ -467,9 +479,9 @@ def stage_exact(spec: dict) -> dict:
             norm_parts[ci].append(np.asarray(nq)[:, :n])
     result = {}
     for ci, c in enumerate(corrections):
-        dmat = np.concatenate(dot_parts[ci], axis=1)  # [2, N, Q]
-        nrm = np.concatenate(norm_parts[ci], axis=1)  # [2, N]
-        for si, s in enumerate(("full", "linear")):
+        dmat = np.concatenate(dot_parts[ci], axis=1)  # [S, N, Q]
+        nrm = np.concatenate(norm_parts[ci], axis=1)  # [S, N]
+        for si, s in enumerate(EXACT_SETS):
             cos = dmat[si].T / np.sqrt(np.outer(qnorm[ci][si], nrm[si]))  # [Q, N]
             top = np.argsort(-cos, axis=1, kind="stable")[:, :10]
             np.save(d / f"exact_{c}_{s}_top10.npy", top)
@@ -541,11 +553,11 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         corrections=sorted({"adam" if c == "adam_rank1" else c for c in args.corrections}),
     )
     prep = _stage(peer_py, "prepare", base, d, resume=r)
-    exact = _stage(sys.executable, "exact", base, d, resume=r)
+    exact = _stage(sys.executable, "exact", {**base, "exact_sets": list(EXACT_SETS)}, d, resume=r)
     rows = []
     bergson: dict[str, dict] = {}
     for c in args.corrections:
-        spec = {**base, "correction": c}
+        spec = {**base, "correction": c, "unembed": args.unembed}
         ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", resume=r)
         oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r)
         bc = "adam" if c == "adam_rank1" else c
@@ -588,15 +600,16 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "ours_query_seconds": oq["query_seconds"],
             "ours_query_peak_rss_bytes": oq["peak_rss_bytes"],
             "ours_exact_v": c == "adam",
+            "ours_unembed": args.unembed,
             "subset": subset,
             "overlap_queries": args.overlap_queries,
             "torch_adamw_tokens_per_s": prep["torch_adamw_tokens_per_s"],
         }
         ours_top = np.load(d / f"ours_{c}_top10.npy")
         ex_c = bc
-        for s in ("full", "linear"):
+        for s in EXACT_SETS:
             ex = np.load(d / f"exact_{ex_c}_{s}_top10.npy")
-            row[f"ours_top10_overlap{'' if s == 'full' else '_linear'}"] = overlap(ours_top, ex)
+            row[f"ours_top10_overlap{'' if s == 'full' else '_' + s}"] = overlap(ours_top, ex)
         if bc in bergson:
             bb, bq = bergson[bc]["build"], bergson[bc]["query"]
             btop = np.load(d / f"bergson_{bc}_top10.npy")
@@ -609,6 +622,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                     "bergson_query_peak_rss_bytes": bq["peak_rss_bytes"],
                     "bergson_top10_overlap": overlap(btop, np.load(d / f"exact_{bc}_full_top10.npy")),
                     "bergson_top10_overlap_linear": overlap(btop, np.load(d / f"exact_{bc}_linear_top10.npy")),
+                    "bergson_top10_overlap_unembed": overlap(btop, np.load(d / f"exact_{bc}_unembed_top10.npy")),
                 }
             )
             row["ours_over_bergson"] = row["ours_tokens_per_s"] / row["bergson_tokens_per_s"]
@@ -640,6 +654,7 @@ def main(argv=None) -> None:
     parser.add_argument("--proj_dim", type=int, default=32, help="ours: k, d = 2 num_blocks k^2 (6,144 by default)")
     parser.add_argument("--bergson_p", type=int, default=16, help="bergson: d = 24 p^2")
     parser.add_argument("--exact_batch", type=int, default=4)
+    parser.add_argument("--unembed", action="store_true", help="ours: also attribute embed_out (vectors.unembed)")
     parser.add_argument("--out", default=str(pathlib.Path.home() / ".cache" / "trackstar_jax" / "peer_race"))
     parser.add_argument("--peer_venv", default=str(DEFAULT_VENV))
     parser.add_argument("--resume", action="store_true", help="reuse finished stages of an earlier run in --out")

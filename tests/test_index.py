@@ -520,3 +520,16 @@ def test_an_index_from_before_exact_v_existed_still_opens():
     index.check_manifest({"vectors": old}, {"vectors": cfg}, path="p", action="open")
     with pytest.raises(index.IndexMismatchError, match="no field 'vectors.exact_v'"):
         index.check_manifest({"vectors": old}, {"vectors": {**cfg, "exact_v": True}}, path="p", action="open")
+
+
+def test_an_untied_index_from_before_vectors_unembed_is_refused():
+    """`vectors.unembed` (session 5) defaults to False, but indices built before it attributed
+    an untied model's unembedding: an untied manifest without the field reads as True and is
+    refused for the default, opened for unembed=True. (Tied models do not record the field.)"""
+    from trackstar_jax.features import vectors as vectors_lib
+
+    cfg = dataclasses.asdict(vectors_lib.VectorConfig())
+    old = {k: v for k, v in cfg.items() if k != "unembed"}
+    with pytest.raises(index.IndexMismatchError, match="no field 'vectors.unembed', so it was built with True"):
+        index.check_manifest({"vectors": old}, {"vectors": cfg}, path="p", action="open")
+    index.check_manifest({"vectors": old}, {"vectors": {**cfg, "unembed": True}}, path="p", action="open")

@@ -257,7 +257,8 @@ def test_tap_sees_every_parameter_of_the_imported_architectures(arch):
     out = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t, tap=tap))(params, tokens)
     assert out.shape == (1, 8, cfg.vocab_size)
     key_biases = [f"layer_{i}/attn/key/bias" for i in range(cfg.num_layers)]  # tapped, never attributed
-    assert sorted(seen) == sorted(model_lib.attributed_paths(params) + key_biases)
+    assert sorted(seen) == sorted(model_lib.attributed_paths(params, unembed=True) + key_biases)
+    assert "unembed/kernel" not in model_lib.attributed_paths(params)  # only with vectors.unembed
     assert seen["layer_0/attn/query/bias"] is None and seen["layer_1/mlp/down/bias"] is None  # a bias multiplies 1
     flat = model_lib.flat_params(params)
     assert flat["layer_0/attn/key/kernel"].shape == (cfg.embed_dim, cfg.kv_heads * cfg.head_dim)

@@ -11,7 +11,7 @@ from trackstar_jax.features import projection as proj
 from trackstar_jax.models import lm as model_lib
 
 
-def _tiny_shapes(tied=True, layers=4):
+def _tiny_shapes(tied=True, layers=4, unembed=True):
     cfg = model_lib.LMConfig(
         vocab_size=50,
         num_layers=layers,
@@ -24,7 +24,7 @@ def _tiny_shapes(tied=True, layers=4):
     )
     _, params = model_lib.abstract_params(cfg)
     flat = model_lib.flat_params(params)
-    return cfg, {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat)}
+    return cfg, {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat, unembed)}
 
 
 @pytest.mark.parametrize("shape", [(3, 5), (5, 3), (1, 7), (4, 4)])
@@ -68,7 +68,7 @@ def test_block_plan_assignment():
     assert side["layer_0/attn/query/kernel"] == 0 and side["layer_1/attn_norm/scale"] == 0
     assert side["layer_1/mlp/down/kernel"] == 1 and side["layer_0/mlp_norm/scale"] == 1
     assert side["layer_2/attn/key/kernel"] == 2 and side["layer_3/mlp/gate/kernel"] == 3
-    assert side["final_norm/scale"] == 3 and side["unembed/kernel"] == 3
+    assert side["final_norm/scale"] == 3 and side["unembed/kernel"] == 3  # with vectors.unembed
     assert plan.entry("layer_0/attn_norm/scale").shape == (1, 16)
     assert plan.dim == 2 * 2 * 16
 

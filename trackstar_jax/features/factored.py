@@ -246,14 +246,15 @@ def factored_vectors(
     exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
     projs = folded_projections(plan, correction, seed, exact)
     entries = {e.path: e for e in plan.entries}
+    unembed = any(p.split("/")[0] == model_lib.UNEMBED for p in entries)  # vectors.unembed
 
     def objective(zs):
         seen = set()
 
         def tap(path, x, y):
             if path not in entries:
-                if not model_lib.is_attributed(path):
-                    return y  # e.g. an attention key bias: a model parameter, never attributed
+                if not model_lib.is_attributed(path, unembed):
+                    return y  # e.g. an attention key bias, or unembed: a model parameter left out
                 raise ValueError(f"the model uses parameter {path!r}, which is not in the block plan")
             seen.add(path)
             e = entries[path]

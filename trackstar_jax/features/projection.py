@@ -7,7 +7,7 @@ layers, with attention and MLP kept apart, giving `2 * num_blocks` block-sides i
 
 * `layer_i/attn/*/{kernel,bias}` and `layer_i/attn_norm/{scale,bias}` -> attention side of block(i);
 * `layer_i/mlp/*/{kernel,bias}` and `layer_i/mlp_norm/{scale,bias}`   -> MLP side of block(i);
-* `final_norm/{scale,bias}` and `unembed/kernel` (untied only)        -> MLP side of the LAST
+* `final_norm/{scale,bias}`, `unembed/kernel` (untied, `vectors.unembed`) -> MLP side of the LAST
   block (they are position-wise maps that follow the last MLP, like it);
 * anything else is an error naming the parameter.
 

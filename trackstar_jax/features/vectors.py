@@ -54,6 +54,10 @@ class VectorConfig:
         by materialising one layer's per-example gradient at a time (`factored.py`); False:
         its Adafactor-style rank-one factorisation (no per-example gradient is materialised).
         No effect where V is rank-one (factored Adafactor) or on the reference path.
+      unembed: also attribute an untied output embedding (`unembed/kernel`, joined to the last
+        block's MLP side). Off by default: the paper's models tie it to the token embedding,
+        which §3 leaves out, and, corrected, its vocab x d entries dominate the vector
+        (`lm.UNEMBED`). No effect on tied models.
       batch_size: examples per featurize step (global; used by the pipeline).
       estimate_v_examples: corpus examples whose per-example gradients estimate V for an
         imported model, which ships no optimizer state (`features.second_moment`; 0 = none).
@@ -67,6 +71,7 @@ class VectorConfig:
     correction: bool = True
     path: str = "fast"
     exact_v: bool = False
+    unembed: bool = False
     batch_size: int = 32
     estimate_v_examples: int = 256
     estimate_v_seed: int = 0
@@ -96,7 +101,7 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
 def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
     """The block plan of a (possibly abstract) parameter tree; errors name the offending parameter."""
     flat = model_lib.flat_params(grads_lib.pure_params(params))
-    shapes = {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat) if p in flat}
+    shapes = {p: tuple(flat[p].shape) for p in model_lib.attributed_paths(flat, vec_cfg.unembed)}
     return proj_lib.block_plan(shapes, model_cfg.num_layers, vec_cfg.num_blocks, vec_cfg.proj_dim)
 
 

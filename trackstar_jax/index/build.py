@@ -52,6 +52,8 @@ def index_manifest(
     vec = dataclasses.asdict(vec_cfg)
     del vec["batch_size"]  # recorded under featurizer
     del vec["estimate_v_examples"], vec["estimate_v_seed"]  # import-time keys: the run's own record is below
+    if run.model_cfg.tie_embeddings:  # no output embedding of its own: manifests stay as before the field
+        del vec["unembed"]
     model_cfg = dataclasses.asdict(run.model_cfg)
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]

@@ -58,6 +58,12 @@ EXCLUDED_PARAMS = ("embed", "unattributed")
 # roundoff into the largest entries of the vector (seen as 1 vs 8 device vectors that
 # differed by 100% with the correction on). The rotated part carries little signal.
 EXCLUDED_SUFFIXES = ("/attn/key/bias",)
+# The untied output embedding is attributed only on request (`vectors.unembed`). The paper's
+# models tie it to the token embedding, so it is never attributed there. Untied, with the
+# correction, its vocab x d entries each get 1/sqrt(V) and rarely seen target tokens' columns
+# are amplified most: on a GPT-NeoX at the pythia-14m shape after 6 steps it held 98% of the
+# corrected gradient norm, so every vector measured rare-token overlap (BUILD_NOTES, Issue 13).
+UNEMBED = "unembed"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,15 +214,19 @@ def abstract_params(cfg: LMConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, params
 
 
-def is_attributed(path: str) -> bool:
-    """Whether TrackStar attributes the parameter at `path`: all but the token embedding and
-    attention key biases (`EXCLUDED_SUFFIXES`); other biases and norm offsets are attributed."""
-    return path.split("/")[0] not in EXCLUDED_PARAMS and not path.endswith(EXCLUDED_SUFFIXES)
+def is_attributed(path: str, unembed: bool = False) -> bool:
+    """Whether TrackStar attributes the parameter at `path`: all but the token embedding,
+    attention key biases (`EXCLUDED_SUFFIXES`) and, unless `unembed`, an untied output
+    embedding (`UNEMBED`); other biases and norm offsets are attributed."""
+    top = path.split("/")[0]
+    if top == UNEMBED:
+        return unembed
+    return top not in EXCLUDED_PARAMS and not path.endswith(EXCLUDED_SUFFIXES)
 
 
-def attributed_paths(params: Any) -> list[str]:
+def attributed_paths(params: Any, unembed: bool = False) -> list[str]:
     """Parameter paths that TrackStar attributes (`is_attributed`)."""
-    return [p for p in flat_params(params) if is_attributed(p)]
+    return [p for p in flat_params(params) if is_attributed(p, unembed)]
 
 
 def check_length(cfg: LMConfig, tokens: Int[Array, "b t"]) -> None:
