@@ -21,7 +21,10 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A trained + indexed run (defaul
 _N = flags.DEFINE_integer("n", 100, "Timed queries per method.")
 _K = flags.DEFINE_integer("k", 10, "Proponents per query.")
 _MIX_LAMBDA = flags.DEFINE_float(
-    "mix_lambda", None, "Fixed hessian.mix_lambda for the served rows (one query cannot choose it automatically)."
+    "mix_lambda",
+    None,
+    "Fixed hessian.mix_lambda for the served rows (default: the run's own; an automatic λ is chosen "
+    "once at start from the evaluation's R_eval).",
 )
 _METHODS = flags.DEFINE_list("methods", ["trackstar", "exp5", "bm25"], "Methods to time (those available).")
 
@@ -59,7 +62,9 @@ def main(argv):
     else:
         workdir = tempfile.mkdtemp(prefix="serve_bench_")
         settings = _tiny_run(workdir)
+    t_start = time.perf_counter()
     engine = engine_lib.Engine(settings, workdir, dense=False)
+    start_s = time.perf_counter() - t_start  # load run + indices + scoring (incl. R_eval of mixed rows)
     client = TestClient(app_lib.make_app(engine))
     texts = engine.run.corpus.texts
     queries = []
@@ -76,6 +81,10 @@ def main(argv):
         "n": _N.value,
         "k": _K.value,
         "mix_lambda": settings.hessian.mix_lambda,
+        "engine_start_s": start_s,
+        "offered": engine.methods,
+        "skipped": engine.skipped,
+        "rows": [e for e in engine.describe()["methods"] if e["name"] in _METHODS.value],
         "device": str(jax.devices()[0]),
         "num_devices": jax.device_count(),
         "methods": {},
