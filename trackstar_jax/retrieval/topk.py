@@ -630,8 +630,7 @@ def stream_topk(
         return _empty(k)
     mesh = mesh or _default_mesh()
     num_dev = mesh.devices.size
-    chunk_rows = -(-min(int(chunk_rows), n) // num_dev) * num_dev
-    qbs = min(int(query_batch_size or q.shape[0]), q.shape[0])
+    chunk_rows, qbs = _stream_shapes(chunk_rows, n, num_dev, q.shape[0], query_batch_size)
     batches = [_host_rows(q[i : i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
     plan = plan or make_score_plan(qbs, d, reader.dtype)
     merge = _merge_fn(k)
@@ -645,6 +644,16 @@ def stream_topk(
             results[b] = cand if results[b] is None else merge(results[b], cand)
     out = [_finish(r, min(qbs, q.shape[0] - b * qbs)) for b, r in enumerate(results)]
     return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))
+
+
+def _stream_shapes(
+    chunk_rows: int, num_rows: int, num_dev: int, num_queries: int, query_batch_size: int | None
+) -> tuple[int, int]:
+    """`(read chunk rows, query batch size)` as `stream_topk` runs them: the chunk at most the
+    index, rounded up to whole rows per device; the batch at most the queries. One place, so
+    `stream_memory` sizes exactly the step the stage compiles."""
+    chunk_rows = -(-min(int(chunk_rows), int(num_rows)) // num_dev) * num_dev
+    return chunk_rows, min(int(query_batch_size or num_queries), int(num_queries))
 
 
 def stream_memory(
@@ -666,8 +675,7 @@ def stream_memory(
     the devices (`prefetch_bytes`) and the running top-k / bottom-k of every query batch
     (`results_bytes`), both added to `peak_bytes`. The stage's own chunks reuse the compile."""
     num_dev = mesh.devices.size
-    chunk_rows = -(-min(int(chunk_rows), int(num_rows)) // num_dev) * num_dev
-    qbs = min(int(query_batch_size or num_queries), int(num_queries))
+    chunk_rows, qbs = _stream_shapes(chunk_rows, num_rows, num_dev, num_queries, query_batch_size)
     k = min(int(k), int(num_rows))
     plan = plan or make_score_plan(qbs, dim, dtype)
     axes = tuple(mesh.axis_names)
