@@ -165,3 +165,19 @@ def test_roundtrip_across_replicated_and_fsdp_meshes_is_bit_exact(tiny_config, t
         else:
             assert all(s == P() for s in specs)
         cur = back
+
+
+def test_remat_is_a_runtime_key_not_part_of_the_run(tiny_config, tmp_path):
+    """`model.remat` changes how steps compute, not what: a stage may set it on a run made
+    without it (no refusal, config.json untouched) and an index manifest does not record it."""
+    checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
+    before = (tmp_path / "config.json").read_bytes()
+    tiny_config.model.remat = True
+    settings = config_lib.from_configdict(tiny_config)
+    assert settings.model.remat
+    config_lib.check_matches_run(settings, tmp_path)  # no ConfigError
+    checkpoint.save_run_config(tmp_path, settings)
+    assert (tmp_path / "config.json").read_bytes() == before
+    tiny_config.model.mlp_dim = 512  # a real model field is still refused, by name
+    with pytest.raises(ValueError, match=r"model\.mlp_dim: saved 256, now 512"):
+        config_lib.check_matches_run(config_lib.from_configdict(tiny_config), tmp_path)

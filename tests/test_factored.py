@@ -233,6 +233,20 @@ def test_fast_equals_reference_on_imported_architectures(arch, correction):
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
 
 
+@pytest.mark.parametrize("arch", ["palm", "gpt_neox"])
+def test_remat_leaves_both_paths_unchanged(arch):
+    """`model.remat`: the taps (and the capture dummies they close over) run again in the
+    recomputed forward; fast and reference vectors stay what they were without it."""
+    cfg, graphdef, state = _state(True, 32) if arch == "palm" else _arch_state(arch)
+    graphdef_r, _ = model_lib.split_model(model_lib.make_model(dataclasses.replace(cfg, remat=True)))
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=5)
+    batch = _batch(106, B, T, prompt=2)
+    fast, ref, _ = _both(cfg, graphdef, state, vc, batch, exact=False)
+    fast_r, ref_r, _ = _both(cfg, graphdef_r, state, vc, batch, exact=False)
+    np.testing.assert_allclose(fast_r, fast, rtol=1e-5, atol=1e-5 * np.max(np.abs(fast)))
+    np.testing.assert_allclose(ref_r, ref, rtol=1e-5, atol=1e-5 * np.max(np.abs(ref)))
+
+
 @pytest.mark.parametrize("unembed", [False, True])
 def test_untied_unembed_is_attributed_only_with_vectors_unembed(unembed):
     # vectors.unembed (issue 13): the untied output embedding joins the last MLP side only on

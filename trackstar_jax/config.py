@@ -54,6 +54,9 @@ RESUMABLE_TRAIN_KEYS = (
     "max_new_tokens",
 )
 QUERY_MODES = ("gold", "prediction")
+# Keys of the run sections that change how a step is computed, not what it computes: never
+# compared with a run's config.json (e.g. rematerialise to fit a larger batch when featurizing).
+RUNTIME_KEYS = ("model.remat",)
 
 
 class ConfigError(ValueError):
@@ -413,7 +416,7 @@ def mismatches(
     a, b = store_lib.flatten(to_dict(saved)), store_lib.flatten(to_dict(current))
     out = []
     for key in sorted(set(a) | set(b)):
-        if key.split(".")[0] not in sections or key in ignore:
+        if key.split(".")[0] not in sections or key in ignore or key in RUNTIME_KEYS:
             continue
         va, vb = a.get(key, defaults.get(key, "<absent>")), b.get(key, defaults.get(key, "<absent>"))
         if va != vb:
@@ -423,7 +426,7 @@ def mismatches(
 
 # `config.model` fields that stay the user's choice for an imported model (`model.source` set);
 # every other model field (arch and shapes) comes from the imported checkpoint.
-IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "max_len")
+IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "max_len", "remat")
 
 
 def resolve_imported_model(

@@ -22,12 +22,12 @@ MEMORY_ENV = "TRACKSTAR_JAX_DEVICE_MEMORY_BYTES"
 # Knobs that lower each step's memory per device, named in warnings and refusals.
 KNOBS = {
     "train": "config.train.global_batch_size (fewer rows per device), config.mesh.shape with a larger fsdp axis "
-    "(e.g. --config.mesh.shape='(1,-1,1)'), config.model.dtype",
+    "(e.g. --config.mesh.shape='(1,-1,1)'), config.model.remat=True (activations of one layer), config.model.dtype",
     "featurize": "config.vectors.batch_size (fewer rows per device), config.mesh.shape with a larger fsdp axis "
     "(e.g. --config.mesh.shape='(1,-1,1)'), config.vectors.path='fast' (the reference path materialises "
-    "per-example gradients), config.model.dtype",
+    "per-example gradients), config.model.remat=True, config.model.dtype",
     "tailpatch": "config.tailpatch.batch_size (each pair holds a parameter copy), config.mesh.shape with a larger "
-    "fsdp axis, config.model.dtype",
+    "fsdp axis, config.model.remat=True, config.model.dtype",
     "retrieve": "config.retrieval.read_chunk_rows (index rows on the devices at once), "
     "config.retrieval.query_batch_size, config.index.dtype (narrower stored rows)",
 }

@@ -87,6 +87,10 @@ class LMConfig:
       source: where the weights come from: "" (pretrained by `launch.train`), a Hugging Face
         folder, a `.gguf` file, or "smollm2" (see `training.importer`). Not an architecture
         field: `launch.import_model` fills the others from the source.
+      remat: rematerialise each decoder layer in the backward pass (`nnx.remat`): a backward
+        keeps every layer's input plus one layer's internals instead of all layers'
+        internals, for about one more forward pass of FLOPs. Same results; a runtime choice
+        that may differ between the stages of one run (not compared with its config.json).
     """
 
     vocab_size: int = 32_000
@@ -112,6 +116,7 @@ class LMConfig:
     parallel_residual: bool = False
     activation: str = "silu"
     source: str = ""
+    remat: bool = False
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -273,7 +278,13 @@ class DecoderLM(nnx.Module):
         check_length(self.cfg, tokens)
         x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
         for i in range(self.cfg.num_layers):
-            x = getattr(self, f"layer_{i}")(x, tap)
+            layer = getattr(self, f"layer_{i}")
+            if self.cfg.remat:
+                # The tap (and the tracers it closes over, e.g. featurize's capture dummies) is
+                # closed over, so the recomputed forward routes through it exactly as the first.
+                x = nnx.remat(lambda lyr, h: lyr(h, tap))(layer, x)
+            else:
+                x = layer(x, tap)
         x = self.final_norm(x, tap)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype))

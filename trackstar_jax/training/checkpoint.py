@@ -284,7 +284,9 @@ class Run:
     opt_state_info: dict | None = None  # imported runs: how V was estimated (opt_state.json)
 
 
-def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | None = None) -> Run:
+def load_run(
+    workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | None = None, remat: bool | None = None
+) -> Run:
     """Loads config, tokenizer, corpus and a checkpoint (default: latest) of a run.
 
     Args:
@@ -293,12 +295,15 @@ def load_run(workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | N
       mesh: arrays are placed on it by `state_shardings` (split over its fsdp axis when that
         has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
         any mesh restores into any other.
+      remat: the stage's `model.remat` (a runtime key: the run's own value when None).
 
     Raises:
       FileNotFoundError: a missing piece of the run (names the path).
     """
     workdir = pathlib.Path(workdir)
     settings = config_lib.load_run_settings(workdir)
+    if remat is not None:
+        settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, remat=remat))
     model_cfg = settings.model
     opt = train_lib.make_optimizer(settings.train.optimizer)
     mesh = sharding_lib.make_mesh() if mesh is None else mesh
