@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from trackstar_jax import index
-from trackstar_jax.index import hessian
+from trackstar_jax.index import hessian, store
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DIM, BLOCKS = 64, 4  # 4 blocks of k² = 16 (k = 4)
@@ -102,6 +102,29 @@ def test_each_dtype_round_trips_within_its_precision(tmp_path, dtype):
     # Row i is example i, also for ranges that straddle chunks.
     np.testing.assert_array_equal(reader.read_dequantized(100, 333), got[100:333])
     np.testing.assert_array_equal(reader.read_dequantized(699, 700), got[699:])
+
+
+@pytest.mark.parametrize("dtype", index.STORAGE_DTYPES)
+def test_direct_chunk_reads_equal_tensorstore_reads(tmp_path, dtype):
+    """Reads go straight to the chunk files (crc32c checked); they return tensorstore's bytes."""
+    build(tmp_path / "ix", dtype=dtype)
+    reader = index.open_index(tmp_path / "ix")
+    assert reader._direct  # the layout the builder writes
+    rng = np.random.default_rng(0)
+    ranges = [(0, 700), (0, 1), (63, 65), (64, 128), (699, 700), (100, 333)]
+    ranges += [tuple(sorted(rng.choice(701, 2, replace=False))) for _ in range(10)]
+    for lo, hi in ranges:
+        rows, scale = reader.read_block(lo, hi)
+        want = reader._vectors[lo:hi].read().result()  # tensorstore's zarr3 decode
+        assert rows.dtype == want.dtype and rows.shape == (hi - lo, DIM)
+        np.testing.assert_array_equal(rows.view(np.uint8), want.view(np.uint8))
+        if dtype == "int8":
+            np.testing.assert_array_equal(scale, reader._scale[lo:hi].read().result())
+    # Any other layout (e.g. a different chunk key encoding) is read through tensorstore.
+    meta = json.loads((tmp_path / "ix" / "vectors" / "zarr.json").read_text())
+    meta["chunk_key_encoding"] = {"name": "v2"}
+    (tmp_path / "ix" / "vectors" / "zarr.json").write_text(json.dumps(meta))
+    assert not store._direct_layout(tmp_path / "ix" / "vectors", reader.manifest)
 
 
 def test_bytes_per_example_matches_dtype(tmp_path):
@@ -304,6 +327,13 @@ def test_corrupt_chunk_is_an_error_naming_its_rows(tmp_path, damage):
         chunk.unlink()
     reader = index.open_index(tmp_path / "ix")
     reader.read_block(0, 192)
+    with pytest.raises(index.IndexCorruptError, match=r"chunk 3, rows \[192, 256\) cannot be read"):
+        reader.read_block(0, 700)
+    why = {"flip": "fails its crc32c", "truncate": "has 4098 bytes, not 8196", "delete": "is missing"}[damage]
+    with pytest.raises(index.IndexCorruptError, match=why):
+        reader.read_block(192, 193)
+    reader = index.open_index(tmp_path / "ix", direct=False)  # tensorstore's read path names the same rows
+    assert not reader._direct
     with pytest.raises(index.IndexCorruptError, match=r"chunk 3, rows \[192, 256\) cannot be read"):
         reader.read_block(0, 700)
     with pytest.raises(index.IndexCorruptError, match=r"failed verification:\n.*chunk 3, rows \[192, 256\)"):
