@@ -9,7 +9,7 @@ generated passages (two LAMA sentences picked by a seeded generator and joined: 
 repeated material; said in every JSON line as `generated_examples`). Then each stage runs as
 its own launcher process (`launch.train`, `launch.build_index`, `launch.retrieve`) with
 `experiments/tiny.py` (the run's model is trained on that corpus for `--train_steps` steps)
-and the same overrides at every size (vocabulary 4096 for LAMA's characters), and we record its wall time, peak RSS (`wait4`), and
+and the same overrides at every size (vocabulary 4096 for LAMA's characters), and we record its wall time, its own peak RSS (VmHWM), and
 the bytes it leaves on disk. Finally the retrieval of one query batch of 1 query is timed
 in this process over the stored index (streamed from disk, page cache warm; chunk files read
 directly and, side by side, every read through tensorstore) and over the
@@ -108,13 +108,31 @@ def dir_bytes(path: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
 
 
+# Runs a module as __main__ and, at exit, writes the process's own peak RSS (VmHWM, KiB) to a file.
+# wait4's ru_maxrss would not do: Linux keeps the forked copy's high-water mark across exec, so
+# every child reports at least this (corpus-holding, jax-importing) process's RSS at fork.
+_RSS_WRAPPER = """
+import atexit, pathlib, runpy, sys
+out, mod = sys.argv.pop(1), sys.argv.pop(1)
+def _hwm():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            pathlib.Path(out).write_text(line.split()[1])
+atexit.register(_hwm)
+sys.argv[0] = mod
+runpy.run_module(mod, run_name="__main__", alter_sys=True)
+"""
+
+
 def run_stage(name: str, workdir: pathlib.Path, size_dir: pathlib.Path) -> dict:
-    """Runs `python -m launch.<name>` as a child; wall time, peak RSS (wait4), exit status."""
+    """Runs `python -m launch.<name>` as a child; wall time, its own peak RSS (VmHWM), CPU time."""
     flags_ = [f"--config.{k}={v}" for k, v in OVERRIDES.items()]
     flags_ += [f"--config.data.path={size_dir / 'text'}", f"--config.train.num_steps={_STEPS.value}"]
     if name == "retrieve":
         flags_ += [f"--config.retrieval.queries={size_dir / 'queries.jsonl'}", "--config.retrieval.output=scale"]
-    args = [sys.executable, "-m", f"launch.{name}", "--config=experiments/tiny.py", f"--workdir={workdir}", *flags_]
+    hwm = size_dir / f"{name}.vmhwm"
+    args = [sys.executable, "-c", _RSS_WRAPPER, str(hwm), f"launch.{name}", "--config=experiments/tiny.py"]
+    args += [f"--workdir={workdir}", *flags_]
     log = open(size_dir / f"{name}.log", "w")  # noqa: SIM115
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -127,7 +145,7 @@ def run_stage(name: str, workdir: pathlib.Path, size_dir: pathlib.Path) -> dict:
     return {
         "stage": name,
         "seconds": wall,
-        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "peak_rss_mib": int(hwm.read_text()) / 1024,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
     }
 

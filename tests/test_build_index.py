@@ -173,3 +173,20 @@ def test_config_of_another_run_is_refused(run_dir):
     c.model.embed_dim = 32
     with pytest.raises(ValueError, match=r"config disagrees with the run .*model.embed_dim: saved 64, now 32"):
         build.build_index(config_lib.from_configdict(c), run_dir)
+
+
+def test_a_stage_may_set_remat_on_a_run_made_without_it(run_dir):
+    """`model.remat` (a `config.RUNTIME_KEYS` key) set by a stage reaches the loaded model, gives
+    the same vectors and leaves the index identity as it was."""
+    settings = config_lib.from_configdict(_config())
+    remat = settings.replace({"model.remat": True})
+    plain, rem = checkpoint.load_run(run_dir), checkpoint.load_run(run_dir, runtime=remat)
+    assert not plain.model_cfg.remat and rem.model_cfg.remat
+    assert build.expected_identity(rem, remat, 256) == build.expected_identity(plain, settings, 256)
+    tokens = np.random.default_rng(0).integers(4, 100, (8, 16)).astype(np.int32)  # one row per fake device
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens), "example_id": np.arange(8, dtype=np.int32)}
+    out = []
+    for run in (plain, rem):
+        fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state)
+        out.append(np.asarray(fn(run.params, fn.precond, batch)))
+    np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5 * np.max(np.abs(out[0])))

@@ -20,6 +20,7 @@ dict a ConfigDict would, so run directories written before the typed config stil
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import pathlib
@@ -422,6 +423,11 @@ def mismatches(
         if va != vb:
             out.append(f"{key}: saved {va!r}, now {vb!r}")
     return out
+
+
+def with_runtime_keys(saved: Settings, current: Settings) -> Settings:
+    """`saved` (a run's settings) with the `RUNTIME_KEYS` values of `current` (the stage's)."""
+    return saved.replace({k: functools.reduce(getattr, k.split("."), current) for k in RUNTIME_KEYS})
 
 
 # `config.model` fields that stay the user's choice for an imported model (`model.source` set);

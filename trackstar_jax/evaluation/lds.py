@@ -328,7 +328,7 @@ def validate(
         settings = settings.replace({"eval.max_queries": v.num_queries})
     num_steps = v.num_steps or settings.train.num_steps
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, remat=settings.model.remat)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     eq = query_set.make_eval_queries(run, settings)
     check_manifest(workdir, _manifest(settings, run, eq, num_steps))
     n = len(run.corpus.examples)

@@ -206,7 +206,7 @@ def _prepare(
     out_dir = report.eval_dir(settings, workdir)
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, remat=settings.model.remat)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     ctx = rows_lib.Context(settings, workdir, run, mesh)
     check_fits(ctx, methods)  # before anything is written or replaced
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
@@ -368,7 +368,7 @@ def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathL
         )
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, remat=settings.model.remat)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     eq = query_set.make_eval_queries(run, settings)
     source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
     return retrieval_stage.retrieve(

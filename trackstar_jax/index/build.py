@@ -57,7 +57,9 @@ def index_manifest(
     model_cfg = dataclasses.asdict(run.model_cfg)
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]
-    del model_cfg["remat"]  # how the steps compute, not what (config.RUNTIME_KEYS)
+    for key in config_lib.RUNTIME_KEYS:  # how the steps compute, not what
+        if key.startswith("model."):
+            del model_cfg[key.removeprefix("model.")]
     model = {"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree), "config": model_cfg}
     if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
         model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
@@ -164,7 +166,7 @@ def build_index(
             f"data shards of mesh {dict(mesh.shape)}"
         )
     config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, remat=settings.model.remat)
+    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
     )

@@ -23,8 +23,9 @@ marker, and rewriting a chunk produces the same bytes (the featurizer is determi
 chunk carries a crc32c digest (zarr3 codec) and missing chunks are read errors
 (`fill_missing_data_reads=False`), so truncation/corruption/deletion is an error naming the rows.
 Reads of the vectors go straight to the chunk files (`c/<chunk>/0`: the raw little-endian rows,
-then their crc32c), checked with a hardware crc32c (`google-crc32c`): tensorstore's decode path
-read 3-6x slower on a 2-core CPU. Any other layout, or no google-crc32c, reads through tensorstore.
+then their crc32c), checked with a hardware crc32c (`google-crc32c`): on a 2-core CPU tensorstore's
+decode path read a 33.5 MB block 3-6x slower under load, and streamed queries ran 1.1-1.6x slower
+idle (BUILD_NOTES, issue 14). Any other layout, or no google-crc32c, reads through tensorstore.
 
 R_train composes with resume and with several writer processes like this: each process owns a
 contiguous range of whole "segments" (`r_every_chunks` chunks). Per chunk, the autocorrelation
@@ -473,8 +474,8 @@ class IndexReader:
         """Rows `[start, stop)` read straight from the chunk files, each checked against its crc32c.
 
         The same bytes tensorstore reads (the layout `_direct_layout` checked), without its
-        per-chunk decode and copies: on the 2-core CPU tensorstore delivered 0.3-0.9 GB/s from
-        the page cache where the files read at 9 GB/s (BUILD_NOTES, issue 14).
+        per-chunk decode and copies: on the loaded 2-core CPU tensorstore delivered 0.3-0.9 GB/s
+        from the page cache where the files read at 4-9 GB/s (BUILD_NOTES, issue 14).
         """
         out = np.empty((stop - start, self.dim), self.dtype)
         nbytes = self.chunk_rows * self.dim * self.dtype.itemsize

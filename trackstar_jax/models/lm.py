@@ -277,14 +277,13 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
         check_length(self.cfg, tokens)
         x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
+        # The tap (and the tracers it closes over, e.g. featurize's capture dummies) is closed
+        # over, so a rematerialised forward routes through it exactly as the first.
+        call = lambda lyr, h: lyr(h, tap)  # noqa: E731
+        if self.cfg.remat:
+            call = nnx.remat(call)
         for i in range(self.cfg.num_layers):
-            layer = getattr(self, f"layer_{i}")
-            if self.cfg.remat:
-                # The tap (and the tracers it closes over, e.g. featurize's capture dummies) is
-                # closed over, so the recomputed forward routes through it exactly as the first.
-                x = nnx.remat(lambda lyr, h: lyr(h, tap))(layer, x)
-            else:
-                x = layer(x, tap)
+            x = call(getattr(self, f"layer_{i}"), x)
         x = self.final_norm(x, tap)
         if self.cfg.tie_embeddings:
             logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype))

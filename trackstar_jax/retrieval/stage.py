@@ -310,7 +310,7 @@ def retrieve(
         )
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
     config_lib.check_matches_run(settings, workdir)
-    run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh, remat=settings.model.remat)
+    run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh, r_eval_queries=r_eval_queries)
     info.pop("process_rows", None)  # differs per process; the outputs do not
     reader = store_lib.open_index(info["index"])

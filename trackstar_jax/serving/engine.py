@@ -108,7 +108,7 @@ class Engine:
         self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
         config_lib.check_matches_run(settings, self.workdir)
-        self.run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, remat=settings.model.remat)
+        self.run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, runtime=settings)
         self._lock = threading.Lock()
         self._rows: dict[str, _GradientRow] = {}
         self._vec_fns: dict[tuple, vectors_lib.VectorFn] = {}

@@ -285,7 +285,10 @@ class Run:
 
 
 def load_run(
-    workdir: str | os.PathLike, step: int | None = None, mesh: Mesh | None = None, remat: bool | None = None
+    workdir: str | os.PathLike,
+    step: int | None = None,
+    mesh: Mesh | None = None,
+    runtime: config_lib.Settings | None = None,
 ) -> Run:
     """Loads config, tokenizer, corpus and a checkpoint (default: latest) of a run.
 
@@ -295,15 +298,16 @@ def load_run(
       mesh: arrays are placed on it by `state_shardings` (split over its fsdp axis when that
         has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
         any mesh restores into any other.
-      remat: the stage's `model.remat` (a runtime key: the run's own value when None).
+      runtime: the stage's settings, whose `config.RUNTIME_KEYS` (e.g. `model.remat`) replace the
+        run's own (None: the run's values).
 
     Raises:
       FileNotFoundError: a missing piece of the run (names the path).
     """
     workdir = pathlib.Path(workdir)
     settings = config_lib.load_run_settings(workdir)
-    if remat is not None:
-        settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, remat=remat))
+    if runtime is not None:
+        settings = config_lib.with_runtime_keys(settings, runtime)
     model_cfg = settings.model
     opt = train_lib.make_optimizer(settings.train.optimizer)
     mesh = sharding_lib.make_mesh() if mesh is None else mesh
