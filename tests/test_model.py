@@ -318,3 +318,63 @@ def test_rope_partial_rotary_leaves_the_tail_alone():
 def test_bad_architecture_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")):
         model_lib.LMConfig(**kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 10_000])
+def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_tokens):
+    """`layers.head_nll_sum` (chunked, gradients made in the forward pass) against the naive
+    `[B, T, V]` logits + log-softmax path in float64 numpy: value, d/dx and d/dW, for chunk
+    sizes that pad the time axis, split it unevenly or take it whole; `weight_grad=False`
+    gives the same d/dx and no d/dW."""
+    rng = np.random.default_rng(3)
+    b, t, d, v = 3, 11, 8, 37
+    x = jnp.asarray(rng.standard_normal((b, t, d)), dtype)
+    w = jnp.asarray(rng.standard_normal((d, v)), dtype)
+    y = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)
+    wt = jnp.asarray(rng.random((b, t)) * (rng.random((b, t)) > 0.3), jnp.float32)
+
+    x64, w64, wt64 = (np.asarray(a, np.float64) for a in (x, w, wt))
+    logits = x64 @ w64
+    p = np.exp(logits - logits.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    nll = -np.log(np.take_along_axis(p, np.asarray(y)[..., None], -1)[..., 0])
+    dlogits = wt64[..., None] * (p - np.eye(v)[np.asarray(y)])
+    ref = {"loss": (wt64 * nll).sum(), "dx": dlogits @ w64.T, "dw": np.einsum("btd,btv->dv", x64, dlogits)}
+
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
+    f = functools.partial(layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens)
+    loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
+    assert dx.dtype == x.dtype and dw.dtype == w.dtype
+    np.testing.assert_allclose(float(loss), ref["loss"], **tol)
+    np.testing.assert_allclose(np.asarray(dx, np.float64), ref["dx"], **tol)
+    np.testing.assert_allclose(np.asarray(dw, np.float64), ref["dw"], **tol)
+    np.testing.assert_allclose(float(jax.jit(f)(x, w)), ref["loss"], **tol)  # the undifferentiated primal
+    fx = functools.partial(f, weight_grad=False)
+    dx_only = jax.jit(jax.grad(lambda x: fx(x, w)))(x)
+    np.testing.assert_allclose(np.asarray(dx_only, np.float64), ref["dx"], **tol)
+
+
+@pytest.mark.parametrize("arch,tie", [("palm", True), ("llama", True), ("gpt_neox", False)])
+def test_nll_sum_equals_example_losses_and_its_gradients(arch, tie):
+    """`lm.nll_sum` (fused head; palm's tied head scaled by 1/sqrt(d), gpt_neox untied) equals
+    the summed `example_losses` over the logits, and so do their parameter gradients."""
+    cfg = SMALL if arch == "palm" else arch_config(arch, tie_embeddings=tie)
+    graphdef, params = _random_params(cfg)
+    tokens = np.random.default_rng(5).integers(4, cfg.vocab_size, (2, 9)).astype(np.int32)
+    mask = (np.random.default_rng(6).random((2, 9)) > 0.2).astype(np.int32)
+    batch = {"tokens": tokens, "loss_mask": mask}
+
+    def naive(p):
+        return jnp.sum(model_lib.example_losses(lambda x: model_lib.apply(graphdef, p, x), batch))
+
+    def fused(p):
+        return model_lib.nll_sum(graphdef, p, *model_lib.lm_targets(batch))
+
+    (a, ga), (b, gb) = (jax.jit(jax.value_and_grad(fn))(params) for fn in (naive, fused))
+    np.testing.assert_allclose(float(b), float(a), rtol=1e-5)
+    flat_a, flat_b = model_lib.flat_params(ga), model_lib.flat_params(gb)
+    assert flat_a.keys() == flat_b.keys()
+    for path in flat_a:
+        ref = np.asarray(flat_a[path])
+        np.testing.assert_allclose(np.asarray(flat_b[path]), ref, rtol=1e-4, atol=1e-5 * max(np.abs(ref).max(), 1e-3))

@@ -270,11 +270,17 @@ def factored_vectors(
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
             return _capture_dense(y, xp, p1, zs[e.side])
 
-        logits = model_lib.apply(graphdef, params, inputs, tap)
+        if output_fn == "loss" and not unembed:
+            # The fused head (no [B, T, V] logits; its input gradient made in the forward pass).
+            # The loss weights are the objective's constant c_t = w_t (`grads.token_objective`).
+            out = model_lib.nll_sum(graphdef, params, inputs, targets, weights, tap, weight_grad=False)
+        else:
+            logits = model_lib.apply(graphdef, params, inputs, tap)
+            out = jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
         unused = sorted(set(entries) - seen)
         if unused:
             raise ValueError(f"block-plan parameter(s) never reached the model's tap: {', '.join(unused)}")
-        return jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
+        return out
 
     zs = [jnp.zeros((b, k, k), jnp.float32) for _ in range(plan.num_sides)]
     sides = jax.grad(objective)(zs)

@@ -73,6 +73,14 @@ def param_count(params: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(params)))
 
 
+def matmul_2d(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+    """`x @ w` with the leading axes flattened into one: the weight gradient is then a plain
+    `[i, N] x [N, o]` GEMM. XLA:CPU lowers the contraction over two axes (`btd,btv->dv`) that an
+    `einsum("...i,io->...o")` differentiates into to far slower code (a 50k-vocabulary head's
+    weight gradient took 2.7x as long; BUILD_NOTES, issue 13)."""
+    return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
+
+
 class Linear(nnx.Module):
     """Dense layer `y = x @ kernel (+ bias)`, kernel `[in, out]`, optional bias `[out]`."""
 
@@ -87,7 +95,7 @@ class Linear(nnx.Module):
         self.dtype = cfg.dtype
 
     def __call__(self, x: Float[Array, "... i"], tap: Tap | None = None) -> Float[Array, "... o"]:
-        y = jnp.einsum("...i,io->...o", x, self.kernel[...].astype(self.dtype))
+        y = matmul_2d(x, self.kernel[...].astype(self.dtype))
         if tap is not None:
             y = tap(self.path + "/kernel", x, y)
         if self.bias is not None:
@@ -195,3 +203,106 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
     """Per-example loss summed over target tokens: `-sum_t mask_t log p(y_t)`."""
     inputs, targets, weights = lm_targets(batch)
     return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)
+
+
+# Tokens per chunk of the fused head (`head_nll_sum`): a `[chunk, vocab]` float32 logits block
+# of a 50k vocabulary is 26 MB at 128 tokens (in L3); 128 measured fastest on the 2-core CPU.
+HEAD_CHUNK_TOKENS = 128
+
+
+def _head_chunks(x, targets, weights, chunk_tokens):
+    """`[B, T, ...]` -> `[T/c, B, c, ...]` chunks along time (T padded with weight-0 positions),
+    so that the scan axis is never the (sharded) batch axis."""
+    b, t = targets.shape
+    c = max(1, min(t, -(-chunk_tokens // b)))
+    pad = (-t) % c
+    pad_to = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
+    split = lambda a: jnp.moveaxis(pad_to(a).reshape(b, (t + pad) // c, c, *a.shape[2:]), 1, 0)  # noqa: E731
+    return split(x), split(targets), split(weights), pad
+
+
+def _head_chunk_stats(xc, w, yc):
+    """Logits of one chunk `[B, c, V]` (float32), their logsumexp and the target logits."""
+    lg = jnp.einsum("bcd,dv->bcv", xc, w, preferred_element_type=jnp.float32)
+    m = jax.lax.stop_gradient(jnp.max(lg, axis=-1, keepdims=True))
+    e = jnp.exp(lg - m)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    lse = (m + jnp.log(s))[..., 0]
+    return lg, e, s, lse, jnp.take_along_axis(lg, yc[..., None], axis=-1)[..., 0]
+
+
+def _head_nll_sum(x, w, targets, weights, chunk_tokens, weight_grad):
+    del weight_grad
+    xs, ys, ws, _ = _head_chunks(x, targets, weights, chunk_tokens)
+
+    def body(acc, inp):
+        xc, yc, wc = inp
+        _, _, _, lse, tl = _head_chunk_stats(xc, w, yc)
+        return acc + jnp.sum(wc * (lse - tl)), None
+
+    return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ys, ws))[0]
+
+
+def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, weight_grad):
+    """Loss and both input gradients in one pass over the chunks: each `[B, c, V]` block of
+    logits is made, turned into `weights * (softmax - onehot)` and consumed by the `dx` (and
+    `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist."""
+    b, t = targets.shape
+    xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens)
+
+    def body(carry, inp):
+        loss, dw = carry
+        xc, yc, wc = inp
+        lg, e, s, lse, tl = _head_chunk_stats(xc, w, yc)
+        d = e * (wc[..., None] / s) - wc[..., None] * jax.nn.one_hot(yc, lg.shape[-1], dtype=e.dtype)
+        dxc = jnp.einsum("bcv,dv->bcd", d.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        if weight_grad:
+            flat_x = xc.reshape(-1, xc.shape[-1])
+            dw = dw + jnp.einsum(
+                "nd,nv->dv", flat_x, d.reshape(-1, d.shape[-1]).astype(xc.dtype), preferred_element_type=jnp.float32
+            )
+        return (loss + jnp.sum(wc * (lse - tl)), dw), dxc
+
+    dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
+    (loss, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (xs, ys, ws))
+    dx = jnp.moveaxis(dx, 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x.dtype)
+    return loss, (dx, dw.astype(w.dtype) if weight_grad else None)
+
+
+def _head_nll_sum_bwd(chunk_tokens, weight_grad, res, ct):
+    del chunk_tokens
+    dx, dw = res
+    return (ct * dx).astype(dx.dtype), (ct * dw).astype(dw.dtype) if weight_grad else None, None, None
+
+
+_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5))
+_head_nll_sum.defvjp(_head_nll_sum_fwd, _head_nll_sum_bwd)
+
+
+def head_nll_sum(
+    x: Float[Array, "b t d"],
+    w: Float[Array, "d v"],
+    targets: Int[Array, "b t"],
+    weights: Float[Array, "b t"],
+    *,
+    weight_grad: bool = True,
+    chunk_tokens: int = HEAD_CHUNK_TOKENS,
+) -> Float[Array, ""]:
+    """`sum_{b,t} weights * -log softmax(x W)[target]`: the output head and the weighted
+    next-token loss fused, chunked along time.
+
+    Equal to `-sum(token_log_probs(x @ w, targets) * weights)` (pinned against it in
+    tests/test_model.py), but the `[B, T, V]` logits are never materialised, and under
+    differentiation the forward pass computes the gradients too (`weights` are constants:
+    no cotangent flows to them or to `targets`). On the 2-core CPU the 50k-vocabulary head
+    was ~90% of a training step at the pythia-14m shape (BUILD_NOTES, issue 13).
+
+    Args:
+      x: final hidden states (compute dtype); w: the output matrix `[d, vocab]`.
+      targets, weights: next tokens and their (constant) loss weights.
+      weight_grad: compute the gradient with respect to `w` (False where `w` is not
+        differentiated, e.g. featurisation, where the output embedding is not attributed:
+        a zero cotangent is returned and the `[d, V]` GEMM is skipped).
+      chunk_tokens: tokens per chunk (over the whole batch).
+    """
+    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk_tokens, weight_grad)

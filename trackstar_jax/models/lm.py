@@ -25,6 +25,7 @@ import importlib
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
@@ -37,7 +38,9 @@ from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the famil
     Tap,
     example_losses,
     flat_params,
+    head_nll_sum,
     lm_targets,
+    matmul_2d,
     param_count,
     param_path_str,
     token_log_probs,
@@ -213,6 +216,31 @@ def apply(
     return nnx.merge(graphdef, params)(tokens, tap)
 
 
+def nll_sum(
+    graphdef: nnx.GraphDef,
+    params: Any,
+    inputs: Int[Array, "b t"],
+    targets: Int[Array, "b t"],
+    weights: Float[Array, "b t"],
+    tap: Tap | None = None,
+    *,
+    weight_grad: bool = True,
+) -> Float[Array, ""]:
+    """`sum_{b,t} weights * -log p(targets | inputs)` (weights constant): the weighted
+    next-token loss every gradient of the pretraining objective differentiates.
+
+    A `DecoderLM` runs its layers, then the fused, chunked head (`layers.head_nll_sum`: the
+    `[B, T, V]` logits never exist, and a differentiated call gets its head gradients in the
+    forward pass; `weight_grad=False` skips the output matrix's). The tap sees every layer but
+    the head, so a caller that must tap an untied `unembed` (`vectors.unembed`) goes through
+    `apply` instead. Other models (the linen adapter) go through their logits.
+    """
+    model = nnx.merge(graphdef, params)
+    if isinstance(model, DecoderLM):
+        return head_nll_sum(model.hidden(inputs, tap), model.head_matrix(), targets, weights, weight_grad=weight_grad)
+    return -jnp.sum(token_log_probs(model(inputs, tap), targets) * jax.lax.stop_gradient(weights))
+
+
 def abstract_params(cfg: LMConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """Shapes of the parameters without allocating them (works for 8B configs)."""
     graphdef, params = nnx.eval_shape(lambda: split_model(make_model(cfg)))
@@ -274,7 +302,8 @@ class DecoderLM(nnx.Module):
         if not cfg.tie_embeddings:
             self.unembed = Linear(cfg.embed_dim, cfg.vocab_size, "unembed", cfg, rngs=rngs)
 
-    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
+    def hidden(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t d"]:
+        """The final norm's output `[B, T, d]` (compute dtype): what the output head reads."""
         check_length(self.cfg, tokens)
         x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
         # The tap (and the tracers it closes over, e.g. featurize's capture dummies) is closed
@@ -284,11 +313,19 @@ class DecoderLM(nnx.Module):
             call = nnx.remat(call)
         for i in range(self.cfg.num_layers):
             x = call(getattr(self, f"layer_{i}"), x)
-        x = self.final_norm(x, tap)
+        return self.final_norm(x, tap)
+
+    def head_matrix(self) -> Float[Array, "d v"]:
+        """The output head as one matrix `[d, vocab]` (compute dtype): logits = hidden @ it."""
+        if not self.cfg.tie_embeddings:
+            return self.unembed.kernel[...].astype(self.cfg.dtype)
+        w = self.embed[...].astype(self.cfg.dtype).T
+        return w / math.sqrt(self.cfg.embed_dim) if self.SCALE_TIED_LOGITS else w
+
+    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
+        x = self.hidden(tokens, tap)
         if self.cfg.tie_embeddings:
-            logits = jnp.einsum("btd,vd->btv", x, self.embed[...].astype(x.dtype))
-            if self.SCALE_TIED_LOGITS:
-                logits = logits / math.sqrt(self.cfg.embed_dim)
+            logits = matmul_2d(x, self.head_matrix())
         else:
             logits = self.unembed(x, tap)
         return logits.astype(jnp.float32)

@@ -80,10 +80,11 @@ def init_state(
 
 def loss_fn(params: Any, graphdef: nnx.GraphDef, batch: Mapping[str, Array]) -> tuple[Float[Array, ""], dict]:
     """Mean next-token loss over target tokens of the batch (training objective)."""
-    losses = model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)
-    num_tokens = jnp.sum(batch["loss_mask"][:, 1:])
-    loss = jnp.sum(losses) / jnp.maximum(num_tokens, 1.0)
-    return loss, {"loss_sum": jnp.sum(losses), "num_tokens": num_tokens}
+    inputs, targets, weights = model_lib.lm_targets(batch)
+    loss_sum = model_lib.nll_sum(graphdef, params, inputs, targets, weights)
+    num_tokens = jnp.sum(weights)
+    loss = loss_sum / jnp.maximum(num_tokens, 1.0)
+    return loss, {"loss_sum": loss_sum, "num_tokens": num_tokens}
 
 
 def train_step(
