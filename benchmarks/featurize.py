@@ -186,16 +186,19 @@ def bench_one(name: str, d: int, args) -> dict:
         plan = vectors.make_block_plan(params, model_cfg, vc)
         precond = vectors.make_precond(params, opt_state, vc, plan)
         jitted = vectors.jit_vector_step(graphdef, vc, plan, mesh)
+        projs = vectors.step_projections(vc, plan, precond)
         vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
-        compiled = jitted.lower(params, precond, vb).compile()
+        compiled = jitted.lower(params, precond, vb, projs).compile()
         host2 = _batch(2 * b, t, model_cfg.vocab_size)
         row[f"{path}_peak_bytes"] = _peak(compiled)
         row[f"{path}_peak_bytes_2x_batch"] = _peak(
-            jitted.lower(params, precond, {k_: jnp.asarray(host2[k_]) for k_ in ("tokens", "loss_mask")}).compile()
+            jitted.lower(
+                params, precond, {k_: jnp.asarray(host2[k_]) for k_ in ("tokens", "loss_mask")}, projs
+            ).compile()
         )
-        secs = _time(compiled, (params, precond, vb), args.steps if path == "fast" else max(1, args.steps // 2))
+        secs = _time(compiled, (params, precond, vb, projs), args.steps if path == "fast" else max(1, args.steps // 2))
         row[f"{path}_tokens_per_s"] = b * t / secs
-        features[path] = np.asarray(compiled(params, precond, vb)[0])
+        features[path] = np.asarray(compiled(params, precond, vb, projs)[0])
     # Every kernel is factored here, so the two paths must agree (to float32 round-off).
     f, r = features["fast"], features["reference"]
     row["fast_vs_reference_rel_err"] = float(np.linalg.norm(f - r) / np.linalg.norm(r))

@@ -33,6 +33,14 @@ Corrections raced: `adafactor` (ours: rank-one folded into the projections), `ad
 `vectors.exact_v=True`, the exact element-wise V like bergson), `adam_rank1` (ours: the
 default rank-one factorisation of Adam's V; bergson's figures are its exact Adam run).
 
+Training step (stage `ours_train`): our jitted train step on the same model, batches and batch
+size as torch's timed AdamW steps, with optax AdamW and with the project's Adafactor.
+
+Compilation: our stages run with the persistent XLA compilation cache on, as every launcher
+does (`distributed.runtime`), in a folder of the race's own per correction: the build runs twice,
+first with that folder empty (`ours_tokens_per_s`: a first run on a machine) and then again
+(`ours_tokens_per_s_warm_cache`: every later run with the same model and shapes).
+
 Per tool, each stage in its own subprocess (`os.wait4` gives its peak RSS, `ru_maxrss`):
 build tokens/s = index tokens / the build process's whole wall time (start-up, model load,
 compile and writing included, both tools alike); 100 queries one at a time (gradient +
@@ -52,6 +60,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import time
@@ -82,6 +91,9 @@ ROW_FIELDS = (
     "ours_top10_overlap",
     "bergson_top10_overlap",
 )
+# distributed.runtime.ENV, named here so that this (parent) process never imports jax: a
+# child's ru_maxrss starts at the parent's RSS at fork.
+CACHE_ENV = "TRACKSTAR_COMPILATION_CACHE"
 EXACT_SETS = ("full", "linear", "unembed")  # parameter sets of the exact reference (module docstring)
 
 
@@ -340,12 +352,22 @@ def _batches(tokens, b: int):
 
 
 def stage_ours_build(spec: dict) -> dict:
-    """Featurize every index example (fast path) and write the `[N, d]` float32 rows."""
+    """Featurize every index example (fast path) and write the `[N, d]` float32 rows.
+
+    The persistent compilation cache is on, as in every launcher (`distributed.runtime`); the
+    race points it at a folder of its own (`TRACKSTAR_COMPILATION_CACHE`), empty for the cold
+    build and filled by it for the warm one. Phases are timed from this function's start:
+    imports, model + optimizer-state load, the first batch (compile or cache load), the rest.
+    """
+    t_start = time.perf_counter()
     import jax
     import numpy as np
 
+    from trackstar_jax.distributed import runtime
     from trackstar_jax.features import vectors
 
+    cache = runtime.enable_compilation_cache()
+    t_import = time.perf_counter()
     d = pathlib.Path(spec["dir"])
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
     fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state)
@@ -361,7 +383,61 @@ def stage_ours_build(spec: dict) -> dict:
     t1 = time.perf_counter()
     steady = (len(tokens) - spec["batch"]) * tokens.shape[1] / max(t1 - t_first, 1e-9)
     del jax
-    return {"d": fn.dim, "steady_tokens_per_s": steady, "first_batch_seconds": t_first - t0}
+    return {
+        "d": fn.dim,
+        "steady_tokens_per_s": steady,
+        "import_seconds": t_import - t_start,
+        "load_seconds": t0 - t_import,
+        "first_batch_seconds": t_first - t0,
+        "rest_seconds": t1 - t_first,
+        "compilation_cache": str(cache) if cache else None,
+    }
+
+
+def stage_ours_train(spec: dict) -> dict:
+    """Our jitted training step on the same model, batches and batch size as torch's timed AdamW
+    steps (`stage_prepare`): with optax AdamW (lr 1e-3, torch's defaults) and with the project's
+    Adafactor (`training.step.make_optimizer`). Tokens/s counts `batch * seq_len` per step, as
+    torch's figure does; the mean over the steps after the first (the compile), as torch's."""
+    import functools
+    import statistics
+
+    import jax
+    import numpy as np
+    import optax
+
+    from trackstar_jax.distributed import runtime
+    from trackstar_jax.models import hf
+    from trackstar_jax.models import lm as model_lib
+    from trackstar_jax.training import step as step_lib
+
+    runtime.enable_compilation_cache()
+    d = pathlib.Path(spec["dir"])
+    cfg, params = hf.load_hf(d / "model")
+    graphdef, _ = model_lib.abstract_params(cfg)
+    tokens = np.load(d / "index_tokens.npy")
+    b = spec["batch"]
+    out = {}
+    optimizers = {
+        "adamw": optax.adamw(1e-3, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.01),
+        "adafactor": step_lib.make_optimizer(step_lib.OptimizerConfig()),
+    }
+    for name, opt in optimizers.items():
+        state = step_lib.TrainState(
+            step=jax.numpy.zeros((), jax.numpy.int32), params=jax.tree.map(jax.numpy.copy, params), opt_state=None
+        )
+        state = state.replace(opt_state=opt.init(state.params))
+        step = jax.jit(functools.partial(step_lib.train_step, graphdef=graphdef, opt=opt), donate_argnums=0)
+        times = []
+        for s in range(max(spec["adam_steps"], 3)):
+            x = tokens[(s * b) % len(tokens) :][:b]
+            batch = {"tokens": x, "loss_mask": np.ones_like(x)}
+            t0 = time.perf_counter()
+            state, metrics = step(state, batch)
+            jax.block_until_ready(metrics["loss"])
+            times.append(time.perf_counter() - t0)
+        out[f"ours_train_{name}_tokens_per_s"] = b * tokens.shape[1] / statistics.mean(times[1:])
+    return out
 
 
 def stage_ours_query(spec: dict) -> dict:
@@ -372,8 +448,10 @@ def stage_ours_query(spec: dict) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from trackstar_jax.distributed import runtime
     from trackstar_jax.features import vectors
 
+    runtime.enable_compilation_cache()
     d = pathlib.Path(spec["dir"])
     t0 = time.perf_counter()
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
@@ -494,6 +572,7 @@ STAGES = {
     "bergson_query": stage_bergson_query,
     "ours_build": stage_ours_build,
     "ours_query": stage_ours_query,
+    "ours_train": stage_ours_train,
     "exact": stage_exact,
 }
 
@@ -509,9 +588,12 @@ def overlap(a, b) -> float:
     return float(np.mean([len(set(x) & set(y)) / 10 for x, y in zip(np.asarray(a), np.asarray(b))]))
 
 
-def _stage(python, name: str, spec: dict, d: pathlib.Path, tag: str = "", resume: bool = False) -> dict:
-    """Runs one stage in its own measured subprocess; with `resume`, a finished stage (same
-    spec) is read back from `measured_<stage>.json` instead of being run again."""
+def _stage(
+    python, name: str, spec: dict, d: pathlib.Path, tag: str = "", resume: bool = False, env: dict | None = None
+) -> dict:
+    """Runs one stage in its own measured subprocess (with `env` added to its environment);
+    with `resume`, a finished stage (same spec) is read back from `measured_<stage>.json`
+    instead of being run again."""
     done = d / f"measured_{name}{tag}.json"
     if resume and done.exists():
         saved = json.loads(done.read_text())
@@ -519,7 +601,7 @@ def _stage(python, name: str, spec: dict, d: pathlib.Path, tag: str = "", resume
             return saved["result"]
     spec_path = d / f"spec_{name}{tag}.json"
     spec_path.write_text(json.dumps(spec))
-    meas = run_measured(stage_cmd(python, name, spec_path), d / f"log_{name}{tag}.txt")
+    meas = run_measured(stage_cmd(python, name, spec_path), d / f"log_{name}{tag}.txt", env=env)
     result = {**json.loads((d / f"result_{name}{tag}.json").read_text()), **meas}
     done.write_text(json.dumps({"spec": spec, "result": result}))
     return result
@@ -553,13 +635,21 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         corrections=sorted({"adam" if c == "adam_rank1" else c for c in args.corrections}),
     )
     prep = _stage(peer_py, "prepare", base, d, resume=r)
+    ours_train = _stage(sys.executable, "ours_train", base, d, resume=r)
     exact = _stage(sys.executable, "exact", {**base, "exact_sets": list(EXACT_SETS)}, d, resume=r)
     rows = []
     bergson: dict[str, dict] = {}
     for c in args.corrections:
         spec = {**base, "correction": c, "unembed": args.unembed}
-        ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", resume=r)
-        oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r)
+        # Cold: an empty compilation cache (a first run); warm: the same build again, its
+        # featurize step loaded from the cache the cold build filled (every later run).
+        cache = d / f"xla_cache_{c}"
+        env = {CACHE_ENV: str(cache)}
+        if not (r and (d / f"measured_ours_build_{c}.json").exists()):
+            shutil.rmtree(cache, ignore_errors=True)
+        ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", resume=r, env=env)
+        obw = _stage(sys.executable, "ours_build", {**spec, "warm": True}, d, f"_{c}_warm", resume=r, env=env)
+        oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r, env=env)
         bc = "adam" if c == "adam_rank1" else c
         if not args.no_bergson and bc not in bergson:
             run = d / f"bergson_{bc}"
@@ -596,6 +686,11 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "tokens": n * args.seq_len,
             "ours_tokens_per_s": n * args.seq_len / ob["wall_seconds"],
             "ours_steady_tokens_per_s": ob["steady_tokens_per_s"],
+            "ours_tokens_per_s_warm_cache": n * args.seq_len / obw["wall_seconds"],
+            "ours_build_phases_s": {k: ob[f"{k}_seconds"] for k in ("import", "load", "first_batch", "rest")},
+            "ours_build_phases_warm_cache_s": {
+                k: obw[f"{k}_seconds"] for k in ("import", "load", "first_batch", "rest")
+            },
             "ours_peak_rss_bytes": ob["peak_rss_bytes"],
             "ours_query_seconds": oq["query_seconds"],
             "ours_query_peak_rss_bytes": oq["peak_rss_bytes"],
@@ -604,6 +699,11 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "subset": subset,
             "overlap_queries": args.overlap_queries,
             "torch_adamw_tokens_per_s": prep["torch_adamw_tokens_per_s"],
+            "ours_train_adamw_tokens_per_s": ours_train["ours_train_adamw_tokens_per_s"],
+            "ours_train_adafactor_tokens_per_s": ours_train["ours_train_adafactor_tokens_per_s"],
+            "ours_train_adamw_over_torch": ours_train["ours_train_adamw_tokens_per_s"]
+            / prep["torch_adamw_tokens_per_s"],
+            "ours_featurize_over_train": ob["steady_tokens_per_s"] / ours_train["ours_train_adafactor_tokens_per_s"],
         }
         ours_top = np.load(d / f"ours_{c}_top10.npy")
         ex_c = bc
@@ -626,6 +726,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                 }
             )
             row["ours_over_bergson"] = row["ours_tokens_per_s"] / row["bergson_tokens_per_s"]
+            row["ours_over_bergson_warm_cache"] = row["ours_tokens_per_s_warm_cache"] / row["bergson_tokens_per_s"]
         else:
             for f in ROW_FIELDS:
                 row.setdefault(f, None)

@@ -6,6 +6,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import runtime
 
 
 def settings(holder: flags.FlagHolder) -> config_lib.Settings:
@@ -15,7 +16,10 @@ def settings(holder: flags.FlagHolder) -> config_lib.Settings:
 
 def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with a config-override typo (`--config.vectors.proj_sed=5`) reported
-    in one line instead of three chained tracebacks (`app.run(main, flags_parser=parse_flags)`)."""
+    in one line instead of three chained tracebacks (`app.run(main, flags_parser=parse_flags)`).
+    Every launcher parses with it, so it also turns on the persistent compilation cache
+    (`distributed.runtime`; `TRACKSTAR_COMPILATION_CACHE=off` disables it)."""
+    runtime.enable_compilation_cache()
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

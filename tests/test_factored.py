@@ -313,3 +313,24 @@ def test_vectors_track_the_exact_corrected_cosine_without_the_unembedding():
         corr[unembed] = np.corrcoef(ce.ravel(), cp.ravel())[0, 1]
     assert share[True] > 0.9, share
     assert corr[False] > 0.35 and corr[True] < 0.25, corr
+
+
+@pytest.mark.parametrize("exact_v", [False, True])
+def test_step_projections_passed_in_equal_the_ones_made_in_the_step(exact_v):
+    """The jitted fast step given `vectors.step_projections` (what every VectorFn passes, made
+    once outside the step) returns the same vectors as the step making them itself, with the
+    correction folded in (rank-one) or applied element-wise (`exact_v`, Adam's full V), and its
+    compiled HLO holds no random-number generation."""
+    cfg, graphdef, state = _state(False, 128, optimizer="adam")
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, exact_v=exact_v)
+    plan = vectors.make_block_plan(state.params, cfg, vc)
+    pre = vectors.make_precond(state.params, state.opt_state, vc, plan)
+    batch = _batch(104, B, T)
+    step = jax.jit(functools.partial(vectors.vector_step, graphdef=graphdef, vec_cfg=vc, plan=plan))
+    projs = vectors.step_projections(vc, plan, pre)
+    inside = np.asarray(step(state.params, pre, batch, None)[0])
+    passed = np.asarray(step(state.params, pre, batch, projs)[0])
+    np.testing.assert_allclose(passed, inside, rtol=1e-5, atol=1e-6 * np.max(np.abs(inside)))
+    hlo = step.lower(state.params, pre, batch, projs).as_text()
+    assert "threefry" not in hlo and "shift_right_logical" not in hlo
+    assert "shift_right_logical" in step.lower(state.params, pre, batch, None).as_text()  # the check can fail

@@ -59,5 +59,7 @@ def test_micro_race_schema_without_bergson(tmp_path):
     assert row["shape"] == "micro" and row["correction"] == "adam" and row["ours_exact_v"] is True
     assert row["d"] == 2 * 2 * 4**2
     assert row["ours_tokens_per_s"] > 0 and row["ours_peak_rss_bytes"] > 0 and row["ours_query_seconds"] > 0
+    assert row["ours_tokens_per_s_warm_cache"] > 0
+    assert set(row["ours_build_phases_s"]) == {"import", "load", "first_batch", "rest"}
     assert 0.0 <= row["ours_top10_overlap"] <= 1.0
     assert row["bergson_tokens_per_s"] is None and row["ours_over_bergson"] is None

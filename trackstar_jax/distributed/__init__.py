@@ -1,2 +1,3 @@
 """Distributed: the one place that builds meshes and shardings (`sharding`), and multi-host
-coordination (`multihost`: jax.distributed, fail-fast barriers, writer partitions)."""
+coordination (`multihost`: jax.distributed, fail-fast barriers, writer partitions), and the
+process's shared JAX settings (`runtime`: the persistent compilation cache)."""

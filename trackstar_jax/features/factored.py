@@ -206,6 +206,15 @@ def folded_projections(
     return out
 
 
+def step_projections(
+    plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None, seed: int, exact_v: bool = False
+) -> dict[str, tuple[Array, Array]]:
+    """`folded_projections` as `factored_vectors` uses them: the correction folded in except for
+    the kernels it applies exactly (`exact_v` and an element-wise `correction.full`)."""
+    exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
+    return folded_projections(plan, correction, seed, exact)
+
+
 def factored_vectors(
     params: Any,
     correction: precond_lib.Correction | None,
@@ -217,6 +226,7 @@ def factored_vectors(
     role: str = "index",
     seed: int = 0,
     exact_v: bool = False,
+    projections: Mapping[str, tuple[Array, Array]] | None = None,
 ) -> Float[Array, "b d"]:
     """Projected, corrected per-example gradients by the factored path (same signature as
     `grads.reference_vectors`, plus `exact_v`).
@@ -233,6 +243,9 @@ def factored_vectors(
       exact_v: apply the exact element-wise factor (`correction.full`, built with
         `from_opt_state(..., exact=True)`) to the dense layers that have one, by materialising
         one layer's per-example gradient at a time (`_capture_dense_exact`).
+      projections: `step_projections(plan, correction, seed, exact_v)`, made once outside a
+        jitted step and passed in; None makes them here (inside a jitted step their threefry
+        streams are ~30k HLO ops: ~20 s of XLA:CPU compile at the pythia-14m shape).
 
     Returns:
       `[B, d]` float32 in the layout `[2*num_blocks, k, k]`.
@@ -244,7 +257,7 @@ def factored_vectors(
     inputs, targets, weights = model_lib.lm_targets(batch)
     b, k = inputs.shape[0], plan.proj_dim
     exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
-    projs = folded_projections(plan, correction, seed, exact)
+    projs = step_projections(plan, correction, seed, exact_v) if projections is None else projections
     entries = {e.path: e for e in plan.entries}
     unembed = any(p.split("/")[0] == model_lib.UNEMBED for p in entries)  # vectors.unembed
 

@@ -36,6 +36,7 @@ independent of tree order, of which other parameters exist, and of the device co
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from typing import Any, Mapping
@@ -178,13 +179,21 @@ def side_matrices(
     Returns:
       `(P0 [k, m], P1 [k, n])`.
     """
-    key = jax.random.fold_in(jax.random.key(seed), path_hash(path))
-    k0, k1 = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
+    z0, z1 = _side_normals(jnp.uint32(seed), jnp.uint32(path_hash(path)), tuple(int(s) for s in shape), int(k))
     std = 1.0 / math.sqrt(k)
+    return (z0 * std).astype(dtype), (z1 * std).astype(dtype)
+
+
+# Jitted on its own with the seed and the path's hash as arguments, so that making every
+# parameter's matrices outside a step (`vectors.step_projections`) compiles once per distinct
+# shape instead of dispatching each random op; the same bits as the eager ops (the 1/sqrt(k)
+# scale stays outside: fused into the normals' computation it rounded differently).
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _side_normals(seed, path_h, shape, k):
+    key = jax.random.fold_in(jax.random.key(seed), path_h)
+    k0, k1 = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
     m, n = shape
-    p0 = jax.random.normal(k0, (k, m), jnp.float32) * std
-    p1 = jax.random.normal(k1, (k, n), jnp.float32) * std
-    return p0.astype(dtype), p1.astype(dtype)
+    return jax.random.normal(k0, (k, m), jnp.float32), jax.random.normal(k1, (k, n), jnp.float32)
 
 
 def as_matrix(g: Array) -> Array:

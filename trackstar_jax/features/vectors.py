@@ -126,10 +126,22 @@ def make_precond(
     )
 
 
+def step_projections(
+    vec_cfg: VectorConfig, plan: proj_lib.BlockPlan, precond: precond_lib.Correction | None
+) -> dict[str, tuple[Array, Array]] | None:
+    """The fast path's projection matrices with the correction folded in
+    (`factored.step_projections`), made once per featurizer and passed to every step as an
+    argument; None for the reference path (which makes its own)."""
+    if vec_cfg.path != "fast":
+        return None
+    return factored_lib.step_projections(plan, precond, vec_cfg.proj_seed, vec_cfg.exact_v)
+
+
 def vector_step(
     params: Any,
     precond: precond_lib.Correction | None,
     batch: Mapping[str, Array],
+    projections: Mapping[str, tuple[Array, Array]] | None = None,
     *,
     graphdef: nnx.GraphDef,
     vec_cfg: VectorConfig,
@@ -142,6 +154,7 @@ def vector_step(
       params: model parameters.
       precond: correction (None: no correction).
       batch: `tokens [B, T]`, `loss_mask [B, T]` (other keys are ignored).
+      projections: fast path: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
       graphdef, vec_cfg, plan: static.
       role: "index" or "query" (only matters for output_fn="trak").
 
@@ -150,7 +163,7 @@ def vector_step(
       and `aux["finite"] [B] bool` (no NaN/inf in the row's vector).
     """
     if vec_cfg.path == "fast":
-        fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v)
+        fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections)
     else:
         fn = grads_lib.reference_vectors
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
@@ -192,7 +205,7 @@ def jit_vector_step(
     `fsdp` axis when it has size > 1 (pass `params`, possibly abstract, to derive those).
 
     Returns:
-      `jitted(params, precond, batch) -> (vectors, aux)`.
+      `jitted(params, precond, batch, projections) -> (vectors, aux)` (`step_projections`).
     """
     params_sh = None  # replicated
     if int(mesh.shape[sharding_lib.FSDP]) > 1:
@@ -212,7 +225,7 @@ def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh):
     rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
     params_sh = rep if params_sh is None else jax.tree.unflatten(params_sh[0], params_sh[1])
     step = functools.partial(vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role)
-    return jax.jit(step, in_shardings=(params_sh, rep, rows), out_shardings=(rows, rows))
+    return jax.jit(step, in_shardings=(params_sh, rep, rows, rep), out_shardings=(rows, rows))
 
 
 def abstract_precond(
@@ -225,7 +238,16 @@ def abstract_precond(
     return jax.eval_shape(lambda p, o: make_precond(p, o, vec_cfg, plan), params, opt_state)
 
 
-def compile_vector_step(step: Any, params: Any, precond: Any, batch_size: int, seq_len: int, mesh: Mesh) -> Any:
+def compile_vector_step(
+    step: Any,
+    params: Any,
+    precond: Any,
+    batch_size: int,
+    seq_len: int,
+    mesh: Mesh,
+    vec_cfg: VectorConfig,
+    plan: proj_lib.BlockPlan,
+) -> Any:
     """AOT-compiles a `jit_vector_step` (on `mesh`) for a `[batch_size, seq_len]` batch on the
     shapes of `params` / `precond` (arrays or ShapeDtypeStructs; nothing is computed or
     allocated). The structs carry the step's own shardings, so that a later call with arrays of
@@ -237,8 +259,9 @@ def compile_vector_step(step: Any, params: Any, precond: Any, batch_size: int, s
     )
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=rows) for k in ("tokens", "loss_mask")}
+    projs = jax.eval_shape(lambda c: step_projections(vec_cfg, plan, c), precond)
     args = (jax.tree.map(sds, pure, params_sh), jax.tree.map(lambda x: sds(x, rep), precond), batch)
-    return step.lower(*args).compile()
+    return step.lower(*args, jax.tree.map(lambda x: sds(x, rep), projs)).compile()
 
 
 def featurize_step_memory(
@@ -258,7 +281,9 @@ def featurize_step_memory(
     plan = make_block_plan(params, model_cfg, vec_cfg)
     precond = abstract_precond(params, opt_state, vec_cfg, plan)
     step = jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params=params)
-    compiled = compile_vector_step(step, params, precond, vec_cfg.batch_size, seq_len or model_cfg.max_len, mesh)
+    compiled = compile_vector_step(
+        step, params, precond, vec_cfg.batch_size, seq_len or model_cfg.max_len, mesh, vec_cfg, plan
+    )
     return memory_lib.compiled_memory(compiled)
 
 
@@ -303,6 +328,7 @@ class VectorFn:
         if self.precond is not None and int(self.mesh.shape[sharding_lib.FSDP]) > 1:
             # read from an fsdp-sharded optimizer state (training's shardings): the step takes it replicated
             self.precond = jax.device_put(self.precond, sharding_lib.replicated(self.mesh))
+        self.projections = self._projections(self.precond)
         self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
         self._placed = None  # (params as passed, the same placed in fsdp shards)
 
@@ -321,7 +347,7 @@ class VectorFn:
         """
         seq_len = seq_len or self.model_cfg.max_len
         bs = self.vec_cfg.batch_size
-        compiled = compile_vector_step(self.step, params, self.precond, bs, seq_len, self.mesh)
+        compiled = compile_vector_step(self.step, params, self.precond, bs, seq_len, self.mesh, self.vec_cfg, self.plan)
         mem = memory_lib.compiled_memory(compiled)
         what = f"{self.vec_cfg.path} path, {bs} rows x {seq_len} tokens on mesh {dict(self.mesh.shape)}"
         memory_lib.check_fits("featurize", mem.get("peak_bytes"), what=what)
@@ -337,9 +363,16 @@ class VectorFn:
             self._placed = (params, jax.device_put(pure, param_shardings(pure, self.mesh)))
         return self._placed[1]
 
+    def _projections(self, precond: precond_lib.Correction | None):
+        projs = step_projections(self.vec_cfg, self.plan, precond)
+        if projs is not None and int(self.mesh.shape[sharding_lib.FSDP]) > 1:
+            projs = jax.device_put(projs, sharding_lib.replicated(self.mesh))  # as the precond
+        return projs
+
     def jitted(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]):
         """The compiled step without the host-side checks: `(vectors, aux)` as device arrays."""
-        return self.step(self.place_params(params), precond, batch)
+        projs = self.projections if precond is self.precond else self._projections(precond)
+        return self.step(self.place_params(params), precond, batch, projs)
 
     def __call__(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]) -> np.ndarray:
         tokens = batch["tokens"]

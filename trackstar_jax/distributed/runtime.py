@@ -1,0 +1,46 @@
+"""Process-level JAX settings the stages share: the persistent XLA compilation cache.
+
+Every launcher (`launch/_config.parse_flags`) and the race benchmark's build stage call
+`enable_compilation_cache()` before anything is compiled. A stage's jitted steps (train,
+featurize, scoring) compile to the same executable for the same model, shapes, mesh and
+jax / jaxlib version, so a second run (a resumed build, a rebuilt index, the query stage after
+the build, every process of a multi-writer build after the first) loads it from disk instead of
+compiling: on the 2-core CPU the featurize step's compile was ~20 s of a 59 s build at the
+pythia-14m shape (BUILD_NOTES, issue 13). JAX keys the cache on the HLO, the compile options,
+the backend and its version, so a stale entry is never used.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import jax
+
+# `TRACKSTAR_COMPILATION_CACHE`: the cache folder; "" or "off" disables it.
+ENV = "TRACKSTAR_COMPILATION_CACHE"
+DEFAULT_DIR = pathlib.Path.home() / ".cache" / "trackstar_jax" / "xla"
+
+
+def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.Path | None:
+    """Turns on JAX's persistent compilation cache at `path` (default: `$TRACKSTAR_COMPILATION_CACHE`,
+    else `~/.cache/trackstar_jax/xla`) for executables that took >= 0.1 s to compile. Leaves an
+    already configured `jax_compilation_cache_dir` (the user's own) as it is.
+
+    Returns:
+      The folder in use, or None when disabled.
+    """
+    if jax.config.jax_compilation_cache_dir:
+        return pathlib.Path(jax.config.jax_compilation_cache_dir)
+    spec = os.environ.get(ENV) if path is None else str(path)
+    if spec is not None and spec.strip().lower() in ("", "off", "0", "false"):
+        return None
+    folder = pathlib.Path(spec) if spec else DEFAULT_DIR
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: run uncached rather than fail a stage
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return folder
