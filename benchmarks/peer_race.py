@@ -33,8 +33,9 @@ Corrections raced: `adafactor` (ours: rank-one folded into the projections), `ad
 `vectors.exact_v=True`, the exact element-wise V like bergson), `adam_rank1` (ours: the
 default rank-one factorisation of Adam's V; bergson's figures are its exact Adam run).
 
-Training step (stage `ours_train`): our jitted train step on the same model, batches and batch
-size as torch's timed AdamW steps, with optax AdamW and with the project's Adafactor.
+Training step (stages `ours_train`, then `torch_train`, never resumed): our jitted train step
+and torch's AdamW step on the same saved model, batches and batch size, one after the other;
+ours with optax AdamW and with the project's Adafactor.
 
 Compilation: our stages run with the persistent XLA compilation cache on, as every launcher
 does (`distributed.runtime`), in a folder of the race's own per correction: the build runs twice,
@@ -172,6 +173,25 @@ def make_tokens(n: int, seq_len: int, vocab: int, seed: int, topics: int = 64, t
 # ------------------------------------------------------------------------------------------
 
 
+def _torch_adamw_steps(model, opt, tokens, b: int, steps: int) -> list[float]:
+    """`steps` timed torch training steps (forward, backward, AdamW) on consecutive batches of
+    `b` examples of `tokens`: seconds per step."""
+    import numpy as np
+    import torch
+
+    model.train()
+    times = []
+    for s in range(steps):
+        x = torch.from_numpy(tokens[(s * b) % len(tokens) :][:b].astype(np.int64))
+        t0 = time.perf_counter()
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def stage_prepare(spec: dict) -> dict:
     """Random GPT-NeoX + tokenizer + datasets + AdamW steps (timed) + optimizer states."""
     import numpy as np
@@ -202,16 +222,7 @@ def stage_prepare(spec: dict) -> dict:
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     b = spec["batch"]
-    times = []
-    model.train()
-    for s in range(spec["adam_steps"]):
-        x = torch.from_numpy(tokens[(s * b) % len(tokens) :][:b].astype(np.int64))
-        t0 = time.perf_counter()
-        loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        times.append(time.perf_counter() - t0)
+    times = _torch_adamw_steps(model, opt, tokens, b, spec["adam_steps"])
     model.eval()
     model.save_pretrained(d / "model", safe_serialization=True)
     tok.save_pretrained(d / "model")
@@ -243,6 +254,23 @@ def stage_prepare(spec: dict) -> dict:
     steady = times[1:] or times
     tps = b * tokens.shape[1] / (sum(steady) / len(steady))
     return {"torch_adamw_tokens_per_s": tps, "adam_steps": len(times), "torch_threads": torch.get_num_threads()}
+
+
+def stage_torch_train(spec: dict) -> dict:
+    """torch AdamW steps on the saved model (what `stage_prepare` times while making V), run
+    again beside `stage_ours_train` so that the two training-step figures always come from the
+    same run, also when `--resume` reuses the prepared model."""
+    import numpy as np
+    import torch
+    from transformers import GPTNeoXForCausalLM
+
+    d = pathlib.Path(spec["dir"])
+    model = GPTNeoXForCausalLM.from_pretrained(d / "model").float()
+    tokens = np.load(d / "index_tokens.npy")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    b = spec["batch"]
+    times = _torch_adamw_steps(model, opt, tokens, b, max(spec["adam_steps"], 3))
+    return {"torch_adamw_tokens_per_s": b * tokens.shape[1] / (sum(times[1:]) / len(times[1:]))}
 
 
 def stage_bergson_query(spec: dict) -> dict:
@@ -573,6 +601,7 @@ STAGES = {
     "ours_build": stage_ours_build,
     "ours_query": stage_ours_query,
     "ours_train": stage_ours_train,
+    "torch_train": stage_torch_train,
     "exact": stage_exact,
 }
 
@@ -635,7 +664,9 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         corrections=sorted({"adam" if c == "adam_rank1" else c for c in args.corrections}),
     )
     prep = _stage(peer_py, "prepare", base, d, resume=r)
-    ours_train = _stage(sys.executable, "ours_train", base, d, resume=r)
+    # the two training steps timed one after the other (never resumed: one run's figures)
+    ours_train = _stage(sys.executable, "ours_train", base, d)
+    torch_train = _stage(peer_py, "torch_train", base, d)
     exact = _stage(sys.executable, "exact", {**base, "exact_sets": list(EXACT_SETS)}, d, resume=r)
     rows = []
     bergson: dict[str, dict] = {}
@@ -698,11 +729,13 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "ours_unembed": args.unembed,
             "subset": subset,
             "overlap_queries": args.overlap_queries,
-            "torch_adamw_tokens_per_s": prep["torch_adamw_tokens_per_s"],
+            "torch_adamw_tokens_per_s": torch_train["torch_adamw_tokens_per_s"],
+            "torch_adamw_tokens_per_s_prepare": prep["torch_adamw_tokens_per_s"],
             "ours_train_adamw_tokens_per_s": ours_train["ours_train_adamw_tokens_per_s"],
             "ours_train_adafactor_tokens_per_s": ours_train["ours_train_adafactor_tokens_per_s"],
-            "ours_train_adamw_over_torch": ours_train["ours_train_adamw_tokens_per_s"]
-            / prep["torch_adamw_tokens_per_s"],
+            "ours_train_adamw_over_torch": (
+                ours_train["ours_train_adamw_tokens_per_s"] / torch_train["torch_adamw_tokens_per_s"]
+            ),
             "ours_featurize_over_train": ob["steady_tokens_per_s"] / ours_train["ours_train_adafactor_tokens_per_s"],
         }
         ours_top = np.load(d / f"ours_{c}_top10.npy")

@@ -205,9 +205,18 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
     return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)
 
 
-# Tokens per chunk of the fused head (`head_nll_sum`): a `[chunk, vocab]` float32 logits block
-# of a 50k vocabulary is 26 MB at 128 tokens (in L3); 128 measured fastest on the 2-core CPU.
-HEAD_CHUNK_TOKENS = 128
+# Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch. CPU: a `[chunk,
+# vocab]` float32 logits block of a 50k vocabulary is 26 MB at 128 tokens (in L3); 128 measured
+# fastest on the 2-core CPU (BUILD_NOTES, issue 13). Accelerators: large enough that each device's
+# GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
+# device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
+HEAD_CHUNK_TOKENS = {"cpu": 128}
+HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
+
+
+def head_chunk_tokens() -> int:
+    """The fused head's default chunk (`HEAD_CHUNK_TOKENS` for the default backend)."""
+    return HEAD_CHUNK_TOKENS.get(jax.default_backend(), HEAD_CHUNK_TOKENS_ACCELERATOR)
 
 
 def _head_chunks(x, targets, weights, chunk_tokens):
@@ -286,7 +295,7 @@ def head_nll_sum(
     weights: Float[Array, "b t"],
     *,
     weight_grad: bool = True,
-    chunk_tokens: int = HEAD_CHUNK_TOKENS,
+    chunk_tokens: int | None = None,
 ) -> Float[Array, ""]:
     """`sum_{b,t} weights * -log softmax(x W)[target]`: the output head and the weighted
     next-token loss fused, chunked along time.
@@ -303,6 +312,7 @@ def head_nll_sum(
       weight_grad: compute the gradient with respect to `w` (False where `w` is not
         differentiated, e.g. featurisation, where the output embedding is not attributed:
         a zero cotangent is returned and the `[d, V]` GEMM is skipped).
-      chunk_tokens: tokens per chunk (over the whole batch).
+      chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens()`).
     """
-    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk_tokens, weight_grad)
+    chunk = head_chunk_tokens() if chunk_tokens is None else int(chunk_tokens)
+    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, weight_grad)
