@@ -4,6 +4,9 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Hermetic tests: the launchers' persistent compilation cache (`distributed.runtime`) stays off
+# here (children inherit it); test_runtime and the `compile_cache` fixture turn caches on themselves.
+os.environ["TRACKSTAR_COMPILATION_CACHE"] = "off"
 
 import pathlib  # noqa: E402
 
