@@ -1,11 +1,10 @@
 """Process-level JAX settings the stages share: the persistent XLA compilation cache.
 
-Every launcher (`launch/_config.parse_flags`) and the race benchmark's build stage call
+Every launcher (`launch/_config.parse_flags`) and the race benchmark's stages call
 `enable_compilation_cache()` before anything is compiled. A stage's jitted steps (train,
 featurize, scoring) compile to the same executable for the same model, shapes, mesh and
-jax / jaxlib version, so a second run (a resumed build, a rebuilt index, the query stage after
-the build, every process of a multi-writer build after the first) loads it from disk instead of
-compiling: on the 2-core CPU this took ~3 s off a 32 s build at the pythia-14m shape
+jax / jaxlib version, so a second run of the stage (a resumed build, a rebuilt index, a writer
+process started after another has compiled) loads them from disk instead of compiling: on the 2-core CPU this took ~3 s off a 32 s build at the pythia-14m shape
 (BUILD_NOTES, issue 13). JAX keys the cache on the HLO, the compile options, the backend and
 its version, so a stale entry is never used.
 """
