@@ -322,11 +322,13 @@ def test_bad_architecture_config_names_the_field(kwargs, field):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 10_000])
-def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_tokens):
+@pytest.mark.parametrize("chunk_rows", [1, 4, 16])
+def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_tokens, chunk_rows):
     """`layers.head_nll_sum` (chunked, gradients made in the forward pass) against the naive
     `[B, T, V]` logits + log-softmax path in float64 numpy: value, d/dx and d/dW, for chunk
-    sizes that pad the time axis, split it unevenly or take it whole; `weight_grad=False`
-    gives the same d/dx and no d/dW."""
+    sizes that pad the time axis, split it unevenly or take it whole, and chunks whose 3
+    examples are cut along time into 1, 2 or 6 row groups (`chunk_rows`; the chunk padded to a
+    multiple of the groups); `weight_grad=False` gives the same d/dx and no d/dW."""
     rng = np.random.default_rng(3)
     b, t, d, v = 3, 11, 8, 37
     x = jnp.asarray(rng.standard_normal((b, t, d)), dtype)
@@ -343,7 +345,9 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     ref = {"loss": (wt64 * nll).sum(), "dx": dlogits @ w64.T, "dw": np.einsum("btd,btv->dv", x64, dlogits)}
 
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-    f = functools.partial(layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens)
+    f = functools.partial(
+        layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens, chunk_rows=chunk_rows
+    )
     loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     np.testing.assert_allclose(float(loss), ref["loss"], **tol)

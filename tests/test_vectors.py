@@ -91,6 +91,21 @@ def test_params_sharded_over_fsdp_give_the_same_vectors():
     np.testing.assert_array_equal(np.asarray(raw), got)
 
 
+@pytest.mark.parametrize("num_devices", [1, 8])
+def test_host_params_are_placed_once_and_give_the_same_vectors(num_devices):
+    """Numpy parameters (what `models.hf.load_hf` returns) are put on the devices once per
+    tree, not at every call, and give the vectors the device arrays give."""
+    skip_if_not_enough_devices(num_devices)
+    cfg, graphdef, state = _state()
+    host = jax.tree.map(np.asarray, state.params)
+    fn = _fn(num_devices)
+    placed = fn.place_params(host)
+    assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(placed))
+    assert fn.place_params(host) is placed  # cached by tree identity
+    assert fn.place_params(state.params) is state.params  # device arrays pass through
+    np.testing.assert_array_equal(fn(host, fn.precond, _batch(1)), fn(state.params, fn.precond, _batch(1)))
+
+
 @functools.lru_cache(maxsize=None)
 def _full_v_state():
     # min_dim_size_to_factor above every dim: Adafactor keeps an element-wise V, as Adam does.

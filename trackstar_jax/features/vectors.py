@@ -354,13 +354,17 @@ class VectorFn:
         return mem
 
     def place_params(self, params: Any) -> Any:
-        """`params` in the step's shardings (a no-op unless the mesh has an fsdp axis > 1;
-        placed once per parameter tree)."""
-        if int(self.mesh.shape[sharding_lib.FSDP]) <= 1:
+        """`params` in the step's shardings, placed once per parameter tree: fsdp shards when
+        the mesh has an fsdp axis > 1, else replicated device arrays. Device arrays on a mesh
+        without fsdp pass through; host arrays (numpy, e.g. `models.hf.load_hf`'s) are put on
+        the devices once instead of at every call (at pythia-70m, 0.1 s of a 0.44 s query)."""
+        fsdp = int(self.mesh.shape[sharding_lib.FSDP]) > 1
+        if not fsdp and all(isinstance(x, jax.Array) for x in jax.tree.leaves(params)):
             return params
         if self._placed is None or self._placed[0] is not params:
             pure = grads_lib.pure_params(params)
-            self._placed = (params, jax.device_put(pure, param_shardings(pure, self.mesh)))
+            sh = param_shardings(pure, self.mesh) if fsdp else sharding_lib.replicated(self.mesh)
+            self._placed = (params, jax.device_put(pure, sh))
         return self._placed[1]
 
     def _projections(self, precond: precond_lib.Correction | None):

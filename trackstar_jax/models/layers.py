@@ -212,6 +212,12 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
 # device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
 HEAD_CHUNK_TOKENS = {"cpu": 128}
 HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
+# Rows (leading axis) of each chunk's `[rows, c/g, d]` logits GEMM. XLA:CPU fuses the chunk's
+# GEMM with the softmax's max / exp (a YNNPACK fusion) and splits that fusion over threads along
+# the leading axis only: a batch of one (a query) put all 127 tokens on one thread, 2.1x slower
+# on the 2-core CPU than `[16, 8]` (BUILD_NOTES, issue 13). So a chunk with fewer than this many
+# examples is cut along time into groups. Accelerators: no split.
+HEAD_CHUNK_ROWS = {"cpu": 16}
 
 
 def head_chunk_tokens() -> int:
@@ -219,15 +225,30 @@ def head_chunk_tokens() -> int:
     return HEAD_CHUNK_TOKENS.get(jax.default_backend(), HEAD_CHUNK_TOKENS_ACCELERATOR)
 
 
-def _head_chunks(x, targets, weights, chunk_tokens):
-    """`[B, T, ...]` -> `[T/c, B, c, ...]` chunks along time (T padded with weight-0 positions),
-    so that the scan axis is never the (sharded) batch axis."""
+def head_chunk_rows() -> int:
+    """The fused head's minimum rows per chunk (`HEAD_CHUNK_ROWS` for the default backend)."""
+    return HEAD_CHUNK_ROWS.get(jax.default_backend(), 1)
+
+
+def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
+    """`[B, T, ...]` -> `[T/c, B*g, c/g, ...]`: chunks of `c` positions along time (T padded
+    with weight-0 positions), so that the scan axis is never the (sharded) batch axis, each
+    chunk's example rows cut into `g = ceil(min_rows / B)` groups of `c/g` positions (`c` a
+    multiple of g; the reshape keeps B the major factor, so a batch sharding carries over).
+
+    Returns the three chunked arrays, the padding and g."""
     b, t = targets.shape
+    g = max(1, -(-min_rows // b))
     c = max(1, min(t, -(-chunk_tokens // b)))
+    c = -(-c // g) * g
     pad = (-t) % c
     pad_to = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))  # noqa: E731
-    split = lambda a: jnp.moveaxis(pad_to(a).reshape(b, (t + pad) // c, c, *a.shape[2:]), 1, 0)  # noqa: E731
-    return split(x), split(targets), split(weights), pad
+
+    def split(a):
+        a = jnp.moveaxis(pad_to(a).reshape(b, (t + pad) // c, c, *a.shape[2:]), 1, 0)
+        return a.reshape(a.shape[0], b * g, c // g, *a.shape[3:])
+
+    return split(x), split(targets), split(weights), pad, g
 
 
 def _head_chunk_stats(xc, w, yc):
@@ -240,9 +261,9 @@ def _head_chunk_stats(xc, w, yc):
     return lg, e, s, lse, jnp.take_along_axis(lg, yc[..., None], axis=-1)[..., 0]
 
 
-def _head_nll_sum(x, w, targets, weights, chunk_tokens, weight_grad):
+def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
     del weight_grad
-    xs, ys, ws, _ = _head_chunks(x, targets, weights, chunk_tokens)
+    xs, ys, ws, _, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(acc, inp):
         xc, yc, wc = inp
@@ -252,12 +273,12 @@ def _head_nll_sum(x, w, targets, weights, chunk_tokens, weight_grad):
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ys, ws))[0]
 
 
-def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, weight_grad):
+def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
     """Loss and both input gradients in one pass over the chunks: each `[B, c, V]` block of
     logits is made, turned into `weights * (softmax - onehot)` and consumed by the `dx` (and
     `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist."""
     b, t = targets.shape
-    xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens)
+    xs, ys, ws, pad, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(carry, inp):
         loss, dw = carry
@@ -274,17 +295,18 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, weight_grad):
 
     dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
     (loss, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (xs, ys, ws))
-    dx = jnp.moveaxis(dx, 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x.dtype)
+    # [T/c, B*g, c/g, d] -> [B, T/c, c, d] -> [B, T, d]
+    dx = jnp.moveaxis(dx.reshape(dx.shape[0], b, -1, dx.shape[-1]), 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x.dtype)
     return loss, (dx, dw.astype(w.dtype) if weight_grad else None)
 
 
-def _head_nll_sum_bwd(chunk_tokens, weight_grad, res, ct):
-    del chunk_tokens
+def _head_nll_sum_bwd(chunk_tokens, min_rows, weight_grad, res, ct):
+    del chunk_tokens, min_rows
     dx, dw = res
     return (ct * dx).astype(dx.dtype), (ct * dw).astype(dw.dtype) if weight_grad else None, None, None
 
 
-_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5))
+_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5, 6))
 _head_nll_sum.defvjp(_head_nll_sum_fwd, _head_nll_sum_bwd)
 
 
@@ -296,6 +318,7 @@ def head_nll_sum(
     *,
     weight_grad: bool = True,
     chunk_tokens: int | None = None,
+    chunk_rows: int | None = None,
 ) -> Float[Array, ""]:
     """`sum_{b,t} weights * -log softmax(x W)[target]`: the output head and the weighted
     next-token loss fused, chunked along time.
@@ -313,6 +336,9 @@ def head_nll_sum(
         differentiated, e.g. featurisation, where the output embedding is not attributed:
         a zero cotangent is returned and the `[d, V]` GEMM is skipped).
       chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens()`).
+      chunk_rows: a chunk of fewer examples is cut along time into at least this many rows
+        (None: `head_chunk_rows()`); the result does not depend on it.
     """
     chunk = head_chunk_tokens() if chunk_tokens is None else int(chunk_tokens)
-    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, weight_grad)
+    rows = head_chunk_rows() if chunk_rows is None else int(chunk_rows)
+    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad)
