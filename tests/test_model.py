@@ -345,9 +345,7 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     ref = {"loss": (wt64 * nll).sum(), "dx": dlogits @ w64.T, "dw": np.einsum("btd,btv->dv", x64, dlogits)}
 
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-    f = functools.partial(
-        layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens, chunk_rows=chunk_rows
-    )
+    f = functools.partial(layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens, chunk_rows=chunk_rows)
     loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     np.testing.assert_allclose(float(loss), ref["loss"], **tol)
