@@ -112,10 +112,13 @@ def test_fast_uses_rank_one_v_where_v_is_full(optimizer):
 
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "adam"])
-def test_fast_exact_v_equals_reference_where_v_is_full(optimizer):
+@pytest.mark.parametrize("per_example", [True, False])
+def test_fast_exact_v_equals_reference_where_v_is_full(optimizer, per_example, monkeypatch):
     # vectors.exact_v: the fast path applies the element-wise V exactly (one layer's
     # per-example gradient at a time) and must equal the exact reference to float32 round-off,
-    # with and without a projection bigger than the matrices (both einsum orders).
+    # with and without a projection bigger than the matrices (both projection orders), in the
+    # CPU's per-example loop and the accelerators' batched form (`EXACT_V_PER_EXAMPLE`).
+    monkeypatch.setitem(factored.EXACT_V_PER_EXAMPLE, jax.default_backend(), per_example)
     cfg, graphdef, state = _state(False, 128, optimizer=optimizer)
     for k in (4, 48):
         vc = vectors.VectorConfig(num_blocks=2, proj_dim=k, correction=True, exact_v=True)

@@ -125,14 +125,29 @@ def _capture_dense_exact_fwd(y, x, p0, p1, f, z):
     return y, (x, p0, p1, f)
 
 
+# Whether `_capture_dense_exact` materialises one example's `[m, n]` gradient at a time (a loop
+# of 2-D GEMMs: the gradient stays in cache for its correction and projection) rather than the
+# whole batch's `[B, m, n]` (one batched contraction). XLA:CPU ran the batched form's contraction
+# and the layout copy after it 1.7-2.5x slower at the pythia-70m layer shapes (BUILD_NOTES, issue
+# 13). Accelerators keep the batched form: a loop there would serialise the (sharded) batch.
+EXACT_V_PER_EXAMPLE = {"cpu": True}
+
+
+def _exact_projected(x, g, p0, p1, f):
+    """`P0 ((x^T g) * F) P1^T` for one example (`x [t, m]`, `g [t, n]`) -> `[k, l]`, the
+    cheaper side projected first (`[k, n]` when m >= n, else `[m, l]`)."""
+    grad = jnp.matmul(x.T, g, preferred_element_type=jnp.float32) * f
+    if grad.shape[0] >= grad.shape[1]:
+        return jnp.matmul(p0, grad) @ p1.T
+    return p0 @ jnp.matmul(grad, p1.T)
+
+
 def _capture_dense_exact_bwd(res, g):
     x, p0, p1, f = res
-    grad = jnp.einsum("btm,btn->bmn", x, g, preferred_element_type=jnp.float32) * f[None]
-    # project the cheaper side first: [B, k, n] when m >= n, else [B, m, k]
-    if grad.shape[1] >= grad.shape[2]:
-        dz = jnp.einsum("bkn,ln->bkl", jnp.einsum("km,bmn->bkn", p0, grad), p1)
+    if EXACT_V_PER_EXAMPLE.get(jax.default_backend(), False):
+        dz = jax.lax.map(lambda xg: _exact_projected(*xg, p0, p1, f), (x, g))
     else:
-        dz = jnp.einsum("km,bml->bkl", p0, jnp.einsum("bmn,ln->bml", grad, p1))
+        dz = jax.vmap(_exact_projected, in_axes=(0, 0, None, None, None))(x, g, p0, p1, f)
     return g, None, None, None, None, dz
 
 
