@@ -42,6 +42,15 @@ does (`distributed.runtime`), in a folder of the race's own per correction: the 
 first with that folder empty (`ours_tokens_per_s`: a first run on a machine) and then again
 (`ours_tokens_per_s_warm_cache`: every later run with the same model and shapes).
 
+Roofline (stage `gemm`, never resumed): this machine's best float32 GEMM rate at the shape's
+matrix shapes through XLA, measured in the same run, and our featurize step's GEMM FLOPs per
+token (`featurize_flops_per_token`): `ours_steady_gflops`, `ours_roofline_tokens_per_s` (the
+most any featurizer doing our FLOPs could reach here) and `roofline_over_bergson` (the most
+`ours_over_bergson` could be).
+
+`--resume` reuses every finished stage whose spec is unchanged; `--reuse_inputs` reuses only
+the prepared model, optimizer states and exact top-10, and times everything else again.
+
 Per tool, each stage in its own subprocess (`os.wait4` gives its peak RSS, `ru_maxrss`):
 build tokens/s = index tokens / the build process's whole wall time (start-up, model load,
 compile and writing included, both tools alike); 100 queries one at a time (gradient +
@@ -512,6 +521,60 @@ def stage_ours_query(spec: dict) -> dict:
     return {"query_seconds": query_s, "setup_seconds": setup_s}
 
 
+def featurize_flops_per_token(shape: str, seq_len: int, exact_v: bool = False) -> float:
+    """GEMM FLOPs per token of our featurize step at a race shape (GPT-NeoX): the forward and
+    the input-gradient backward pass over the layers' dense weights and the output head (2 + 2
+    FLOPs per weight per token; no weight gradients), attention's scores and mixing over
+    `seq_len - 1` positions (4 T d forward, 8 T d backward per layer), and with `exact_v` the
+    per-example weight gradient (2 per layer weight per token). The projections (2 k (m + n)
+    per matrix per token, ~2% at 70m) and element-wise work are left out: a lower bound."""
+    c = SHAPES[shape]
+    d, f, n_layers, v, t = (
+        c["hidden_size"],
+        c["intermediate_size"],
+        c["num_hidden_layers"],
+        c["vocab_size"],
+        seq_len - 1,
+    )
+    layer_weights = n_layers * (4 * d * d + 2 * d * f)  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
+    flops = 4 * (layer_weights + d * v) + 12 * t * d * n_layers
+    return float(flops + (2 * layer_weights if exact_v else 0))
+
+
+def stage_gemm(spec: dict) -> dict:
+    """This machine's float32 GEMM rate at the race shape's matrix shapes, through XLA as our
+    steps run them (`jnp.matmul` of 2-D operands), measured in the race's run: the best median
+    of 5 calls over the layers' shapes (`batch * (seq_len - 1)` rows) and the head's chunk
+    (`layers.head_chunk_tokens()` rows by the vocabulary). The roofline that bounds any
+    featurizer doing our FLOPs (`featurize_flops_per_token`)."""
+    import statistics
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from trackstar_jax.models import layers
+
+    c = SHAPES[spec["shape"]]
+    d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
+    r = spec["batch"] * (spec["seq_len"] - 1)
+    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(), d, v)]
+    rng = np.random.default_rng(0)
+    mm = jax.jit(jnp.matmul)
+    rates = {}
+    for m, k, n in shapes:
+        a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+        b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+        jax.block_until_ready(mm(a, b))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            jax.block_until_ready(mm(a, b))
+            times.append(time.perf_counter() - t0)
+        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    return {"gemm_gflops_by_shape": rates, "gemm_peak_gflops": max(rates.values())}
+
+
 def stage_exact(spec: dict) -> dict:
     """Exact top-10 (cosine of unprojected corrected per-example gradients) per correction and
     parameter set, on the first `subset` index examples for the first `overlap_queries` queries."""
@@ -603,6 +666,7 @@ STAGES = {
     "ours_train": stage_ours_train,
     "torch_train": stage_torch_train,
     "exact": stage_exact,
+    "gemm": stage_gemm,
 }
 
 
@@ -617,22 +681,30 @@ def overlap(a, b) -> float:
     return float(np.mean([len(set(x) & set(y)) / 10 for x, y in zip(np.asarray(a), np.asarray(b))]))
 
 
+def _reusable(name: str, spec: dict, d: pathlib.Path, tag: str = "") -> dict | None:
+    """The result of a finished stage run with this very spec (`measured_<stage>.json`), else None."""
+    done = d / f"measured_{name}{tag}.json"
+    if done.exists():
+        saved = json.loads(done.read_text())
+        if saved.get("spec") == spec:
+            return saved["result"]
+    return None
+
+
 def _stage(
     python, name: str, spec: dict, d: pathlib.Path, tag: str = "", resume: bool = False, env: dict | None = None
 ) -> dict:
     """Runs one stage in its own measured subprocess (with `env` added to its environment);
     with `resume`, a finished stage (same spec) is read back from `measured_<stage>.json`
     instead of being run again."""
-    done = d / f"measured_{name}{tag}.json"
-    if resume and done.exists():
-        saved = json.loads(done.read_text())
-        if saved.get("spec") == spec:
-            return saved["result"]
+    saved = _reusable(name, spec, d, tag) if resume else None
+    if saved is not None:
+        return saved
     spec_path = d / f"spec_{name}{tag}.json"
     spec_path.write_text(json.dumps(spec))
     meas = run_measured(stage_cmd(python, name, spec_path), d / f"log_{name}{tag}.txt", env=env)
     result = {**json.loads((d / f"result_{name}{tag}.json").read_text()), **meas}
-    done.write_text(json.dumps({"spec": spec, "result": result}))
+    (d / f"measured_{name}{tag}.json").write_text(json.dumps({"spec": spec, "result": result}))
     return result
 
 
@@ -661,13 +733,18 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         num_blocks=args.num_blocks,
         proj_dim=args.proj_dim,
         exact_batch=args.exact_batch,
-        corrections=sorted({"adam" if c == "adam_rank1" else c for c in args.corrections}),
     )
-    prep = _stage(peer_py, "prepare", base, d, resume=r)
-    # the two training steps timed one after the other (never resumed: one run's figures)
+    # The inputs (model, tokens, optimizer states, the exact top-10) depend on the corrections
+    # raced; the timed stages' specs do not, so a resumed run with another list reuses them.
+    inputs = {**base, "corrections": sorted({"adam" if c == "adam_rank1" else c for c in args.corrections})}
+    ri = r or args.reuse_inputs
+    prep = _stage(peer_py, "prepare", inputs, d, resume=ri)
+    # the two training steps timed one after the other, and the GEMM rate (never resumed: one
+    # run's figures)
     ours_train = _stage(sys.executable, "ours_train", base, d)
     torch_train = _stage(peer_py, "torch_train", base, d)
-    exact = _stage(sys.executable, "exact", {**base, "exact_sets": list(EXACT_SETS)}, d, resume=r)
+    gemm = _stage(sys.executable, "gemm", {**base, "seq_len": args.seq_len}, d)
+    exact = _stage(sys.executable, "exact", {**inputs, "exact_sets": list(EXACT_SETS)}, d, resume=ri)
     rows = []
     bergson: dict[str, dict] = {}
     for c in args.corrections:
@@ -676,9 +753,10 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         # featurize step loaded from the cache the cold build filled (every later run).
         cache = d / f"xla_cache_{c}"
         env = {CACHE_ENV: str(cache)}
-        if not (r and (d / f"measured_ours_build_{c}.json").exists()):
+        ob = _reusable("ours_build", spec, d, f"_{c}") if r else None
+        if ob is None:  # a cold build runs: its cache folder starts empty
             shutil.rmtree(cache, ignore_errors=True)
-        ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", resume=r, env=env)
+            ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", env=env)
         obw = _stage(sys.executable, "ours_build", {**spec, "warm": True}, d, f"_{c}_warm", resume=r, env=env)
         oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r, env=env)
         bc = "adam" if c == "adam_rank1" else c
@@ -709,6 +787,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                 done.write_text(json.dumps({"cmd": cmd, "result": bb}))
             bq = _stage(peer_py, "bergson_query", {**base, "correction": bc}, d, f"_{bc}", resume=r)
             bergson[bc] = {"build": bb, "query": bq}
+        flops = featurize_flops_per_token(shape, args.seq_len, exact_v=c == "adam")
         row = {
             "bench": "peer_race",
             "shape": shape,
@@ -737,6 +816,11 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                 ours_train["ours_train_adamw_tokens_per_s"] / torch_train["torch_adamw_tokens_per_s"]
             ),
             "ours_featurize_over_train": ob["steady_tokens_per_s"] / ours_train["ours_train_adafactor_tokens_per_s"],
+            # the roofline: this run's best GEMM rate over our featurize step's GEMM FLOPs per token
+            "gemm_peak_gflops": gemm["gemm_peak_gflops"],
+            "ours_flops_per_token": flops,
+            "ours_steady_gflops": ob["steady_tokens_per_s"] * flops / 1e9,
+            "ours_roofline_tokens_per_s": gemm["gemm_peak_gflops"] * 1e9 / flops,
         }
         ours_top = np.load(d / f"ours_{c}_top10.npy")
         ex_c = bc
@@ -760,6 +844,8 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             )
             row["ours_over_bergson"] = row["ours_tokens_per_s"] / row["bergson_tokens_per_s"]
             row["ours_over_bergson_warm_cache"] = row["ours_tokens_per_s_warm_cache"] / row["bergson_tokens_per_s"]
+            # the most ours_over_bergson could be with our FLOPs at this run's best GEMM rate
+            row["roofline_over_bergson"] = row["ours_roofline_tokens_per_s"] / row["bergson_tokens_per_s"]
         else:
             for f in ROW_FIELDS:
                 row.setdefault(f, None)
@@ -769,7 +855,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         print(json.dumps(row), flush=True)
         with open(pathlib.Path(args.out) / "race.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
-    _ = exact
+    del exact
     return rows
 
 
@@ -792,6 +878,12 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=str(pathlib.Path.home() / ".cache" / "trackstar_jax" / "peer_race"))
     parser.add_argument("--peer_venv", default=str(DEFAULT_VENV))
     parser.add_argument("--resume", action="store_true", help="reuse finished stages of an earlier run in --out")
+    parser.add_argument(
+        "--reuse_inputs",
+        action="store_true",
+        help="reuse only the prepared model / optimizer states and the exact top-10 of an earlier run in --out; "
+        "time every build, query and train step again",
+    )
     parser.add_argument("--no_bergson", action="store_true", help="ours only (bergson fields null)")
     parser.add_argument("--quick", action="store_true", help="micro smoke run: tiny shape, few tokens and queries")
     parser.add_argument("--stage", default="", help=argparse.SUPPRESS)

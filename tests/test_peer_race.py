@@ -34,6 +34,17 @@ def test_tokens_are_deterministic_and_in_vocab():
     assert a.min() >= 4 and a.max() < 512
 
 
+def test_featurize_flops_per_token_by_hand():
+    """pythia-70m shape, 127 positions: layers 6 (4 * 512^2 + 2 * 512 * 2048) = 18,874,368
+    weights, head 512 * 50,304 = 25,755,648; 4 FLOPs per weight per token, attention
+    12 * 127 * 512 * 6; exact V adds 2 per layer weight."""
+    layers, head = 6 * (4 * 512**2 + 2 * 512 * 2048), 512 * 50_304
+    assert (layers, head) == (18_874_368, 25_755_648)
+    want = 4 * (layers + head) + 12 * 127 * 512 * 6
+    assert peer_race.featurize_flops_per_token("70m", 128) == want == 183_201_792
+    assert peer_race.featurize_flops_per_token("70m", 128, exact_v=True) == want + 2 * layers
+
+
 @pytest.mark.slow
 def test_micro_race_schema_without_bergson(tmp_path):
     if not peer_race.venv_ready(peer_race.DEFAULT_VENV, need_bergson=False):
@@ -63,3 +74,9 @@ def test_micro_race_schema_without_bergson(tmp_path):
     assert set(row["ours_build_phases_s"]) == {"import", "load", "first_batch", "rest"}
     assert 0.0 <= row["ours_top10_overlap"] <= 1.0
     assert row["bergson_tokens_per_s"] is None and row["ours_over_bergson"] is None
+    assert row["gemm_peak_gflops"] > 0
+    flops = peer_race.featurize_flops_per_token("micro", 128, exact_v=True)
+    np.testing.assert_allclose(row["ours_flops_per_token"], flops, rtol=1e-4)  # rows keep 5 significant digits
+    np.testing.assert_allclose(
+        row["ours_roofline_tokens_per_s"], row["gemm_peak_gflops"] * 1e9 / row["ours_flops_per_token"], rtol=1e-4
+    )
