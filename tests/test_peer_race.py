@@ -74,7 +74,7 @@ def test_micro_race_schema_without_bergson(tmp_path):
     assert set(row["ours_build_phases_s"]) == {"import", "load", "first_batch", "rest"}
     assert 0.0 <= row["ours_top10_overlap"] <= 1.0
     assert row["bergson_tokens_per_s"] is None and row["ours_over_bergson"] is None
-    assert row["gemm_peak_gflops"] > 0
+    assert row["gemm_peak_gflops"] > 0 and row["train_rounds"] == 2
     flops = peer_race.featurize_flops_per_token("micro", 128, exact_v=True)
     np.testing.assert_allclose(row["ours_flops_per_token"], flops, rtol=1e-4)  # rows keep 5 significant digits
     np.testing.assert_allclose(

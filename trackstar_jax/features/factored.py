@@ -221,13 +221,18 @@ def folded_projections(
     return out
 
 
+def exact_paths(correction: precond_lib.Correction | None, exact_v: bool) -> frozenset:
+    """The kernels whose correction `factored_vectors` applies element-wise (`exact_v` and an
+    element-wise factor in `correction.full`); every other correction is folded in."""
+    return frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
+
+
 def step_projections(
     plan: proj_lib.BlockPlan, correction: precond_lib.Correction | None, seed: int, exact_v: bool = False
 ) -> dict[str, tuple[Array, Array]]:
     """`folded_projections` as `factored_vectors` uses them: the correction folded in except for
-    the kernels it applies exactly (`exact_v` and an element-wise `correction.full`)."""
-    exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
-    return folded_projections(plan, correction, seed, exact)
+    the kernels it applies exactly (`exact_paths`)."""
+    return folded_projections(plan, correction, seed, exact_paths(correction, exact_v))
 
 
 def factored_vectors(
@@ -271,7 +276,7 @@ def factored_vectors(
     params = grads_lib.pure_params(params)
     inputs, targets, weights = model_lib.lm_targets(batch)
     b, k = inputs.shape[0], plan.proj_dim
-    exact = frozenset(correction.full) if (exact_v and correction is not None) else frozenset()
+    exact = exact_paths(correction, exact_v)
     projs = step_projections(plan, correction, seed, exact_v) if projections is None else projections
     entries = {e.path: e for e in plan.entries}
     unembed = any(p.split("/")[0] == model_lib.UNEMBED for p in entries)  # vectors.unembed
