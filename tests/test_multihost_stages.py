@@ -103,8 +103,11 @@ def _same_retrieval(ref: pathlib.Path, got: pathlib.Path):
 
 @pytest.mark.parametrize("num_processes", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_processes_retrieve_like_one(indexed_run, num_processes):
-    settings = config_lib.from_configdict(_config(**{"retrieval.output": "one"}))
-    ref = evaluation.retrieve(settings, indexed_run)  # single process, 8 devices
+    # The single-process reference (8 devices) runs as its own process too: run inside this
+    # long pytest process it twice aborted the whole suite (SIGABRT, no message; BUILD_NOTES,
+    # issue 13, session 10), never when run alone. `test_retrieval.py` covers in-process retrieve.
+    _run("retrieve", indexed_run, 1, "--config.retrieval.output=one")
+    ref = json.loads((indexed_run / "retrieval" / "one.manifest.json").read_text())
     assert ref["num_queries"] > 5 and ref["index_rows"] == 130 and ref["process_count"] == 1
     name = f"procs{num_processes}"
     _run("retrieve", indexed_run, num_processes, f"--config.retrieval.output={name}")
