@@ -546,7 +546,7 @@ def stage_gemm(spec: dict) -> dict:
     """This machine's float32 GEMM rate at the race shape's matrix shapes, through XLA as our
     steps run them (`jnp.matmul` of 2-D operands), measured in the race's run: the best median
     of 5 calls over the layers' shapes (`batch * (seq_len - 1)` rows) and the head's chunk
-    (`layers.head_chunk_tokens()` rows by the vocabulary). The roofline that bounds any
+    (`layers.head_chunk_tokens(d)` rows by the vocabulary). The roofline that bounds any
     featurizer doing our FLOPs (`featurize_flops_per_token`)."""
     import statistics
 
@@ -559,7 +559,7 @@ def stage_gemm(spec: dict) -> dict:
     c = SHAPES[spec["shape"]]
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     r = spec["batch"] * (spec["seq_len"] - 1)
-    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(), d, v)]
+    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v)]
     rng = np.random.default_rng(0)
     mm = jax.jit(jnp.matmul)
     rates = {}

@@ -205,11 +205,14 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
     return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)
 
 
-# Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch. CPU: a `[chunk,
-# vocab]` float32 logits block of a 50k vocabulary is 26 MB at 128 tokens (in L3); 128 measured
-# fastest on the 2-core CPU (BUILD_NOTES, issue 13). Accelerators: large enough that each device's
-# GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
-# device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
+# Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch. CPU: at least 128
+# (a `[128, vocab]` float32 logits block of a 50k vocabulary is 26 MB, in L3; 128 measured
+# fastest at width 128) and at least the width rounded up to a power of two: each chunk's GEMMs
+# repack the `[width, vocab]` matrix, which more rows amortise once the GEMM dominates (width
+# 512: 512 tokens 6-8% faster than 128, with or without the weight gradient). BUILD_NOTES,
+# issue 13. Accelerators: large enough that each device's GEMMs stay big (16,384 tokens over 8
+# devices: 2,048 rows each, 1 GB of float32 logits per device at a 128k vocabulary) and the scan
+# short; not measured (no accelerator was lent).
 HEAD_CHUNK_TOKENS = {"cpu": 128}
 HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
 # Rows (leading axis) of each chunk's `[rows, c/g, d]` logits GEMM. XLA:CPU fuses the chunk's
@@ -220,9 +223,14 @@ HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
 HEAD_CHUNK_ROWS = {"cpu": 16}
 
 
-def head_chunk_tokens() -> int:
-    """The fused head's default chunk (`HEAD_CHUNK_TOKENS` for the default backend)."""
-    return HEAD_CHUNK_TOKENS.get(jax.default_backend(), HEAD_CHUNK_TOKENS_ACCELERATOR)
+def head_chunk_tokens(width: int | None = None) -> int:
+    """The fused head's default chunk for a head of `width` inputs on the default backend: on
+    the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a power of two)`, elsewhere
+    `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known; the backend's minimum)."""
+    base = HEAD_CHUNK_TOKENS.get(jax.default_backend())
+    if base is None:
+        return HEAD_CHUNK_TOKENS_ACCELERATOR
+    return max(base, 1 << (int(width) - 1).bit_length()) if width else base
 
 
 def head_chunk_rows() -> int:
@@ -236,7 +244,7 @@ def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
     chunk's example rows cut into `g = ceil(min_rows / B)` groups of `c/g` positions (`c` a
     multiple of g; the reshape keeps B the major factor, so a batch sharding carries over).
 
-    Returns the three chunked arrays, the padding and g."""
+    Returns the three chunked arrays and the padding."""
     b, t = targets.shape
     g = max(1, -(-min_rows // b))
     c = max(1, min(t, -(-chunk_tokens // b)))
@@ -248,7 +256,7 @@ def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
         a = jnp.moveaxis(pad_to(a).reshape(b, (t + pad) // c, c, *a.shape[2:]), 1, 0)
         return a.reshape(a.shape[0], b * g, c // g, *a.shape[3:])
 
-    return split(x), split(targets), split(weights), pad, g
+    return split(x), split(targets), split(weights), pad
 
 
 def _head_chunk_stats(xc, w, yc):
@@ -263,7 +271,7 @@ def _head_chunk_stats(xc, w, yc):
 
 def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
     del weight_grad
-    xs, ys, ws, _, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
+    xs, ys, ws, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(acc, inp):
         xc, yc, wc = inp
@@ -278,7 +286,7 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
     logits is made, turned into `weights * (softmax - onehot)` and consumed by the `dx` (and
     `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist."""
     b, t = targets.shape
-    xs, ys, ws, pad, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
+    xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(carry, inp):
         loss, dw = carry
@@ -335,10 +343,10 @@ def head_nll_sum(
       weight_grad: compute the gradient with respect to `w` (False where `w` is not
         differentiated, e.g. featurisation, where the output embedding is not attributed:
         a zero cotangent is returned and the `[d, V]` GEMM is skipped).
-      chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens()`).
+      chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens(d)`).
       chunk_rows: a chunk of fewer examples is cut along time into at least this many rows
         (None: `head_chunk_rows()`); the result does not depend on it.
     """
-    chunk = head_chunk_tokens() if chunk_tokens is None else int(chunk_tokens)
+    chunk = head_chunk_tokens(x.shape[-1]) if chunk_tokens is None else int(chunk_tokens)
     rows = head_chunk_rows() if chunk_rows is None else int(chunk_rows)
     return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad)
