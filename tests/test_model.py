@@ -357,7 +357,10 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     dx_only = jax.jit(jax.grad(lambda x: fx(x, w)))(x)
     np.testing.assert_allclose(np.asarray(dx_only, np.float64), ref["dx"], **tol)
 
-@pytest.mark.parametrize("width,want", [(None, 128), (8, 128), (128, 128), (129, 256), (384, 512), (512, 512), (4096, 4096)])
+
+@pytest.mark.parametrize(
+    "width,want", [(None, 128), (8, 128), (128, 128), (129, 256), (384, 512), (512, 512), (4096, 4096)]
+)
 def test_head_chunk_on_the_cpu_is_at_least_128_tokens_and_the_width_rounded_to_a_power_of_two(width, want):
     """The CPU default chunk (`layers.head_chunk_tokens`): 128 tokens, or more for a wider head
     (its GEMMs repack the `[width, vocab]` matrix per chunk); accelerators keep their own."""
@@ -365,7 +368,6 @@ def test_head_chunk_on_the_cpu_is_at_least_128_tokens_and_the_width_rounded_to_a
     assert layers.head_chunk_tokens(width) == want
     with mock.patch.object(jax, "default_backend", return_value="tpu"):
         assert layers.head_chunk_tokens(width) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
-
 
 
 @pytest.mark.parametrize("arch,tie", [("palm", True), ("llama", True), ("gpt_neox", False)])
