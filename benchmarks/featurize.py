@@ -27,6 +27,12 @@ BOS a target (a training example), after a compile and a warm-up call. tokens/s 
 XLA must hold at once for one call. `*_peak_bytes_2x_batch` compiles (does not run) each step
 at twice the batch, to show how memory scales with batch.
 
+GEMM FLOPs per token (`*_gemm_flops_per_token`, `plan.dot_flops` on each step's jaxpr: every
+matrix product, the chunked head's scan counted per chunk): `fast_over_train_gemm_flops` =
+train / fast is the fast / train ratio equal GEMM efficiency would give. The fast step skips the
+training step's weight gradients (4 FLOPs per weight per token, not 6, so at most 1.5x) and
+adds the projections, which at large d on a small model cost more than the skipped gradients.
+
 d = 2 * num_blocks * k^2: the config's num_blocks when d allows an integer k, otherwise the
 largest num_blocks <= num_layers that does (recorded in the row).
 """
@@ -47,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from trackstar_jax import config as config_lib
+from trackstar_jax import plan as plan_lib
 from trackstar_jax.distributed import sharding
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import grads, vectors
@@ -157,6 +164,7 @@ def bench_one(name: str, d: int, args) -> dict:
     train_2x = _peak(
         step.lower(state, sharding_lib.device_batch(_batch(2 * b, t, model_cfg.vocab_size), mesh)).compile()
     )
+    train_flops = plan_lib.dot_flops(step, state, batch)
     state, _ = train_c(state, batch)
     params = jax.tree.map(jnp.copy, state.params)  # the timed train steps donate `state`
     opt_state = jax.tree.map(jnp.copy, state.opt_state)
@@ -176,6 +184,7 @@ def bench_one(name: str, d: int, args) -> dict:
             {p: x for p, x in model_lib.flat_params(params).items() if p in model_lib.attributed_paths(params)}
         ),
         "train_tokens_per_s": b * t / train_s,
+        "train_gemm_flops_per_token": train_flops / (b * t),
         "train_peak_bytes": train_peak,
         "train_peak_bytes_2x_batch": train_2x,
     }
@@ -189,6 +198,7 @@ def bench_one(name: str, d: int, args) -> dict:
         projs = vectors.step_projections(vc, plan, precond)
         vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
         compiled = jitted.lower(params, precond, vb, projs).compile()
+        row[f"{path}_gemm_flops_per_token"] = plan_lib.dot_flops(jitted, params, precond, vb, projs) / (b * t)
         host2 = _batch(2 * b, t, model_cfg.vocab_size)
         row[f"{path}_peak_bytes"] = _peak(compiled)
         row[f"{path}_peak_bytes_2x_batch"] = _peak(
@@ -241,6 +251,9 @@ def bench_one(name: str, d: int, args) -> dict:
         row[f"{path}_bytes_per_example"] = (row[f"{path}_peak_bytes_2x_batch"] - row[f"{path}_peak_bytes"]) / b
     row["grad_bytes_per_example"] = 4 * n_attr
     row["fast_over_train"] = row["fast_tokens_per_s"] / row["train_tokens_per_s"]
+    # what fast / train would be were both steps' GEMMs equally efficient (element-wise work
+    # aside): the featurize step skips the weight gradients but adds the projections
+    row["fast_over_train_gemm_flops"] = row["train_gemm_flops_per_token"] / row["fast_gemm_flops_per_token"]
     row["fast_over_reference"] = row["fast_tokens_per_s"] / row["reference_tokens_per_s"]
     row["fast_over_trak"] = row["fast_tokens_per_s"] / row["trak_tokens_per_s"]
     dev = jax.devices()[0]

@@ -544,35 +544,20 @@ def featurize_flops_per_token(shape: str, seq_len: int, exact_v: bool = False) -
 
 def stage_gemm(spec: dict) -> dict:
     """This machine's float32 GEMM rate at the race shape's matrix shapes, through XLA as our
-    steps run them (`jnp.matmul` of 2-D operands), measured in the race's run: the best median
-    of 5 calls over the layers' shapes (`batch * (seq_len - 1)` rows) and the head's chunk
-    (`layers.head_chunk_tokens(d)` rows by the vocabulary). The roofline that bounds any
-    featurizer doing our FLOPs (`featurize_flops_per_token`)."""
-    import statistics
-
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
+    steps run them (`jnp.matmul` of 2-D operands), measured in the race's run by the planner's
+    calibration (`plan.calibrate`: each shape's best call within 2 s) over the layers' shapes
+    (`batch * (seq_len - 1)` rows) and the head's chunk (`layers.head_chunk_tokens(d)` rows by
+    the vocabulary). The roofline that bounds any featurizer doing our FLOPs
+    (`featurize_flops_per_token`)."""
+    from trackstar_jax import plan
     from trackstar_jax.models import layers
 
     c = SHAPES[spec["shape"]]
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     r = spec["batch"] * (spec["seq_len"] - 1)
-    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v)]
-    rng = np.random.default_rng(0)
-    mm = jax.jit(jnp.matmul)
-    rates = {}
-    for m, k, n in shapes:
-        a = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
-        b = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
-        jax.block_until_ready(mm(a, b))
-        times = []
-        for _ in range(5):
-            t0 = time.perf_counter()
-            jax.block_until_ready(mm(a, b))
-            times.append(time.perf_counter() - t0)
-        rates[f"{m}x{k}x{n}"] = 2 * m * k * n / statistics.median(times) / 1e9
+    shapes = ((r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v))
+    rates = plan.calibrate(seconds=2.0, matmuls=shapes)["flops_per_s_by_shape"]
+    rates = {k: x / 1e9 for k, x in rates.items()}
     return {"gemm_gflops_by_shape": rates, "gemm_peak_gflops": max(rates.values())}
 
 

@@ -147,3 +147,54 @@ def test_the_retrieval_read_chunk_is_refused_naming_read_chunk_rows(monkeypatch)
         topk.check_fits(64, 256, bf16, 10, 1 << 17, mesh, **kw)
     small = topk.check_fits(64, 256, bf16, 10, 1024, mesh, **kw)
     assert small["prefetch_bytes"] == (1024 * 256 * 2 + 1024 * 4) // 8 and 0 < small["peak_bytes"] < 1 << 20
+
+
+def test_dot_flops_counts_products_loops_and_branches():
+    """2 per multiply-add of every dot_general, batch axes included; a scan's body `length`
+    times (what XLA's `cost_analysis()` does not), a cond's costliest branch; a while loop
+    (no trip count) is refused."""
+    import jax.numpy as jnp
+
+    a, b = jnp.ones((3, 5)), jnp.ones((5, 7))
+    assert plan.dot_flops(jnp.matmul, a, b) == 2 * 3 * 5 * 7
+    x = jnp.ones((4, 3, 5))
+    assert plan.dot_flops(lambda x: jnp.einsum("bij,bjk->bik", x, jnp.ones((4, 5, 2))), x) == 2 * 4 * 3 * 5 * 2
+    assert plan.dot_flops(lambda x: jax.lax.map(lambda m: m @ b, x), x) == 4 * 2 * 3 * 5 * 7
+    assert plan.dot_flops(jax.jit(lambda x: jax.lax.map(lambda m: m @ b, x)), x) == 4 * 2 * 3 * 5 * 7
+    branches = lambda p, m: jax.lax.cond(p, lambda m: m @ b, lambda m: m @ b @ jnp.eye(7), m)  # noqa: E731
+    assert plan.dot_flops(branches, True, a) == 2 * 3 * 5 * 7 + 2 * 3 * 7 * 7
+    with pytest.raises(ValueError, match="while loop"):
+        plan.dot_flops(lambda m: jax.lax.while_loop(lambda c: c[0, 0] < 9, lambda c: c @ c, m), jnp.ones((2, 2)))
+
+
+def test_dot_flops_of_a_training_step_equal_the_hand_count():
+    """A GPT-NeoX (2 layers, width 32, MLP 64, vocabulary 512; 4 x 16 targets): the train step
+    (fused head) does 6 FLOPs per layer weight and per head weight per token (forward, input
+    and weight gradients) and 12 t d per layer per token of attention over t positions; the
+    loss alone 2 and 4 t d."""
+    import functools
+
+    import jax.numpy as jnp
+    import optax
+
+    from trackstar_jax.models import hf
+    from trackstar_jax.training import step as step_lib
+
+    h, n_layers, f, v, b, t = 32, 2, 64, 512, 4, 16
+    hf_cfg = dict(
+        model_type="gpt_neox", hidden_size=h, num_hidden_layers=n_layers, num_attention_heads=2, intermediate_size=f,
+        vocab_size=v, rotary_pct=0.25, use_parallel_residual=True, tie_word_embeddings=False,
+        max_position_embeddings=64, hidden_act="gelu", layer_norm_eps=1e-5, rotary_emb_base=10000,
+    )  # fmt: skip
+    cfg = hf.config_from_hf(hf_cfg)
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg))
+    tokens = np.random.default_rng(0).integers(0, v, (b, t + 1)).astype(np.int32)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    opt = optax.sgd(0.1)
+    state = step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt.init(params))
+    weights = n_layers * (4 * h * h + 2 * h * f) + h * v
+    attention = 4 * t * h * n_layers
+    train = plan.dot_flops(functools.partial(step_lib.train_step, graphdef=graphdef, opt=opt), state, batch)
+    assert train == (6 * weights + 3 * attention) * b * t == 13_369_344
+    loss = plan.dot_flops(lambda p: model_lib.nll_sum(graphdef, p, *model_lib.lm_targets(batch)), params)
+    assert loss == (2 * weights + attention) * b * t

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import memory
@@ -132,23 +133,73 @@ def r_bytes(settings: config_lib.Settings) -> int:
     return num_blocks_total * block_dim * block_dim * 4
 
 
-def calibrate(seconds: float = 0.5) -> dict:
-    """Measured on the present default device: float32 matmul FLOP/s and jitted-sum bytes/s."""
-    n = 1024
-    a = jnp.ones((n, n), jnp.float32)
-    mm = jax.jit(lambda x: x @ x)
+def _jaxpr_dot_flops(jaxpr: Any) -> int:
+    """`dot_flops` of one (open) jaxpr."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "dot_general":
+            (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            k = math.prod(int(lhs[i]) for i in lhs_contract)
+            total += 2 * math.prod(int(s) for s in eqn.outvars[0].aval.shape) * k
+            continue
+        subs = []
+        for v in eqn.params.values():
+            for item in v if isinstance(v, (tuple, list)) else (v,):
+                if isinstance(item, jex_core.ClosedJaxpr):
+                    subs.append(item.jaxpr)
+                elif isinstance(item, jex_core.Jaxpr):
+                    subs.append(item)
+        if name == "cond":  # one branch runs: the costliest
+            total += max((_jaxpr_dot_flops(j) for j in subs), default=0)
+        elif name == "scan":
+            total += int(eqn.params["length"]) * sum(_jaxpr_dot_flops(j) for j in subs)
+        elif name == "while":
+            raise ValueError("dot_flops: a while loop's trip count is not known from its jaxpr")
+        else:  # pjit, custom_jvp / custom_vjp calls, remat, shard_map: their body once
+            total += sum(_jaxpr_dot_flops(j) for j in subs)
+    return total
+
+
+def dot_flops(fn: Any, *args: Any) -> int:
+    """FLOPs of the matrix products `fn(*args)` runs (2 per multiply-add of every
+    `dot_general`, batch dimensions included), counted on its jaxpr: a scan counts its body
+    `length` times, a cond its costliest branch. Element-wise work is not counted. XLA's
+    `cost_analysis()` counts a loop's body once, which undercounts the chunked head (a scan).
+
+    Raises:
+      ValueError: if `fn` runs a while loop (its trip count is not in the jaxpr).
+    """
+    return _jaxpr_dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def calibrate(seconds: float = 0.5, matmuls: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024),)) -> dict:
+    """Measured on the present default device, each rate the best call within `seconds`:
+    `flops_per_s` (the best float32 `[m, k] @ [k, n]` over `matmuls`; each shape's in
+    `flops_per_s_by_shape`, keyed `"MxKxN"`) and `bytes_per_s` (a jitted sum of 128 MiB)."""
+    mm = jax.jit(jnp.matmul)
     big = jnp.ones((32 << 20,), jnp.float32)  # 128 MiB: beyond the caches
     sm = jax.jit(jnp.sum)
-    mm(a).block_until_ready(), sm(big).block_until_ready()
-    rates = {}
-    for name, fn, arg, work in (("flops_per_s", mm, a, 2 * n**3), ("bytes_per_s", sm, big, big.nbytes)):
+
+    def best_rate(fn, args, work):
+        jax.block_until_ready(fn(*args))
         best, t_end = math.inf, time.perf_counter() + seconds
         while time.perf_counter() < t_end:
             t0 = time.perf_counter()
-            fn(arg).block_until_ready()
+            jax.block_until_ready(fn(*args))
             best = min(best, time.perf_counter() - t0)
-        rates[name] = work / best
-    return rates
+        return work / best
+
+    by_shape = {}
+    for m, k, n in matmuls:
+        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        by_shape[f"{m}x{k}x{n}"] = best_rate(mm, (a, b), 2 * m * k * n)
+    return {
+        "flops_per_s": max(by_shape.values()),
+        "flops_per_s_by_shape": by_shape,
+        "bytes_per_s": best_rate(sm, (big,), big.nbytes),
+    }
 
 
 @dataclasses.dataclass(frozen=True)
