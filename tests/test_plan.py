@@ -198,3 +198,12 @@ def test_dot_flops_of_a_training_step_equal_the_hand_count():
     assert train == (6 * weights + 3 * attention) * b * t == 13_369_344
     loss = plan.dot_flops(lambda p: model_lib.nll_sum(graphdef, p, *model_lib.lm_targets(batch)), params)
     assert loss == (2 * weights + attention) * b * t
+
+
+def test_calibrate_reports_each_matmul_shape_and_the_best():
+    """`plan.calibrate(matmuls=...)`: one rate per `MxKxN` shape, `flops_per_s` their best
+    (what peer_race's roofline uses), and the memory rate."""
+    m = plan.calibrate(seconds=0.01, matmuls=((8, 16, 4), (32, 32, 32)))
+    assert set(m["flops_per_s_by_shape"]) == {"8x16x4", "32x32x32"}
+    assert m["flops_per_s"] == max(m["flops_per_s_by_shape"].values()) > 0
+    assert m["bytes_per_s"] > 0
