@@ -207,12 +207,13 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
 
 # Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch. CPU: at least 128
 # (a `[128, vocab]` float32 logits block of a 50k vocabulary is 26 MB, in L3; 128 measured
-# fastest at width 128) and at least the width rounded up to a power of two: each chunk's GEMMs
-# repack the `[width, vocab]` matrix, which more rows amortise once the GEMM dominates (width
-# 512: 512 tokens 6-8% faster than 128, with or without the weight gradient). BUILD_NOTES,
-# issue 13. Accelerators: large enough that each device's GEMMs stay big (16,384 tokens over 8
-# devices: 2,048 rows each, 1 GB of float32 logits per device at a 128k vocabulary) and the scan
-# short; not measured (no accelerator was lent).
+# fastest at width 128 for the featurize step) and at least the width rounded up to a power of
+# two: each chunk's GEMMs repack the `[width, vocab]` matrix, which more rows amortise once the
+# GEMM dominates (width 512: 512 tokens 6-8% faster than 128, with or without the weight
+# gradient; at widths 128 and 256 not the best with the weight gradient: 8% and 15% over the
+# best time measured). BUILD_NOTES, issue 13. Accelerators: large enough that each device's
+# GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
+# device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
 HEAD_CHUNK_TOKENS = {"cpu": 128}
 HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
 # Rows (leading axis) of each chunk's `[rows, c/g, d]` logits GEMM. XLA:CPU fuses the chunk's
