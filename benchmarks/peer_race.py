@@ -45,7 +45,7 @@ first with that folder empty (`ours_tokens_per_s`: a first run on a machine) and
 
 Roofline (stage `gemm`, resumed with the builds): this machine's best float32 GEMM rate at the shape's
 matrix shapes through XLA, measured in the same run, and our featurize step's GEMM FLOPs per
-token (`featurize_flops_per_token`): `ours_steady_gflops`, `ours_roofline_tokens_per_s` (the
+token (`plan.dot_flops` of the step the build runs): `ours_steady_gflops`, `ours_roofline_tokens_per_s` (the
 most any featurizer doing our FLOPs could reach here) and `roofline_over_bergson` (the most
 `ours_over_bergson` could be).
 
@@ -522,34 +522,19 @@ def stage_ours_query(spec: dict) -> dict:
     return {"query_seconds": query_s, "setup_seconds": setup_s}
 
 
-def featurize_flops_per_token(shape: str, seq_len: int, exact_v: bool = False) -> float:
-    """GEMM FLOPs per token of our featurize step at a race shape (GPT-NeoX): the forward and
-    the input-gradient backward pass over the layers' dense weights and the output head (2 + 2
-    FLOPs per weight per token; no weight gradients), attention's scores and mixing over
-    `seq_len - 1` positions (4 T d forward, 8 T d backward per layer), and with `exact_v` the
-    per-example weight gradient (2 per layer weight per token). The projections (2 k (m + n)
-    per matrix per token, ~2% at 70m) and element-wise work are left out: a lower bound."""
-    c = SHAPES[shape]
-    d, f, n_layers, v, t = (
-        c["hidden_size"],
-        c["intermediate_size"],
-        c["num_hidden_layers"],
-        c["vocab_size"],
-        seq_len - 1,
-    )
-    layer_weights = n_layers * (4 * d * d + 2 * d * f)  # query_key_value, dense, dense_h_to_4h, dense_4h_to_h
-    flops = 4 * (layer_weights + d * v) + 12 * t * d * n_layers
-    return float(flops + (2 * layer_weights if exact_v else 0))
-
-
 def stage_gemm(spec: dict) -> dict:
-    """This machine's float32 GEMM rate at the race shape's matrix shapes, through XLA as our
-    steps run them (`jnp.matmul` of 2-D operands), measured in the race's run by the planner's
-    calibration (`plan.calibrate`: each shape's best call within 2 s) over the layers' shapes
-    (`batch * (seq_len - 1)` rows) and the head's chunk (`layers.head_chunk_tokens(d)` rows by
-    the vocabulary). The roofline that bounds any featurizer doing our FLOPs
-    (`featurize_flops_per_token`)."""
+    """The roofline's two factors, measured in the race's run: this machine's float32 GEMM rate
+    at the race shape's matrix shapes, through XLA as our steps run them (`jnp.matmul` of 2-D
+    operands; the planner's calibration `plan.calibrate`, each shape's best call within 2 s)
+    over the layers' shapes (`batch * (seq_len - 1)` rows) and the head's chunk
+    (`layers.head_chunk_tokens(d)` rows by the vocabulary); and, per correction raced, our
+    featurize step's GEMM FLOPs per index token (`plan.dot_flops` on the very step the build
+    runs, projections and the exact path's per-example gradients included, over
+    `batch * seq_len` tokens as the race's tokens/s counts them)."""
+    import numpy as np
+
     from trackstar_jax import plan
+    from trackstar_jax.features import vectors
     from trackstar_jax.models import layers
 
     c = SHAPES[spec["shape"]]
@@ -558,7 +543,19 @@ def stage_gemm(spec: dict) -> dict:
     shapes = ((r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v))
     rates = plan.calibrate(seconds=2.0, matmuls=shapes)["flops_per_s_by_shape"]
     rates = {k: x / 1e9 for k, x in rates.items()}
-    return {"gemm_gflops_by_shape": rates, "gemm_peak_gflops": max(rates.values())}
+    tokens = np.zeros((spec["batch"], spec["seq_len"]), np.int32)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
+    flops = {}
+    for correction in spec["corrections"]:
+        cfg, graphdef, params, opt_state, vc = _ours_setup(spec, correction)
+        fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state)
+        step_args = (fn.place_params(params), fn.precond, batch, fn.projections)
+        flops[correction] = plan.dot_flops(fn.step, *step_args) / tokens.size
+    return {
+        "gemm_gflops_by_shape": rates,
+        "gemm_peak_gflops": max(rates.values()),
+        "featurize_gemm_flops_per_token": flops,
+    }
 
 
 def stage_exact(spec: dict) -> dict:
@@ -737,7 +734,8 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
     }
     torch_train = {"torch_adamw_tokens_per_s": max(t["torch_adamw_tokens_per_s"] for _, t in rounds)}
     # the GEMM rate: resumed with the builds it bounds, so that both come from one run
-    gemm = _stage(sys.executable, "gemm", {**base, "seq_len": args.seq_len}, d, resume=r)
+    gemm_spec = {**base, "seq_len": args.seq_len, "corrections": args.corrections, "unembed": args.unembed}
+    gemm = _stage(sys.executable, "gemm", gemm_spec, d, resume=r)
     exact = _stage(sys.executable, "exact", {**inputs, "exact_sets": list(EXACT_SETS)}, d, resume=ri)
     rows = []
     bergson: dict[str, dict] = {}
@@ -781,7 +779,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                 done.write_text(json.dumps({"cmd": cmd, "result": bb}))
             bq = _stage(peer_py, "bergson_query", {**base, "correction": bc}, d, f"_{bc}", resume=r)
             bergson[bc] = {"build": bb, "query": bq}
-        flops = featurize_flops_per_token(shape, args.seq_len, exact_v=c == "adam")
+        flops = gemm["featurize_gemm_flops_per_token"][c]
         row = {
             "bench": "peer_race",
             "shape": shape,
@@ -812,6 +810,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             ),
             "ours_featurize_over_train": ob["steady_tokens_per_s"] / ours_train["ours_train_adafactor_tokens_per_s"],
             # the roofline: this run's best GEMM rate over our featurize step's GEMM FLOPs per token
+            # (`plan.dot_flops` of the build's step)
             "gemm_peak_gflops": gemm["gemm_peak_gflops"],
             "ours_flops_per_token": flops,
             "ours_steady_gflops": ob["steady_tokens_per_s"] * flops / 1e9,

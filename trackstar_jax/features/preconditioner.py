@@ -28,6 +28,7 @@ kept in `full` as well when `exact=True` (the reference path uses it).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping
 
 import flax.struct
@@ -85,22 +86,19 @@ def _moment_leaves(opt_state: Any, field: str, paths: set[str]) -> dict[str, Arr
 
 @jax.jit
 def _checked_floor(v: Array) -> tuple[Array, Array, Array]:
-    """`(max(v, EPSILON), all finite, any negative)`: one compile per shape (op by op, these
-    checks and the factors below were ~30 small XLA compiles of a featurizer's set-up at the
-    pythia-70m shape, too small for the persistent cache)."""
+    """`(max(v, EPSILON), all finite, any negative)` of a second moment."""
     v = v.astype(jnp.float32)
     return jnp.maximum(v, EPSILON), jnp.all(jnp.isfinite(v)), jnp.any(v < 0)
 
 
-def _floor(v: Array, path: str, what: str) -> Array:
-    floored, finite, negative = _checked_floor(jnp.asarray(v, jnp.float32))
-    if isinstance(floored, jax.core.Tracer):  # an abstract state (jax.eval_shape, the planner): no values to check
-        return floored
+def _check_moment(finite: Array, negative: Array, path: str, what: str) -> None:
+    """Raises, naming the parameter, if `_checked_floor` found NaN/inf or a negative value."""
+    if isinstance(finite, jax.core.Tracer):  # an abstract state (jax.eval_shape, the planner): no values to check
+        return
     if not bool(finite):
         raise ValueError(f"optimizer second moment {what} of parameter {path!r} contains NaN/inf")
     if bool(negative):
         raise ValueError(f"optimizer second moment {what} of parameter {path!r} is negative")
-    return floored
 
 
 @jax.jit
@@ -115,13 +113,29 @@ def rank_one_factors(v: Float[Array, "m n"]) -> tuple[Float[Array, " m"], Float[
     return (r / jnp.mean(r)) ** -0.5, c**-0.5
 
 
+# One jitted call per parameter for each kind of state below, one compile per shape: op by op,
+# the checks, floors and factors were ~30 small XLA compiles of a featurizer's set-up at the
+# pythia-70m shape (too small for the persistent cache, so warm runs paid them too), and one
+# call per step of them three dispatches and host syncs per matrix.
+
+
 @jax.jit
-def _adafactor_pair(v_row: Float[Array, " r"], v_col: Float[Array, " c"]) -> tuple[Array, Array]:
-    """optax's `(row_factor, col_factor)` of a factored Adafactor matrix (floored inputs)."""
-    return (v_row / jnp.mean(v_row)) ** -0.5, v_col**-0.5
+def _factored_pair(v_row: Float[Array, " r"], v_col: Float[Array, " c"]) -> tuple[tuple[Array, Array], tuple, tuple]:
+    """optax's `(row_factor, col_factor)` of a factored Adafactor matrix from its floored
+    `v_row`, `v_col`, with each one's `_checked_floor` flags `(finite, negative)`."""
+    v_row, *row_flags = _checked_floor(v_row)
+    v_col, *col_flags = _checked_floor(v_col)
+    return ((v_row / jnp.mean(v_row)) ** -0.5, v_col**-0.5), tuple(row_flags), tuple(col_flags)
 
 
-_inv_sqrt = jax.jit(lambda v: v**-0.5)
+@functools.partial(jax.jit, static_argnames="exact")
+def _full_factors(v: Float[Array, "..."], exact: bool) -> tuple[tuple[Array, Array, Array | None], tuple]:
+    """For a full (unfactored) V, `[n]` or `[m, n]`, floored: the rank-one pair
+    `rank_one_factors` (a `[n]` V seen as `1 x n`), the exact `1/sqrt(V)` of a matrix when
+    `exact` (else None), and `_checked_floor`'s flags `(finite, negative)`."""
+    v, *flags = _checked_floor(v)
+    a, b = rank_one_factors(v[None, :] if v.ndim == 1 else v)
+    return (a, b, v**-0.5 if exact and v.ndim == 2 else None), tuple(flags)
 
 
 def from_opt_state(params: Any, opt_state: Any, paths: tuple[str, ...], *, exact: bool = True) -> Correction:
@@ -183,9 +197,9 @@ def from_opt_state(params: Any, opt_state: Any, paths: tuple[str, ...], *, exact
                         f"Adafactor state of parameter {path!r} {shape}: v_row {tuple(v_row.shape)}, "
                         f"v_col {tuple(v_col.shape)} do not match optax's factoring (expected {want_row}, {want_col})"
                     )
-                v_row = _floor(v_row, path, "v_row")
-                v_col = _floor(v_col, path, "v_col")
-                row_factor, col_factor = _adafactor_pair(v_row, v_col)  # along axes d1, d0 (the largest)
+                (row_factor, col_factor), row_flags, col_flags = _factored_pair(v_row, v_col)  # along d1, d0
+                _check_moment(*row_flags, path, "v_row")
+                _check_moment(*col_flags, path, "v_col")
                 a, b = (row_factor, col_factor) if d1 == 0 else (col_factor, row_factor)
                 row[path], col[path], flags[path] = a, b, True
                 continue
@@ -196,13 +210,12 @@ def from_opt_state(params: Any, opt_state: Any, paths: tuple[str, ...], *, exact
                 )
         if tuple(v_full.shape) != shape:
             raise ValueError(f"second moment of parameter {path!r} has shape {tuple(v_full.shape)}, parameter {shape}")
-        v_full = _floor(v_full, path, "v" if kind == "adafactor" else "nu")
-        mat = v_full[None, :] if len(shape) == 1 else v_full
-        a, b = rank_one_factors(mat)
+        (a, b, f), v_flags = _full_factors(v_full, exact)
+        _check_moment(*v_flags, path, "v" if kind == "adafactor" else "nu")
         row[path], col[path] = a, b
         flags[path] = len(shape) == 1  # a 1 x n matrix is always rank-one
-        if exact and len(shape) == 2:
-            full[path] = _inv_sqrt(v_full)
+        if f is not None:
+            full[path] = f
     return Correction(row=row, col=col, full=full, rank_one_exact=tuple(sorted(p for p, ok in flags.items() if ok)))
 
 
