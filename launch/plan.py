@@ -10,6 +10,10 @@ query batch, and time estimates from a short calibration on this machine (or
 e.g. `--fake_devices=64 --config.mesh.shape='(4,16,1)'`. Warns when a step does not fit the
 device memory limit (`--device_memory_gib`, `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`, or the device's),
 naming the knob; the stages refuse such a step at their start, before any work.
+`--target_platform=gpu` (or tpu) compiles the steps as that platform runs them where their
+programs differ by platform (the fused head's 16,384-token chunks, not the CPU's few hundred;
+the exact-V path batched, not looped per example): with `--fake_devices`, an accelerator's
+memory per device planned on this CPU (`distributed.runtime.target_platform`).
 """
 
 import json
@@ -27,6 +31,12 @@ _FAKE = flags.DEFINE_integer("fake_devices", 0, "Plan on this many fake CPU devi
 _FLOPS = flags.DEFINE_float("flops_per_s", 0.0, "Stated FLOP/s per device (0: measure on this machine).")
 _BW = flags.DEFINE_float("bytes_per_s", 0.0, "Stated memory bytes/s per device (0: measure on this machine).")
 _MEM = flags.DEFINE_float("device_memory_gib", 0.0, "Device memory limit in GiB (0: env / device).")
+_TARGET = flags.DEFINE_enum(
+    "target_platform",
+    None,
+    ["cpu", "gpu", "tpu"],
+    "Compile the steps' platform-dependent structure for this platform (default: the present backend).",
+)
 _COMPILE = flags.DEFINE_bool(
     "compile", True, "Compile the train / featurize / tail-patch / retrieval steps abstractly for their memory."
 )
@@ -47,8 +57,10 @@ def main(argv):
 
     from launch import _config  # noqa: PLC0415
     from trackstar_jax import plan  # noqa: PLC0415
-    from trackstar_jax.distributed import sharding  # noqa: PLC0415
+    from trackstar_jax.distributed import runtime, sharding  # noqa: PLC0415
 
+    if _TARGET.value:  # read by `runtime.target_platform` whenever a step is traced
+        os.environ[runtime.TARGET_ENV] = _TARGET.value
     settings = _config.settings(_CONFIG)
     mesh = sharding.make_mesh(settings.mesh.shape)
     if _FLOPS.value and _BW.value:
@@ -69,6 +81,7 @@ def main(argv):
         compile_steps=_COMPILE.value,
     )
     out["num_examples"] = n
+    out["target_platform"] = runtime.target_platform()
     print(json.dumps(out, indent=1))
     for step, peak in plan.peaks(out).items():
         try:

@@ -9,8 +9,10 @@ from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import evaluation, index, plan, training
-from trackstar_jax.distributed import memory, sharding
+from trackstar_jax.distributed import memory, runtime, sharding
+from trackstar_jax.features import vectors
 from trackstar_jax.index import build
+from trackstar_jax.models import layers
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk
@@ -207,3 +209,26 @@ def test_calibrate_reports_each_matmul_shape_and_the_best():
     assert set(m["flops_per_s_by_shape"]) == {"8x16x4", "32x32x32"}
     assert m["flops_per_s"] == max(m["flops_per_s_by_shape"].values()) > 0
     assert m["bytes_per_s"] > 0
+
+
+def test_a_target_platform_plans_its_own_featurize_step(tiny_config, monkeypatch):
+    """`launch.plan --target_platform=gpu` on CPU devices compiles the accelerator's step: its
+    fused head takes the whole batch as one chunk (the CPU's takes 128 tokens at a time), so the
+    logits it holds at once, and its temporaries, are larger."""
+    settings = config_lib.from_configdict(tiny_config)
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
+    cpu_chunk = layers.head_chunk_tokens(settings.model.embed_dim)
+    cpu = plan.featurize_step_memory(settings, mesh)
+    monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
+    # the platform is read when a step is traced (the planner sets it before any): forget this
+    # process's traces of the CPU's step
+    vectors._jit_vector_step.cache_clear()
+    jax.clear_caches()
+    gpu = plan.featurize_step_memory(settings, mesh)
+    vectors._jit_vector_step.cache_clear()
+    jax.clear_caches()
+    rows = settings.vectors.batch_size * (settings.model.max_len - 1)
+    assert cpu_chunk < rows <= layers.head_chunk_tokens(settings.model.embed_dim)  # one chunk on the accelerator
+    logits_growth = (rows - cpu_chunk) * settings.model.vocab_size * 4
+    assert gpu["temp_bytes"] - cpu["temp_bytes"] >= logits_growth / 2, (gpu, cpu)

@@ -41,3 +41,51 @@ def test_a_folder_that_cannot_be_made_runs_uncached(fresh_config, tmp_path, monk
     monkeypatch.setenv(runtime.ENV, str(blocker / "xla"))
     assert runtime.enable_compilation_cache() is None
     assert not jax.config.jax_compilation_cache_dir
+
+
+def test_target_platform_is_the_backend_unless_the_env_names_one(monkeypatch):
+    monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
+    assert runtime.target_platform() == jax.default_backend()
+    monkeypatch.setenv(runtime.TARGET_ENV, "")
+    assert runtime.target_platform() == jax.default_backend()
+    monkeypatch.setenv(runtime.TARGET_ENV, " GPU ")
+    assert runtime.target_platform() == "gpu"
+    monkeypatch.setenv(runtime.TARGET_ENV, "cuda")
+    with pytest.raises(ValueError, match=r"TRACKSTAR_TARGET_PLATFORM='cuda' is not a platform"):
+        runtime.target_platform()
+
+
+def test_a_target_platform_takes_its_own_step_structure_on_the_cpu(monkeypatch):
+    """What the planner's `--target_platform=gpu` changes while tracing on CPU devices: the fused
+    head's chunk and rows, the exact-V loop, and the retrieval kernel's choice."""
+    from trackstar_jax.models import layers
+    from trackstar_jax.retrieval import topk
+
+    assert jax.default_backend() == "cpu"
+    monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
+    assert layers.head_chunk_tokens(512) == 512 and layers.head_chunk_rows() == layers.HEAD_CHUNK_ROWS["cpu"]
+    assert topk.make_score_plan(1024, 4096, "bfloat16").upcast == "bf16_pairs"  # widened once per block
+    monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
+    assert layers.head_chunk_tokens(512) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
+    assert layers.head_chunk_rows() == 1
+    assert topk.make_score_plan(1024, 4096, "bfloat16").upcast == "bf16_split3"  # the native bf16 dot
+    monkeypatch.setenv(runtime.TARGET_ENV, "cpu")
+    assert _exact_v_backward_loops()
+    monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
+    assert not _exact_v_backward_loops()
+
+
+def _exact_v_backward_loops() -> bool:
+    """Whether the exact-V capture's backward pass loops over the examples (`lax.map`: a scan)."""
+    import jax.numpy as jnp
+
+    from trackstar_jax.features import factored
+
+    b, t, m, n, k = 2, 3, 4, 5, 2
+    x, y = jnp.ones((b, t, m)), jnp.ones((b, t, n))
+    p0, p1, f = jnp.ones((k, m)), jnp.ones((k, n)), jnp.ones((m, n))
+
+    def dz(z):
+        return jax.vjp(lambda z: factored._capture_dense_exact(y, x, p0, p1, f, z), z)[1](y)[0]
+
+    return "scan" in str(jax.make_jaxpr(dz)(jnp.zeros((b, k, k))))

@@ -1,4 +1,5 @@
-"""Process-level JAX settings the stages share: the persistent XLA compilation cache.
+"""Process-level JAX settings the stages share: the persistent XLA compilation cache, and the
+platform the steps shape their programs for (`target_platform`).
 
 Every launcher (`launch/_config.parse_flags`) and the race benchmark's stages call
 `enable_compilation_cache()` before anything is compiled. A stage's jitted steps (train,
@@ -18,6 +19,9 @@ import jax
 
 # `TRACKSTAR_COMPILATION_CACHE`: the cache folder; "" or "off" disables it.
 ENV = "TRACKSTAR_COMPILATION_CACHE"
+# `TRACKSTAR_TARGET_PLATFORM`: "cpu", "gpu" or "tpu"; unset or "": JAX's default backend.
+TARGET_ENV = "TRACKSTAR_TARGET_PLATFORM"
+PLATFORMS = ("cpu", "gpu", "tpu")
 DEFAULT_DIR = pathlib.Path.home() / ".cache" / "trackstar_jax" / "xla"
 
 
@@ -43,3 +47,23 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.P
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+def target_platform() -> str:
+    """The platform whose program structure the steps take where it differs by platform (the
+    fused head's chunk, the exact-V path's per-example loop, the retrieval kernel's choice):
+    `$TRACKSTAR_TARGET_PLATFORM` when set, else JAX's default backend. The planner sets it
+    (`launch.plan --target_platform=gpu`) to compile an accelerator's steps on fake CPU devices
+    for their memory; a run that sets it on a CPU runs the accelerator's structure, correctly but
+    not at the CPU's best speed. It is read when a step is traced, so set it before the process
+    traces any (a step already traced keeps the structure it was traced with).
+
+    Raises:
+      ValueError: if the variable names no platform of `PLATFORMS`.
+    """
+    name = os.environ.get(TARGET_ENV, "").strip().lower()
+    if not name:
+        return jax.default_backend()
+    if name not in PLATFORMS:
+        raise ValueError(f"${TARGET_ENV}={name!r} is not a platform; choose from {PLATFORMS} (or unset it)")
+    return name

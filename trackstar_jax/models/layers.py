@@ -28,6 +28,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax.distributed import runtime
+
 if TYPE_CHECKING:  # lm.py imports this module; the config is only a type here
     from trackstar_jax.models.lm import LMConfig
 
@@ -228,7 +230,7 @@ def head_chunk_tokens(width: int | None = None) -> int:
     """The fused head's default chunk for a head of `width` inputs on the default backend: on
     the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a power of two)`, elsewhere
     `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known; the backend's minimum)."""
-    base = HEAD_CHUNK_TOKENS.get(jax.default_backend())
+    base = HEAD_CHUNK_TOKENS.get(runtime.target_platform())
     if base is None:
         return HEAD_CHUNK_TOKENS_ACCELERATOR
     return max(base, 1 << (int(width) - 1).bit_length()) if width else base
@@ -236,7 +238,7 @@ def head_chunk_tokens(width: int | None = None) -> int:
 
 def head_chunk_rows() -> int:
     """The fused head's minimum rows per chunk (`HEAD_CHUNK_ROWS` for the default backend)."""
-    return HEAD_CHUNK_ROWS.get(jax.default_backend(), 1)
+    return HEAD_CHUNK_ROWS.get(runtime.target_platform(), 1)
 
 
 def _head_chunks(x, targets, weights, chunk_tokens, min_rows):

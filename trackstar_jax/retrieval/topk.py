@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax.distributed import memory
+from trackstar_jax.distributed import memory, runtime
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import native
 
@@ -184,14 +184,15 @@ def make_score_plan(
       num_queries: queries scored together.
       dim: vector dimension.
       dtype: storage dtype of the rows.
-      backend: "cpu", "gpu", "tpu" (default: JAX's default backend).
+      backend: "cpu", "gpu", "tpu" (default: `runtime.target_platform()`, JAX's default backend
+        unless the planner targets another).
       block_rows, query_major, upcast: overrides (benchmarks compare formulations with them).
 
     Returns:
       Plan.
     """
     name = _dtype_name(dtype)
-    backend = backend or jax.default_backend()
+    backend = backend or runtime.target_platform()
     lo, hi = _NATIVE_QUERIES.get(name, (0, -1))
     if upcast is None:
         if backend == "cpu" and lo <= num_queries <= hi and native.available() and native.isa() == "avx512":
