@@ -2,6 +2,7 @@
 stage's start, of a step that does not fit a forced device-memory limit."""
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -232,3 +233,45 @@ def test_a_target_platform_plans_its_own_featurize_step(tiny_config, monkeypatch
     assert cpu_chunk < rows <= layers.head_chunk_tokens(settings.model.embed_dim)  # one chunk on the accelerator
     logits_growth = (rows - cpu_chunk) * settings.model.vocab_size * 4
     assert gpu["temp_bytes"] - cpu["temp_bytes"] >= logits_growth / 2, (gpu, cpu)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_dense_layers_flatten_only_on_the_cpu_and_give_the_same_values(dtype, monkeypatch):
+    """`layers.dense_matmul`: `matmul_2d` (leading axes flattened) on the CPU, an einsum for an
+    accelerator target; equal values."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 5, 16)), dtype)
+    w = jnp.asarray(rng.standard_normal((16, 8)), dtype)
+    monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
+    assert "reshape" in str(jax.make_jaxpr(lambda x, w: layers.dense_matmul(x, w))(x, w))  # a new function: traced anew
+    y_cpu = layers.dense_matmul(x, w)
+    monkeypatch.setenv(runtime.TARGET_ENV, "tpu")
+    assert "reshape" not in str(jax.make_jaxpr(lambda x, w: layers.dense_matmul(x, w))(x, w))
+    y_acc = layers.dense_matmul(x, w)
+    assert y_acc.shape == y_cpu.shape == (2, 5, 8) and y_acc.dtype == y_cpu.dtype == x.dtype
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == "bfloat16" else dict(rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y_acc, np.float32), np.asarray(y_cpu, np.float32), **tol)
+
+
+def test_the_flattened_dense_layers_hold_more_of_a_sharded_train_step(monkeypatch):
+    """Why accelerators keep the einsum (`layers.MATMUL_FLATTEN`): XLA's SPMD partitioner does not
+    carry the batch's fsdp sharding through the flattening reshape, so a train step on 8 devices
+    (one sequence each; the 8B config's shape scaled down) holds more temporaries with it; at the
+    8B shape 66.2 against 57.7 GB per device (BUILD_NOTES, issue 14)."""
+    from experiments import paper_8b
+
+    c = paper_8b.get_config()
+    c.mesh.shape = (1, 8, 1)
+    c.train.global_batch_size = 8
+    c.model.num_layers, c.vectors.num_blocks = 2, 2
+    c.model.embed_dim, c.model.mlp_dim, c.model.num_heads, c.model.head_dim = 1024, 4096, 8, 128
+    c.model.max_len, c.model.vocab_size = 512, 4096
+    settings = config_lib.from_configdict(c)
+    mesh = sharding.make_mesh((1, 8, 1), devices=jax.devices()[:8])
+    temp = {}
+    for flatten in (True, False):
+        monkeypatch.setitem(layers.MATMUL_FLATTEN, "cpu", flatten)
+        jax.clear_caches()
+        temp[flatten] = plan.train_step_memory(settings, mesh)["temp_bytes"]
+    jax.clear_caches()
+    assert temp[False] < 0.95 * temp[True], temp

@@ -83,6 +83,22 @@ def matmul_2d(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, 
     return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], w.shape[-1])
 
 
+# Platforms whose dense layers flatten the leading axes (`matmul_2d`); elsewhere a plain
+# `einsum`. XLA's SPMD partitioner did not carry the batch's fsdp sharding through the flattening
+# reshape: at the 8B shape on 8 devices (one sequence each) the compiled train step held 8.5 GB
+# more per device (66.2 against 57.7 GB; BUILD_NOTES, issue 14), while only XLA:CPU needs the
+# 2-D form for speed.
+MATMUL_FLATTEN = {"cpu": True}
+
+
+def dense_matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
+    """`x @ w` over the last axis as the target platform runs it best: `matmul_2d` on the CPU,
+    `einsum("...i,io->...o")` elsewhere (`MATMUL_FLATTEN`, `runtime.target_platform`)."""
+    if MATMUL_FLATTEN.get(runtime.target_platform(), False):
+        return matmul_2d(x, w)
+    return jnp.einsum("...i,io->...o", x, w)
+
+
 class Linear(nnx.Module):
     """Dense layer `y = x @ kernel (+ bias)`, kernel `[in, out]`, optional bias `[out]`."""
 
@@ -97,7 +113,7 @@ class Linear(nnx.Module):
         self.dtype = cfg.dtype
 
     def __call__(self, x: Float[Array, "... i"], tap: Tap | None = None) -> Float[Array, "... o"]:
-        y = matmul_2d(x, self.kernel[...].astype(self.dtype))
+        y = dense_matmul(x, self.kernel[...].astype(self.dtype))
         if tap is not None:
             y = tap(self.path + "/kernel", x, y)
         if self.bias is not None:

@@ -36,11 +36,11 @@ from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the famil
     Linear,
     Norm,
     Tap,
+    dense_matmul,
     example_losses,
     flat_params,
     head_nll_sum,
     lm_targets,
-    matmul_2d,
     param_count,
     param_path_str,
     token_log_probs,
@@ -325,7 +325,7 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
         x = self.hidden(tokens, tap)
         if self.cfg.tie_embeddings:
-            logits = matmul_2d(x, self.head_matrix())
+            logits = dense_matmul(x, self.head_matrix())
         else:
             logits = self.unembed(x, tap)
         return logits.astype(jnp.float32)
