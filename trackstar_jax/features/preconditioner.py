@@ -113,10 +113,10 @@ def rank_one_factors(v: Float[Array, "m n"]) -> tuple[Float[Array, " m"], Float[
     return (r / jnp.mean(r)) ** -0.5, c**-0.5
 
 
-# One jitted call per parameter for each kind of state below, one compile per shape: op by op,
-# the checks, floors and factors were ~30 small XLA compiles of a featurizer's set-up at the
-# pythia-70m shape (too small for the persistent cache, so warm runs paid them too), and one
-# call per step of them three dispatches and host syncs per matrix.
+# One jitted call per parameter for each kind of state below, one compile per shape. Run op by
+# op, the checks, floors and factors were ~30 small XLA compiles of a featurizer's set-up at the
+# pythia-70m shape (too small for the persistent cache, so warm runs paid them too); jitted one
+# step at a time, they cost three dispatches and host syncs per matrix.
 
 
 @jax.jit
