@@ -3,7 +3,6 @@
 import dataclasses
 import functools
 import math
-from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +12,7 @@ from conftest import arch_config
 from flax import nnx
 
 from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import runtime
 from trackstar_jax.models import layers, palm
 from trackstar_jax.models import lm as model_lib
 
@@ -361,13 +361,14 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
 @pytest.mark.parametrize(
     "width,want", [(None, 128), (8, 128), (128, 128), (129, 256), (384, 512), (512, 512), (4096, 4096)]
 )
-def test_head_chunk_on_the_cpu_is_at_least_128_tokens_and_the_width_rounded_to_a_power_of_two(width, want):
+def test_head_chunk_on_the_cpu_is_at_least_128_tokens_and_the_width_rounded_to_a_power_of_two(width, want, monkeypatch):
     """The CPU default chunk (`layers.head_chunk_tokens`): 128 tokens, or more for a wider head
     (its GEMMs repack the `[width, vocab]` matrix per chunk); accelerators keep their own."""
     assert jax.default_backend() == "cpu"
+    monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
     assert layers.head_chunk_tokens(width) == want
-    with mock.patch.object(jax, "default_backend", return_value="tpu"):
-        assert layers.head_chunk_tokens(width) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
+    monkeypatch.setenv(runtime.TARGET_ENV, "tpu")
+    assert layers.head_chunk_tokens(width) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
 
 
 @pytest.mark.parametrize("arch,tie", [("palm", True), ("llama", True), ("gpt_neox", False)])

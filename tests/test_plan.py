@@ -156,8 +156,6 @@ def test_dot_flops_counts_products_loops_and_branches():
     """2 per multiply-add of every dot_general, batch axes included; a scan's body `length`
     times (what XLA's `cost_analysis()` does not), a cond's costliest branch; a while loop
     (no trip count) is refused."""
-    import jax.numpy as jnp
-
     a, b = jnp.ones((3, 5)), jnp.ones((5, 7))
     assert plan.dot_flops(jnp.matmul, a, b) == 2 * 3 * 5 * 7
     x = jnp.ones((4, 3, 5))
@@ -177,7 +175,6 @@ def test_dot_flops_of_a_training_step_equal_the_hand_count():
     loss alone 2 and 4 t d."""
     import functools
 
-    import jax.numpy as jnp
     import optax
 
     from trackstar_jax.models import hf
@@ -254,10 +251,9 @@ def test_dense_layers_flatten_only_on_the_cpu_and_give_the_same_values(dtype, mo
 
 
 def test_the_flattened_dense_layers_hold_more_of_a_sharded_train_step(monkeypatch):
-    """Why accelerators keep the einsum (`layers.MATMUL_FLATTEN`): XLA's SPMD partitioner does not
-    carry the batch's fsdp sharding through the flattening reshape, so a train step on 8 devices
-    (one sequence each; the 8B config's shape scaled down) holds more temporaries with it; at the
-    8B shape 66.2 against 57.7 GB per device (BUILD_NOTES, issue 14)."""
+    """Why accelerators keep the einsum (`layers.MATMUL_FLATTEN`): with the flattening reshape a
+    train step on 8 devices (one sequence each; the 8B config's shape scaled down) holds more
+    temporaries; at the 8B shape 66.2 against 57.7 GB per device (BUILD_NOTES, issue 14)."""
     from experiments import paper_8b
 
     c = paper_8b.get_config()

@@ -121,8 +121,8 @@ def rank_one_factors(v: Float[Array, "m n"]) -> tuple[Float[Array, " m"], Float[
 
 @jax.jit
 def _factored_pair(v_row: Float[Array, " r"], v_col: Float[Array, " c"]) -> tuple[tuple[Array, Array], tuple, tuple]:
-    """optax's `(row_factor, col_factor)` of a factored Adafactor matrix from its floored
-    `v_row`, `v_col`, with each one's `_checked_floor` flags `(finite, negative)`."""
+    """optax's `(row_factor, col_factor)` of a factored Adafactor matrix from its `v_row`,
+    `v_col` (floored here), with each one's `_checked_floor` flags `(finite, negative)`."""
     v_row, *row_flags = _checked_floor(v_row)
     v_col, *col_flags = _checked_floor(v_col)
     return ((v_row / jnp.mean(v_row)) ** -0.5, v_col**-0.5), tuple(row_flags), tuple(col_flags)

@@ -84,10 +84,10 @@ def matmul_2d(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, 
 
 
 # Platforms whose dense layers flatten the leading axes (`matmul_2d`); elsewhere a plain
-# `einsum`. XLA's SPMD partitioner did not carry the batch's fsdp sharding through the flattening
-# reshape: at the 8B shape on 8 devices (one sequence each) the compiled train step held 8.5 GB
-# more per device (66.2 against 57.7 GB; BUILD_NOTES, issue 14), while only XLA:CPU needs the
-# 2-D form for speed.
+# `einsum`. With the flattening reshape, the 8B train step on 8 devices (one sequence each)
+# compiled to 8.5 GB more per device (66.2 against 57.7 GB; BUILD_NOTES, issue 14; presumably the
+# SPMD partitioner does not carry the batch's fsdp sharding through the reshape, not verified),
+# while only XLA:CPU needs the 2-D form for speed.
 MATMUL_FLATTEN = {"cpu": True}
 
 
@@ -243,9 +243,9 @@ HEAD_CHUNK_ROWS = {"cpu": 16}
 
 
 def head_chunk_tokens(width: int | None = None) -> int:
-    """The fused head's default chunk for a head of `width` inputs on the default backend: on
-    the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a power of two)`, elsewhere
-    `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known; the backend's minimum)."""
+    """The fused head's default chunk for a head of `width` inputs on the target platform
+    (`runtime.target_platform`): on the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a power of two)`, elsewhere
+    `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known; the platform's minimum)."""
     base = HEAD_CHUNK_TOKENS.get(runtime.target_platform())
     if base is None:
         return HEAD_CHUNK_TOKENS_ACCELERATOR
@@ -253,7 +253,7 @@ def head_chunk_tokens(width: int | None = None) -> int:
 
 
 def head_chunk_rows() -> int:
-    """The fused head's minimum rows per chunk (`HEAD_CHUNK_ROWS` for the default backend)."""
+    """The fused head's minimum rows per chunk (`HEAD_CHUNK_ROWS` for the target platform)."""
     return HEAD_CHUNK_ROWS.get(runtime.target_platform(), 1)
 
 
