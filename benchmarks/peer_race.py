@@ -526,8 +526,9 @@ def stage_gemm(spec: dict) -> dict:
     """The roofline's two factors, measured in the race's run: this machine's float32 GEMM rate
     at the race shape's matrix shapes, through XLA as our steps run them (`jnp.matmul` of 2-D
     operands; the planner's calibration `plan.calibrate`, each shape's best call within 2 s)
-    over the layers' shapes (`batch * (seq_len - 1)` rows) and the head's chunk
-    (`layers.head_chunk_tokens(d)` rows by the vocabulary); and, per correction raced, our
+    over the layers' shapes (`batch * (seq_len - 1)` rows), the training head's chunk
+    (`layers.head_chunk_tokens(d)` rows by the vocabulary) and the featurize head's vocabulary
+    block and its `dx` (`layers.head_vocab_blocks`); and, per correction raced, our
     featurize step's GEMM FLOPs per index token (`plan.dot_flops` on the very step the build
     runs, projections and the exact path's per-example gradients included, over
     `batch * seq_len` tokens as the race's tokens/s counts them)."""
@@ -540,7 +541,17 @@ def stage_gemm(spec: dict) -> dict:
     c = SHAPES[spec["shape"]]
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     r = spec["batch"] * (spec["seq_len"] - 1)
-    shapes = ((r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v))
+    _, vb = layers.head_vocab_blocks(v, layers.head_vocab_block())
+    head = layers.HEAD_BLOCKED_CHUNK_TOKENS["cpu"]  # the featurize step's head: vocabulary blocks
+    shapes = (
+        (r, d, 3 * d),
+        (r, d, d),
+        (r, d, f),
+        (r, f, d),
+        (layers.head_chunk_tokens(d), d, v),
+        (head, d, vb),
+        (head, vb, d),
+    )
     rates = plan.calibrate(seconds=2.0, matmuls=shapes)["flops_per_s_by_shape"]
     rates = {k: x / 1e9 for k, x in rates.items()}
     tokens = np.zeros((spec["batch"], spec["seq_len"]), np.int32)

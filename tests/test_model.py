@@ -329,7 +329,8 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     `[B, T, V]` logits + log-softmax path in float64 numpy: value, d/dx and d/dW, for chunk
     sizes that pad the time axis, split it unevenly or take it whole, and chunks whose 3
     examples are cut along time into 1, 2 or 6 row groups (`chunk_rows`; the chunk padded to a
-    multiple of the groups); `weight_grad=False` gives the same d/dx and no d/dW."""
+    multiple of the groups); `weight_grad=False` gives the same value and d/dx and no d/dW,
+    with the vocabulary whole or in blocks (online softmax) that divide it or pad it."""
     rng = np.random.default_rng(3)
     b, t, d, v = 3, 11, 8, 37
     x = jnp.asarray(rng.standard_normal((b, t, d)), dtype)
@@ -353,9 +354,14 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     np.testing.assert_allclose(np.asarray(dx, np.float64), ref["dx"], **tol)
     np.testing.assert_allclose(np.asarray(dw, np.float64), ref["dw"], **tol)
     np.testing.assert_allclose(float(jax.jit(f)(x, w)), ref["loss"], **tol)  # the undifferentiated primal
-    fx = functools.partial(f, weight_grad=False)
-    dx_only = jax.jit(jax.grad(lambda x: fx(x, w)))(x)
-    np.testing.assert_allclose(np.asarray(dx_only, np.float64), ref["dx"], **tol)
+    # input-only: unblocked, and the vocabulary in blocks of 5 (8 blocks, the last padded), 8
+    # (5 blocks), 37 (one) and 100 (one, wider than the vocabulary)
+    for vocab_block in (0, 5, 8, 37, 100):
+        fx = functools.partial(f, weight_grad=False, vocab_block=vocab_block)
+        loss_x, dx_only = jax.jit(jax.value_and_grad(fx))(x, w)
+        assert dx_only.dtype == x.dtype
+        np.testing.assert_allclose(float(loss_x), ref["loss"], **tol)
+        np.testing.assert_allclose(np.asarray(dx_only, np.float64), ref["dx"], **tol)
 
 
 @pytest.mark.parametrize(

@@ -57,7 +57,7 @@ def test_target_platform_is_the_backend_unless_the_env_names_one(monkeypatch):
 
 def test_a_target_platform_takes_its_own_step_structure_on_the_cpu(monkeypatch):
     """What the planner's `--target_platform=gpu` changes while tracing on CPU devices: the fused
-    head's chunk and rows, the exact-V loop, and the retrieval kernel's choice."""
+    head's chunk, rows and vocabulary blocks, the exact-V loop, and the retrieval kernel's choice."""
     from trackstar_jax.models import layers
     from trackstar_jax.retrieval import topk
 
@@ -71,8 +71,35 @@ def test_a_target_platform_takes_its_own_step_structure_on_the_cpu(monkeypatch):
     assert topk.make_score_plan(1024, 4096, "bfloat16").upcast == "bf16_split3"  # the native bf16 dot
     monkeypatch.setenv(runtime.TARGET_ENV, "cpu")
     assert _exact_v_backward_loops()
+    assert _head_scan_lengths(vocab=5000) == [1, 3]  # one chunk, 3 vocabulary blocks of 1,667
     monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
     assert not _exact_v_backward_loops()
+    assert _head_scan_lengths(vocab=5000) == [1]
+
+
+def _head_scan_lengths(vocab: int) -> list[int]:
+    """The scans' lengths in the input-only gradient of the fused head (16 x 8 tokens, width 4),
+    outermost first."""
+    import jax.numpy as jnp
+
+    from trackstar_jax.models import layers
+
+    def f(x):
+        return layers.head_nll_sum(
+            x, jnp.ones((4, vocab)), jnp.zeros((16, 8), jnp.int32), jnp.ones((16, 8)), weight_grad=False
+        )
+
+    lengths = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "scan":
+                lengths.append(eqn.params["length"])
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jax.make_jaxpr(jax.grad(f))(jnp.ones((16, 8, 4))).jaxpr)
+    return lengths
 
 
 def _exact_v_backward_loops() -> bool:

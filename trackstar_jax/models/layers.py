@@ -240,6 +240,17 @@ HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
 # on the 2-core CPU than `[16, 8]` (BUILD_NOTES, issue 13). So a chunk with fewer than this many
 # examples is cut along time into groups. Accelerators: no split.
 HEAD_CHUNK_ROWS = {"cpu": 16}
+# Vocabulary block of the head's input-only gradient (`weight_grad=False`: featurisation and
+# queries) and the tokens per chunk it runs with. CPU: each chunk's logits are made `[rows,
+# block]` at a time with an online softmax (running max, sum and `dx` accumulator, as flash
+# attention does), so the logits never leave the cache and `W` is read once per chunk, not
+# written out as `[rows, vocab]` and read back four times. Width 128 (the 14m shape; 16 x 127
+# targets, vocabulary 50,304, best of 5): 302-310 ms against the unblocked head's 418-438;
+# width 512: 1,134-1,165 ms against 1,329 (BUILD_NOTES, issue 13). The weight gradient needs
+# the final softmax before any block's `dW`, so training keeps the unblocked chunks.
+# Accelerators: not blocked (each block would be a kernel launch; not measured).
+HEAD_VOCAB_BLOCK = {"cpu": 2048}
+HEAD_BLOCKED_CHUNK_TOKENS = {"cpu": 1024}
 
 
 def head_chunk_tokens(width: int | None = None) -> int:
@@ -255,6 +266,12 @@ def head_chunk_tokens(width: int | None = None) -> int:
 def head_chunk_rows() -> int:
     """The fused head's minimum rows per chunk (`HEAD_CHUNK_ROWS` for the target platform)."""
     return HEAD_CHUNK_ROWS.get(runtime.target_platform(), 1)
+
+
+def head_vocab_block() -> int:
+    """The input-only head's vocabulary block on the target platform (`HEAD_VOCAB_BLOCK`; 0:
+    not blocked)."""
+    return HEAD_VOCAB_BLOCK.get(runtime.target_platform(), 0)
 
 
 def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
@@ -288,8 +305,8 @@ def _head_chunk_stats(xc, w, yc):
     return lg, e, s, lse, jnp.take_along_axis(lg, yc[..., None], axis=-1)[..., 0]
 
 
-def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
-    del weight_grad
+def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block):
+    del weight_grad, vocab_block
     xs, ys, ws, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(acc, inp):
@@ -300,10 +317,62 @@ def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
     return jax.lax.scan(body, jnp.zeros((), jnp.float32), (xs, ys, ws))[0]
 
 
-def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_grad):
+def head_vocab_blocks(vocab: int, vocab_block: int) -> tuple[int, int]:
+    """`(nb, vb)`: the input-only head's vocabulary of `vocab` cut into `nb = ceil(vocab /
+    vocab_block)` equal blocks of `vb = ceil(vocab / nb)` columns (the last padded)."""
+    nb = -(-int(vocab) // max(1, int(vocab_block)))
+    return nb, -(-int(vocab) // nb)
+
+
+def _head_blocked_dx(xs, ys, ws, w, vocab_block):
+    """Loss and `dx` of chunked inputs `[n, r, k, d]` (`_head_chunks`), the vocabulary taken
+    `vocab_block` columns at a time with an online softmax: per chunk a scan over the `nb`
+    blocks of `W` keeps the running max `m`, sum `s` and `acc = sum_v exp(l_v - m) W[:, v]`,
+    rescaled when `m` grows; then `dx = weights * (acc / s - W[:, target])`. The vocabulary is
+    cut into `nb = ceil(V / vocab_block)` equal blocks, the last padded with zero columns whose
+    logits are masked to -inf (`head_vocab_blocks`).
+
+    Returns the summed loss (float32) and `dx [n, r, k, d]` (float32)."""
+    d, v = w.shape
+    nb, vb = head_vocab_blocks(v, vocab_block)
+    wb = jnp.moveaxis(jnp.pad(w, ((0, 0), (0, nb * vb - v))).reshape(d, nb, vb), 1, 0)  # [nb, d, vb]
+    # -inf on the padding columns (there are fewer than nb, so no block is all padding)
+    bias = jnp.where(jnp.arange(nb * vb) < v, 0.0, -jnp.inf).astype(jnp.float32).reshape(nb, vb)
+
+    def chunk(loss, inp):
+        xc, yc, wc = inp
+        x2, y2, w2 = xc.reshape(-1, d), yc.reshape(-1), wc.reshape(-1)
+
+        def block(carry, blk):
+            m, s, acc = carry
+            wj, bj = blk
+            lg = jnp.dot(x2, wj, preferred_element_type=jnp.float32)
+            if nb * vb != v:
+                lg = lg + bj
+            m_new = jnp.maximum(m, jnp.max(lg, axis=-1))
+            scale = jnp.exp(m - m_new)
+            p = jnp.exp(lg - m_new[:, None])
+            s = s * scale + jnp.sum(p, axis=-1)
+            acc = acc * scale[:, None] + jnp.dot(p.astype(w.dtype), wj.T, preferred_element_type=jnp.float32)
+            return (m_new, s, acc), None
+
+        r = x2.shape[0]
+        init = (jnp.full((r,), -jnp.inf, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, d), jnp.float32))
+        (m, s, acc), _ = jax.lax.scan(block, init, (wb, bias))
+        wy = jnp.take(w, y2, axis=1).T.astype(jnp.float32)  # [r, d]: the target columns
+        tl = jnp.sum(x2.astype(jnp.float32) * wy, axis=-1)
+        dx = w2[:, None] * (acc / s[:, None] - wy)
+        return loss + jnp.sum(w2 * (m + jnp.log(s) - tl)), dx.reshape(xc.shape)
+
+    return jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (xs, ys, ws))
+
+
+def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block):
     """Loss and both input gradients in one pass over the chunks: each `[B, c, V]` block of
     logits is made, turned into `weights * (softmax - onehot)` and consumed by the `dx` (and
-    `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist."""
+    `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist. Without
+    the weight gradient and with `vocab_block`, each chunk's vocabulary is blocked
+    (`_head_blocked_dx`)."""
     b, t = targets.shape
     xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
@@ -320,20 +389,25 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
             )
         return (loss + jnp.sum(wc * (lse - tl)), dw), dxc
 
-    dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
-    (loss, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (xs, ys, ws))
+    if vocab_block and not weight_grad:
+        loss, dx = _head_blocked_dx(xs, ys, ws, w, vocab_block)
+        dw = None
+    else:
+        dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
+        (loss, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (xs, ys, ws))
+        dw = dw.astype(w.dtype) if weight_grad else None
     # [T/c, B*g, c/g, d] -> [B, T/c, c, d] -> [B, T, d]
     dx = jnp.moveaxis(dx.reshape(dx.shape[0], b, -1, dx.shape[-1]), 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x.dtype)
-    return loss, (dx, dw.astype(w.dtype) if weight_grad else None)
+    return loss, (dx, dw)
 
 
-def _head_nll_sum_bwd(chunk_tokens, min_rows, weight_grad, res, ct):
-    del chunk_tokens, min_rows
+def _head_nll_sum_bwd(chunk_tokens, min_rows, weight_grad, vocab_block, res, ct):
+    del chunk_tokens, min_rows, vocab_block
     dx, dw = res
     return (ct * dx).astype(dx.dtype), (ct * dw).astype(dw.dtype) if weight_grad else None, None, None
 
 
-_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5, 6))
+_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5, 6, 7))
 _head_nll_sum.defvjp(_head_nll_sum_fwd, _head_nll_sum_bwd)
 
 
@@ -346,6 +420,7 @@ def head_nll_sum(
     weight_grad: bool = True,
     chunk_tokens: int | None = None,
     chunk_rows: int | None = None,
+    vocab_block: int | None = None,
 ) -> Float[Array, ""]:
     """`sum_{b,t} weights * -log softmax(x W)[target]`: the output head and the weighted
     next-token loss fused, chunked along time.
@@ -365,7 +440,17 @@ def head_nll_sum(
       chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens(d)`).
       chunk_rows: a chunk of fewer examples is cut along time into at least this many rows
         (None: `head_chunk_rows()`); the result does not depend on it.
+      vocab_block: with `weight_grad=False`, the gradient's chunks take the vocabulary this
+        many columns at a time (online softmax; 0: whole; None: `head_vocab_block()`, and
+        then the chunk defaults to `HEAD_BLOCKED_CHUNK_TOKENS`). The result does not depend
+        on it beyond rounding.
     """
-    chunk = head_chunk_tokens(x.shape[-1]) if chunk_tokens is None else int(chunk_tokens)
+    block = (head_vocab_block() if vocab_block is None else int(vocab_block)) if not weight_grad else 0
+    if chunk_tokens is not None:
+        chunk = int(chunk_tokens)
+    elif block:
+        chunk = HEAD_BLOCKED_CHUNK_TOKENS.get(runtime.target_platform(), head_chunk_tokens(x.shape[-1]))
+    else:
+        chunk = head_chunk_tokens(x.shape[-1])
     rows = head_chunk_rows() if chunk_rows is None else int(chunk_rows)
-    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad)
+    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad, block)
