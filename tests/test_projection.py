@@ -87,6 +87,27 @@ def test_block_plan_errors_name_the_parameter():
         proj.block_plan(shapes, cfg.num_layers, cfg.num_layers + 1, 4)
 
 
+@pytest.mark.parametrize("partitionable", [True, False])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_side_matrices_have_the_bits_of_a_draw_of_their_own_shape(partitionable, dtype):
+    """`side_matrices` draws a flat power-of-two stream and cuts it (one threefry compile for many
+    shapes): the same bits as the eager draw of the exact shape, below and above the 2^16-entry
+    minimum length, and with the non-partitionable threefry (drawn as is)."""
+    path = "layer_0/mlp/up/kernel"
+    prev = jax.config.jax_threefry_partitionable
+    jax.config.update("jax_threefry_partitionable", partitionable)
+    try:
+        for shape, k in [((5, 3), 2), ((1, 7), 3), ((300, 257), 256)]:  # 76,800 entries: 2^17
+            got = proj.side_matrices(9, path, shape, k, jnp.dtype(dtype))
+            key = jax.random.fold_in(jax.random.key(9), proj.path_hash(path))
+            for side, (p, size) in enumerate(zip(got, shape)):
+                want = (jax.random.normal(jax.random.fold_in(key, side), (k, size)) * (1.0 / np.sqrt(k))).astype(dtype)
+                assert p.shape == (k, size) and p.dtype == jnp.dtype(dtype)
+                np.testing.assert_array_equal(np.asarray(p, np.float32), np.asarray(want, np.float32))
+    finally:
+        jax.config.update("jax_threefry_partitionable", prev)
+
+
 def test_keys_depend_on_path_and_seed_only():
     a = proj.side_matrices(3, "layer_0/mlp/up/kernel", (4, 5), 2)
     b = proj.side_matrices(3, "layer_0/mlp/up/kernel", (4, 5), 2)

@@ -179,21 +179,44 @@ def side_matrices(
     Returns:
       `(P0 [k, m], P1 [k, n])`.
     """
-    z0, z1 = _side_normals(jnp.uint32(seed), jnp.uint32(path_hash(path)), tuple(int(s) for s in shape), int(k))
+    m, n = (int(s) for s in shape)
+    key = jnp.uint32(seed), jnp.uint32(path_hash(path))
     std = 1.0 / math.sqrt(k)
-    return (z0 * std).astype(dtype), (z1 * std).astype(dtype)
+    return tuple(_normals(*key, side, (int(k), size), std, jnp.dtype(dtype)) for side, size in enumerate((m, n)))
 
 
-# Jitted on its own with the seed and the path's hash as arguments, so that making every
-# parameter's matrices outside a step (`vectors.step_projections`) compiles once per distinct
-# shape instead of dispatching each random op; the same bits as the eager ops (the 1/sqrt(k)
-# scale stays outside: fused into the normals' computation it rounded differently).
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _side_normals(seed, path_h, shape, k):
-    key = jax.random.fold_in(jax.random.key(seed), path_h)
-    k0, k1 = jax.random.fold_in(key, 0), jax.random.fold_in(key, 1)
-    m, n = shape
-    return jax.random.normal(k0, (k, m), jnp.float32), jax.random.normal(k1, (k, n), jnp.float32)
+# A draw of `shape` is made as the first `prod(shape)` entries of a flat draw of a power-of-two
+# length (at least `_FLAT_MIN`): under jax's partitionable threefry (its default) entry i of a
+# draw depends on the key and i only, so the cut has the bits of a draw of `shape` itself
+# (pinned in tests/test_projection.py), and every matrix up to 2^16 entries shares one compile of
+# the threefry program (~0.33 s each on the 2-core CPU; 7 shapes at the pythia-14m shape). With
+# the old, non-partitionable threefry the bits depend on the shape, so each shape is drawn as is.
+_FLAT_MIN = 1 << 16
+
+
+def _normals(seed: Array, path_h: Array, side: int, shape: tuple[int, int], std: float, dtype: Any) -> Array:
+    """`std * N(0, 1)` `[k, m]` in `dtype`: side `side` (0: P0, 1: P1) of the parameter whose path
+    hashes to `path_h`."""
+    size = math.prod(shape)
+    if not jax.config.jax_threefry_partitionable:
+        return _scaled(_side_normal(seed, path_h, side, shape), shape, std, dtype)
+    return _scaled(_side_normal(seed, path_h, side, (max(_FLAT_MIN, 1 << (size - 1).bit_length()),)), shape, std, dtype)
+
+
+# Jitted on its own with the seed, the path's hash and the side as arguments, so that making
+# every parameter's matrices outside a step (`vectors.step_projections`) compiles the threefry
+# once per length instead of dispatching each random op; the 1/sqrt(k) scale is a separate
+# program (fused into the normals' computation it rounded differently).
+@functools.partial(jax.jit, static_argnums=(3,))
+def _side_normal(seed, path_h, side, shape):
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), path_h), side)
+    return jax.random.normal(key, shape, jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _scaled(flat, shape, std, dtype):
+    """The first `prod(shape)` entries of `flat` as `shape`, times `std`, in `dtype`."""
+    return (flat.reshape(-1)[: math.prod(shape)].reshape(shape) * std).astype(dtype)
 
 
 def as_matrix(g: Array) -> Array:
