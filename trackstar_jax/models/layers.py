@@ -223,9 +223,10 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
     return -jnp.sum(token_log_probs(logits_fn(inputs), targets) * weights, axis=-1)
 
 
-# Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch. CPU: at least 128
+# Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch, where it is not
+# blocked along the vocabulary (training, the loss alone, accelerators). CPU: at least 128
 # (a `[128, vocab]` float32 logits block of a 50k vocabulary is 26 MB, in L3; 128 measured
-# fastest at width 128 for the featurize step) and at least the width rounded up to a power of
+# fastest at width 128 for the featurize step before it was blocked) and at least the width rounded up to a power of
 # two: each chunk's GEMMs repack the `[width, vocab]` matrix, which more rows amortise once the
 # GEMM dominates (width 512: 512 tokens 6-8% faster than 128, with or without the weight
 # gradient; at widths 128 and 256 not the best with the weight gradient: 8% and 15% over the
