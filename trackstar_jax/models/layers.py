@@ -226,11 +226,11 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
 # Tokens per chunk of the fused head (`head_nll_sum`), over the whole batch, where it is not
 # blocked along the vocabulary (training, the loss alone, accelerators). CPU: at least 128
 # (a `[128, vocab]` float32 logits block of a 50k vocabulary is 26 MB, in L3; 128 measured
-# fastest at width 128 for the featurize step before it was blocked) and at least the width rounded up to a power of
-# two: each chunk's GEMMs repack the `[width, vocab]` matrix, which more rows amortise once the
-# GEMM dominates (width 512: 512 tokens 6-8% faster than 128, with or without the weight
-# gradient; at widths 128 and 256 not the best with the weight gradient: 8% and 15% over the
-# best time measured). BUILD_NOTES, issue 13. Accelerators: large enough that each device's
+# fastest at width 128 for the featurize step before it was blocked) and at least the width
+# rounded up to a power of two: each chunk's GEMMs repack the `[width, vocab]` matrix, which
+# more rows amortise once the GEMM dominates (width 512: 512 tokens 6-8% faster than 128, with
+# or without the weight gradient; at widths 128 and 256 not the best with the weight gradient:
+# 8% and 15% over the best time measured). BUILD_NOTES, issue 13. Accelerators: large enough that each device's
 # GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
 # device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
 HEAD_CHUNK_TOKENS = {"cpu": 128}
@@ -246,8 +246,8 @@ HEAD_CHUNK_ROWS = {"cpu": 16}
 # block]` at a time with an online softmax (running max, sum and `dx` accumulator, as flash
 # attention does), so the logits never leave the cache and `W` is read once per chunk, not
 # written out as `[rows, vocab]` and read back four times. Width 128 (the 14m shape; 16 x 127
-# targets, vocabulary 50,304, best of 5): 302-310 ms against the unblocked head's 418-438;
-# width 512: 1,134-1,165 ms against 1,329 (BUILD_NOTES, issue 13). The weight gradient needs
+# targets, vocabulary 50,304, best of 5): 287-305 ms against the unblocked head's 410-438;
+# width 512: 1,086-1,152 ms against 1,210-1,332 (BUILD_NOTES, issue 13). The weight gradient needs
 # the final softmax before any block's `dW`, so training keeps the unblocked chunks.
 # Accelerators: not blocked (each block would be a kernel launch; not measured).
 HEAD_VOCAB_BLOCK = {"cpu": 2048}
@@ -337,7 +337,7 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block):
     d, v = w.shape
     nb, vb = head_vocab_blocks(v, vocab_block)
     wb = jnp.moveaxis(jnp.pad(w, ((0, 0), (0, nb * vb - v))).reshape(d, nb, vb), 1, 0)  # [nb, d, vb]
-    # -inf on the padding columns (there are fewer than nb, so no block is all padding)
+    # -inf on the padding columns; the last block keeps a real column: (nb-1) vb <= (nb-1) block < V
     bias = jnp.where(jnp.arange(nb * vb) < v, 0.0, -jnp.inf).astype(jnp.float32).reshape(nb, vb)
 
     def chunk(loss, inp):
