@@ -364,6 +364,30 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
         np.testing.assert_allclose(np.asarray(dx_only, np.float64), ref["dx"], **tol)
 
 
+def test_blocked_head_slices_w_in_place():
+    """The input-only head in vocabulary blocks keeps no copy of `W` (an earlier form padded and
+    transposed it: two `W`-sized temporaries) and fewer temporaries than the unblocked chunk's
+    `[rows, vocab]` logits: compiled temporary bytes, a 256 x 50,000 float32 `W` (51 MB) whose
+    vocabulary 2,048-column blocks do not divide."""
+    b, t, d, v = 2, 16, 256, 50_000
+    args = (
+        jax.ShapeDtypeStruct((b, t, d), jnp.float32),
+        jax.ShapeDtypeStruct((d, v), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+    )
+
+    def temp_bytes(vocab_block):
+        def f(x, w, y, wt):
+            return layers.head_nll_sum(x, w, y, wt, weight_grad=False, vocab_block=vocab_block)
+
+        return jax.jit(jax.value_and_grad(f)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+    blocked, whole = temp_bytes(2048), temp_bytes(0)
+    assert blocked < d * v * 4 / 8, blocked  # not even an eighth of W
+    assert blocked < whole, (blocked, whole)
+
+
 @pytest.mark.parametrize(
     "width,want", [(None, 128), (8, 128), (128, 128), (129, 256), (384, 512), (512, 512), (4096, 4096)]
 )

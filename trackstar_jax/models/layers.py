@@ -245,7 +245,8 @@ HEAD_CHUNK_ROWS = {"cpu": 16}
 # queries) and the tokens per chunk it runs with. CPU: each chunk's logits are made `[rows,
 # block]` at a time with an online softmax (running max, sum and `dx` accumulator, as flash
 # attention does), so the logits never leave the cache and `W` is read once per chunk, not
-# written out as `[rows, vocab]` and read back four times. Width 128 (the 14m shape; 16 x 127
+# written out as `[rows, vocab]` and read back four times; the temporaries are a few blocks
+# (0.04 GB at a width-2,048, 128k-vocabulary head, against 0.53 GB unblocked). Width 128 (the 14m shape; 16 x 127
 # targets, vocabulary 50,304, best of 5): 287-305 ms against the unblocked head's 410-438;
 # width 512: 1,086-1,152 ms against 1,210-1,332 (BUILD_NOTES, issue 13). The weight gradient needs
 # the final softmax before any block's `dW`, so training keeps the unblocked chunks.
@@ -330,26 +331,27 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block):
     `vocab_block` columns at a time with an online softmax: per chunk a scan over the `nb`
     blocks of `W` keeps the running max `m`, sum `s` and `acc = sum_v exp(l_v - m) W[:, v]`,
     rescaled when `m` grows; then `dx = weights * (acc / s - W[:, target])`. The vocabulary is
-    cut into `nb = ceil(V / vocab_block)` equal blocks, the last padded with zero columns whose
-    logits are masked to -inf (`head_vocab_blocks`).
+    cut into `nb = ceil(V / vocab_block)` blocks of `vb` columns (`head_vocab_blocks`), each a
+    slice of `W` (no copy of the whole matrix); the last one ends at `V` and masks to -inf the
+    columns it shares with the one before.
 
     Returns the summed loss (float32) and `dx [n, r, k, d]` (float32)."""
     d, v = w.shape
     nb, vb = head_vocab_blocks(v, vocab_block)
-    wb = jnp.moveaxis(jnp.pad(w, ((0, 0), (0, nb * vb - v))).reshape(d, nb, vb), 1, 0)  # [nb, d, vb]
-    # -inf on the padding columns; the last block keeps a real column: (nb-1) vb <= (nb-1) block < V
-    bias = jnp.where(jnp.arange(nb * vb) < v, 0.0, -jnp.inf).astype(jnp.float32).reshape(nb, vb)
 
     def chunk(loss, inp):
         xc, yc, wc = inp
         x2, y2, w2 = xc.reshape(-1, d), yc.reshape(-1), wc.reshape(-1)
 
-        def block(carry, blk):
+        def block(carry, j):
             m, s, acc = carry
-            wj, bj = blk
+            # W's columns [start, start + vb): sliced in place (no copy of W); the last block
+            # starts at V - vb and masks the nb * vb - V columns the block before it took
+            start = jnp.minimum(j * vb, v - vb)
+            wj = jax.lax.dynamic_slice_in_dim(w, start, vb, axis=1)
             lg = jnp.dot(x2, wj, preferred_element_type=jnp.float32)
             if nb * vb != v:
-                lg = lg + bj
+                lg = jnp.where(start + jnp.arange(vb) >= j * vb, lg, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(lg, axis=-1))
             scale = jnp.exp(m - m_new)
             p = jnp.exp(lg - m_new[:, None])
@@ -359,7 +361,7 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block):
 
         r = x2.shape[0]
         init = (jnp.full((r,), -jnp.inf, jnp.float32), jnp.zeros((r,), jnp.float32), jnp.zeros((r, d), jnp.float32))
-        (m, s, acc), _ = jax.lax.scan(block, init, (wb, bias))
+        (m, s, acc), _ = jax.lax.scan(block, init, jnp.arange(nb))
         wy = jnp.take(w, y2, axis=1).T.astype(jnp.float32)  # [r, d]: the target columns
         tl = jnp.sum(x2.astype(jnp.float32) * wy, axis=-1)
         dx = w2[:, None] * (acc / s[:, None] - wy)
