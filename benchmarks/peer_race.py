@@ -527,32 +527,28 @@ def stage_gemm(spec: dict) -> dict:
     at the race shape's matrix shapes, through XLA as our steps run them (`jnp.matmul` of 2-D
     operands; the planner's calibration `plan.calibrate`, each shape's best call within 2 s)
     over the layers' shapes (`batch * (seq_len - 1)` rows), the training head's chunk
-    (`layers.head_chunk_tokens(d)` rows by the vocabulary) and the featurize head's vocabulary
-    block and its `dx` (`layers.head_vocab_blocks`); and, per correction raced, our
+    (`layers.head_chunk_tokens(d)` rows by the vocabulary) and, where the platform blocks it,
+    the featurize head's vocabulary block and its `dx` (`layers.head_vocab_blocks`); and, per correction raced, our
     featurize step's GEMM FLOPs per index token (`plan.dot_flops` on the very step the build
     runs, projections and the exact path's per-example gradients included, over
     `batch * seq_len` tokens as the race's tokens/s counts them)."""
     import numpy as np
 
     from trackstar_jax import plan
+    from trackstar_jax.distributed import runtime
     from trackstar_jax.features import vectors
     from trackstar_jax.models import layers
 
     c = SHAPES[spec["shape"]]
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     r = spec["batch"] * (spec["seq_len"] - 1)
-    _, vb = layers.head_vocab_blocks(v, layers.head_vocab_block())
-    head = layers.HEAD_BLOCKED_CHUNK_TOKENS["cpu"]  # the featurize step's head: vocabulary blocks
-    shapes = (
-        (r, d, 3 * d),
-        (r, d, d),
-        (r, d, f),
-        (r, f, d),
-        (layers.head_chunk_tokens(d), d, v),
-        (head, d, vb),
-        (head, vb, d),
-    )
-    rates = plan.calibrate(seconds=2.0, matmuls=shapes)["flops_per_s_by_shape"]
+    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v)]
+    block = layers.head_vocab_block()
+    if block:  # the featurize step's head runs in vocabulary blocks on this platform
+        _, vb = layers.head_vocab_blocks(v, block)
+        rows = layers.HEAD_BLOCKED_CHUNK_TOKENS[runtime.target_platform()]
+        shapes += [(rows, d, vb), (rows, vb, d)]
+    rates = plan.calibrate(seconds=2.0, matmuls=tuple(shapes))["flops_per_s_by_shape"]
     rates = {k: x / 1e9 for k, x in rates.items()}
     tokens = np.zeros((spec["batch"], spec["seq_len"]), np.int32)
     batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
