@@ -51,8 +51,8 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.P
 
 def target_platform() -> str:
     """The platform whose program structure the steps take where it differs by platform (the
-    fused head's chunk, the exact-V path's per-example loop, the dense layers' form, the retrieval
-    kernel's choice):
+    fused head's chunk and vocabulary blocks, the exact-V path's per-example loop, the dense
+    layers' form, the retrieval kernel's choice):
     `$TRACKSTAR_TARGET_PLATFORM` when set, else JAX's default backend. The planner sets it
     (`launch.plan --target_platform=gpu`) to compile an accelerator's steps on fake CPU devices
     for their memory; a run that sets it on a CPU runs the accelerator's structure, correctly but
