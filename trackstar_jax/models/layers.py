@@ -247,8 +247,8 @@ HEAD_CHUNK_ROWS = {"cpu": 16}
 # attention does), so the logits never leave the cache and `W` is read once per chunk, not
 # written out as `[rows, vocab]` and read back four times; the temporaries are a few blocks
 # (0.04 GB at a width-2,048, 128k-vocabulary head, against 0.53 GB unblocked). Width 128 (the 14m shape; 16 x 127
-# targets, vocabulary 50,304, best of 5): 287-305 ms against the unblocked head's 410-438;
-# width 512: 1,086-1,152 ms against 1,210-1,332 (BUILD_NOTES, issue 13). The weight gradient needs
+# targets, vocabulary 50,304, best of 5): 287-324 ms against the unblocked head's 410-449;
+# width 512: 1,076-1,152 ms against 1,201-1,332 (BUILD_NOTES, issue 13). The weight gradient needs
 # the final softmax before any block's `dW`, so training keeps the unblocked chunks.
 # Accelerators: not blocked (each block would be a kernel launch; not measured).
 HEAD_VOCAB_BLOCK = {"cpu": 2048}
