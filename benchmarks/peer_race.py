@@ -535,7 +535,6 @@ def stage_gemm(spec: dict) -> dict:
     import numpy as np
 
     from trackstar_jax import plan
-    from trackstar_jax.distributed import runtime
     from trackstar_jax.features import vectors
     from trackstar_jax.models import layers
 
@@ -546,7 +545,7 @@ def stage_gemm(spec: dict) -> dict:
     block = layers.head_vocab_block()
     if block:  # the featurize step's head runs in vocabulary blocks on this platform
         _, vb = layers.head_vocab_blocks(v, block)
-        rows = layers.HEAD_BLOCKED_CHUNK_TOKENS[runtime.target_platform()]
+        rows = layers.head_chunk_tokens(d, blocked=True)
         shapes += [(rows, d, vb), (rows, vb, d)]
     rates = plan.calibrate(seconds=2.0, matmuls=tuple(shapes))["flops_per_s_by_shape"]
     rates = {k: x / 1e9 for k, x in rates.items()}

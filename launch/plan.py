@@ -12,9 +12,10 @@ device memory limit (`--device_memory_gib`, `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`,
 naming the knob; the stages refuse such a step at their start, before any work.
 `--target_platform=gpu` (or tpu) compiles the steps as that platform runs them where their
 programs differ by platform (the fused head's 16,384-token chunks, not the CPU's few hundred,
-and its input-only gradient over the whole vocabulary, not in blocks; the exact-V path batched, not looped per example; the dense layers unflattened; the retrieval
-kernel): with `--fake_devices`, an accelerator's
-memory per device planned on this CPU (`distributed.runtime.target_platform`).
+and its input-only gradient over the whole vocabulary, not in blocks; the exact-V path
+batched, not looped per example; the dense layers unflattened; the retrieval kernel): with
+`--fake_devices`, an accelerator's memory per device planned on this CPU
+(`distributed.runtime.target_platform`).
 """
 
 import json

@@ -197,10 +197,10 @@ _FLAT_MIN = 1 << 16
 def _normals(seed: Array, path_h: Array, side: int, shape: tuple[int, int], std: float, dtype: Any) -> Array:
     """`std * N(0, 1)` `[k, m]` in `dtype`: side `side` (0: P0, 1: P1) of the parameter whose path
     hashes to `path_h`."""
-    size = math.prod(shape)
-    if not jax.config.jax_threefry_partitionable:
-        return _scaled(_side_normal(seed, path_h, side, shape), shape, std, dtype)
-    return _scaled(_side_normal(seed, path_h, side, (max(_FLAT_MIN, 1 << (size - 1).bit_length()),)), shape, std, dtype)
+    draw = shape
+    if jax.config.jax_threefry_partitionable:
+        draw = (max(_FLAT_MIN, 1 << (math.prod(shape) - 1).bit_length()),)
+    return _scaled(_side_normal(seed, path_h, side, draw), shape, std, dtype)
 
 
 # Jitted on its own with the seed, the path's hash and the side as arguments, so that making

@@ -230,8 +230,8 @@ def example_losses(logits_fn: Callable[[Array], Array], batch: Mapping[str, Arra
 # rounded up to a power of two: each chunk's GEMMs repack the `[width, vocab]` matrix, which
 # more rows amortise once the GEMM dominates (width 512: 512 tokens 6-8% faster than 128, with
 # or without the weight gradient; at widths 128 and 256 not the best with the weight gradient:
-# 8% and 15% over the best time measured). BUILD_NOTES, issue 13. Accelerators: large enough that each device's
-# GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
+# 8% and 15% over the best time measured). BUILD_NOTES, issue 13. Accelerators: large enough
+# that each device's GEMMs stay big (16,384 tokens over 8 devices: 2,048 rows each, 1 GB of float32 logits per
 # device at a 128k vocabulary) and the scan short; not measured (no accelerator was lent).
 HEAD_CHUNK_TOKENS = {"cpu": 128}
 HEAD_CHUNK_TOKENS_ACCELERATOR = 16_384
@@ -244,21 +244,26 @@ HEAD_CHUNK_ROWS = {"cpu": 16}
 # Vocabulary block of the head's input-only gradient (`weight_grad=False`: featurisation and
 # queries) and the tokens per chunk it runs with. CPU: each chunk's logits are made `[rows,
 # block]` at a time with an online softmax (running max, sum and `dx` accumulator, as flash
-# attention does), so the logits never leave the cache and `W` is read once per chunk, not
-# written out as `[rows, vocab]` and read back four times; the temporaries are a few blocks
-# (0.04 GB at a width-2,048, 128k-vocabulary head, against 0.53 GB unblocked). Width 128 (the 14m shape; 16 x 127
-# targets, vocabulary 50,304, best of 5): 287-324 ms against the unblocked head's 410-449;
-# width 512: 1,076-1,152 ms against 1,201-1,332 (BUILD_NOTES, issue 13). The weight gradient needs
-# the final softmax before any block's `dW`, so training keeps the unblocked chunks.
+# attention does), so the logits never leave the cache (the unblocked chunk writes `[rows,
+# vocab]` logits and reads them back four times); the temporaries are a few blocks (0.04 GB at a
+# width-2,048, 128k-vocabulary head, against 0.53 GB unblocked). Width 128 (the 14m shape;
+# 16 x 127 targets, vocabulary 50,304, best of 5): 287-324 ms against the unblocked head's
+# 410-449; width 512: 1,076-1,152 ms against 1,201-1,332 (BUILD_NOTES, issue 13). The weight
+# gradient needs the final softmax before any block's `dW`, so training keeps the unblocked
+# chunks.
 # Accelerators: not blocked (each block would be a kernel launch; not measured).
 HEAD_VOCAB_BLOCK = {"cpu": 2048}
 HEAD_BLOCKED_CHUNK_TOKENS = {"cpu": 1024}
 
 
-def head_chunk_tokens(width: int | None = None) -> int:
+def head_chunk_tokens(width: int | None = None, blocked: bool = False) -> int:
     """The fused head's default chunk for a head of `width` inputs on the target platform
-    (`runtime.target_platform`): on the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a power of two)`, elsewhere
-    `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known; the platform's minimum)."""
+    (`runtime.target_platform`): with `blocked` (the vocabulary in blocks), the platform's
+    `HEAD_BLOCKED_CHUNK_TOKENS`; else on the CPU `max(HEAD_CHUNK_TOKENS, width rounded up to a
+    power of two)`, elsewhere `HEAD_CHUNK_TOKENS_ACCELERATOR` (None: the width is not known;
+    the platform's minimum)."""
+    if blocked and runtime.target_platform() in HEAD_BLOCKED_CHUNK_TOKENS:
+        return HEAD_BLOCKED_CHUNK_TOKENS[runtime.target_platform()]
     base = HEAD_CHUNK_TOKENS.get(runtime.target_platform())
     if base is None:
         return HEAD_CHUNK_TOKENS_ACCELERATOR
@@ -440,20 +445,14 @@ def head_nll_sum(
       weight_grad: compute the gradient with respect to `w` (False where `w` is not
         differentiated, e.g. featurisation, where the output embedding is not attributed:
         a zero cotangent is returned and the `[d, V]` GEMM is skipped).
-      chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens(d)`).
+      chunk_tokens: tokens per chunk over the whole batch (None: `head_chunk_tokens(d, blocked)`).
       chunk_rows: a chunk of fewer examples is cut along time into at least this many rows
         (None: `head_chunk_rows()`); the result does not depend on it.
       vocab_block: with `weight_grad=False`, the gradient's chunks take the vocabulary this
-        many columns at a time (online softmax; 0: whole; None: `head_vocab_block()`, and
-        then the chunk defaults to `HEAD_BLOCKED_CHUNK_TOKENS`). The result does not depend
+        many columns at a time (online softmax; 0: whole; None: `head_vocab_block()`). The result does not depend
         on it beyond rounding.
     """
     block = (head_vocab_block() if vocab_block is None else int(vocab_block)) if not weight_grad else 0
-    if chunk_tokens is not None:
-        chunk = int(chunk_tokens)
-    elif block:
-        chunk = HEAD_BLOCKED_CHUNK_TOKENS.get(runtime.target_platform(), head_chunk_tokens(x.shape[-1]))
-    else:
-        chunk = head_chunk_tokens(x.shape[-1])
+    chunk = head_chunk_tokens(x.shape[-1], blocked=bool(block)) if chunk_tokens is None else int(chunk_tokens)
     rows = head_chunk_rows() if chunk_rows is None else int(chunk_rows)
     return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad, block)
