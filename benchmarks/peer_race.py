@@ -54,7 +54,11 @@ the prepared model, optimizer states and exact top-10, and times everything else
 
 Per tool, each stage in its own subprocess (`os.wait4` gives its peak RSS, `ru_maxrss`):
 build tokens/s = index tokens / the build process's whole wall time (start-up, model load,
-compile and writing included, both tools alike); 100 queries one at a time (gradient +
+compile and writing included, both tools alike), over `--build_rounds` (3) alternations of
+the two cold builds (ours, bergson; bergson, ours; ...): each tool's figure is its median
+round, `ours_over_bergson` the median of the rounds' ratios (each pairing two builds run
+next to each other), the peak RSS the largest round's, and `*_rounds` lists every round (this
+VM's speed, and bergson's with it, moved by up to 25% between runs an hour apart); 100 queries one at a time (gradient +
 cosine score against the whole index + top-10), after one warm-up query; and on the first
 `--subset` index examples the top-10 overlap, over `--overlap_queries` held-out queries, with
 the exact cosine of the unprojected corrected gradients (computed with materialised
@@ -72,6 +76,7 @@ import json
 import os
 import pathlib
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -697,6 +702,41 @@ def _stage(
     return result
 
 
+def _rounded(v):
+    """5 significant digits for the row's floats (and lists of them)."""
+    if isinstance(v, float):
+        return float(f"{v:.5g}")
+    return [_rounded(x) for x in v] if isinstance(v, list) else v
+
+
+def _bergson_build(args, peer_py, d: pathlib.Path, bc: str, sfx: str, resume: bool) -> dict:
+    """One measured `bergson build` (correction `bc`) into `d/bergson_<bc>`, which it overwrites;
+    with `resume`, a finished build with the same command is read back."""
+    cmd = [
+        str(peer_py.parent / "bergson"),
+        "build",
+        str(d / f"bergson_{bc}"),
+        "--model",
+        str(d / "model"),
+        "--dataset",
+        str(d / "data"),
+        "--projection_dim",
+        str(args.bergson_p),
+        "--token_batch_size",
+        str(args.batch * args.seq_len),
+        "--overwrite",
+        "true",
+    ]
+    if bc != "none":
+        cmd += ["--optimizer_state", str(d / f"opt_{bc}")]
+    done = d / f"measured_bergson_build_{bc}{sfx}.json"
+    if resume and done.exists() and json.loads(done.read_text())["cmd"] == cmd:
+        return json.loads(done.read_text())["result"]
+    bb = run_measured(cmd, d / f"log_bergson_build_{bc}{sfx}.txt")
+    done.write_text(json.dumps({"cmd": cmd, "result": bb}))
+    return bb
+
+
 def race_shape(shape: str, args, peer_py) -> list[dict]:
     import numpy as np
 
@@ -751,40 +791,33 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
         # featurize step loaded from the cache the cold build filled (every later run).
         cache = d / f"xla_cache_{c}"
         env = {CACHE_ENV: str(cache)}
-        ob = _reusable("ours_build", spec, d, f"_{c}") if r else None
-        if ob is None:  # a cold build runs: its cache folder starts empty
-            shutil.rmtree(cache, ignore_errors=True)
-            ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}", env=env)
+        bc = "adam" if c == "adam_rank1" else c
+        run_bergson = not args.no_bergson and bc not in bergson
+        ours_rounds, bergson_rounds = [], []
+        # `--build_rounds` alternations of the two cold builds, in the order ours, bergson,
+        # bergson, ours, ...: a drift of this VM's speed (or a first-build effect) falls on both.
+        for i in range(args.build_rounds):
+            sfx = "" if i == 0 else f"_r{i}"
+            order = ("ours", "bergson") if i % 2 == 0 else ("bergson", "ours")
+            for tool in order:
+                if tool == "ours":
+                    ob = _reusable("ours_build", spec, d, f"_{c}{sfx}") if r else None
+                    if ob is None:  # a cold build runs: its cache folder starts empty
+                        shutil.rmtree(cache, ignore_errors=True)
+                        ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}{sfx}", env=env)
+                    ours_rounds.append(ob)
+                elif run_bergson:
+                    bergson_rounds.append(_bergson_build(args, peer_py, d, bc, sfx, r))
+        # the warm build after the last cold one, whose compilation cache it reads
         obw = _stage(sys.executable, "ours_build", {**spec, "warm": True}, d, f"_{c}_warm", resume=r, env=env)
         oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r, env=env)
-        bc = "adam" if c == "adam_rank1" else c
-        if not args.no_bergson and bc not in bergson:
-            run = d / f"bergson_{bc}"
-            cmd = [
-                str(peer_py.parent / "bergson"),
-                "build",
-                str(run),
-                "--model",
-                str(d / "model"),
-                "--dataset",
-                str(d / "data"),
-                "--projection_dim",
-                str(args.bergson_p),
-                "--token_batch_size",
-                str(args.batch * args.seq_len),
-                "--overwrite",
-                "true",
-            ]
-            if bc != "none":
-                cmd += ["--optimizer_state", str(d / f"opt_{bc}")]
-            done = d / f"measured_bergson_build_{bc}.json"
-            if r and done.exists() and json.loads(done.read_text())["cmd"] == cmd:
-                bb = json.loads(done.read_text())["result"]
-            else:
-                bb = run_measured(cmd, d / f"log_bergson_build_{bc}.txt")
-                done.write_text(json.dumps({"cmd": cmd, "result": bb}))
+        if run_bergson:
             bq = _stage(peer_py, "bergson_query", {**base, "correction": bc}, d, f"_{bc}", resume=r)
-            bergson[bc] = {"build": bb, "query": bq}
+            bergson[bc] = {"builds": bergson_rounds, "query": bq}
+        # the round with the median wall time stands for the build (phases, steady rate); the
+        # peak RSS is the largest of any round
+        ob = sorted(ours_rounds, key=lambda o: o["wall_seconds"])[len(ours_rounds) // 2]
+        ours_tps = [n * args.seq_len / o["wall_seconds"] for o in ours_rounds]
         flops = gemm["featurize_gemm_flops_per_token"][c]
         row = {
             "bench": "peer_race",
@@ -792,14 +825,16 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "correction": c,
             "d": ob["d"],
             "tokens": n * args.seq_len,
-            "ours_tokens_per_s": n * args.seq_len / ob["wall_seconds"],
+            "ours_tokens_per_s": statistics.median(ours_tps),
+            "ours_tokens_per_s_rounds": ours_tps,
+            "build_rounds": len(ours_rounds),
             "ours_steady_tokens_per_s": ob["steady_tokens_per_s"],
             "ours_tokens_per_s_warm_cache": n * args.seq_len / obw["wall_seconds"],
             "ours_build_phases_s": {k: ob[f"{k}_seconds"] for k in ("import", "load", "first_batch", "rest")},
             "ours_build_phases_warm_cache_s": {
                 k: obw[f"{k}_seconds"] for k in ("import", "load", "first_batch", "rest")
             },
-            "ours_peak_rss_bytes": ob["peak_rss_bytes"],
+            "ours_peak_rss_bytes": max(o["peak_rss_bytes"] for o in ours_rounds),
             "ours_query_seconds": oq["query_seconds"],
             "ours_query_peak_rss_bytes": oq["peak_rss_bytes"],
             "ours_exact_v": c == "adam",
@@ -828,13 +863,15 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             ex = np.load(d / f"exact_{ex_c}_{s}_top10.npy")
             row[f"ours_top10_overlap{'' if s == 'full' else '_' + s}"] = overlap(ours_top, ex)
         if bc in bergson:
-            bb, bq = bergson[bc]["build"], bergson[bc]["query"]
+            bbs, bq = bergson[bc]["builds"], bergson[bc]["query"]
             btop = np.load(d / f"bergson_{bc}_top10.npy")
+            bergson_tps = [n * args.seq_len / b["wall_seconds"] for b in bbs]
             row.update(
                 {
                     "bergson_d": bq["d"],
-                    "bergson_tokens_per_s": n * args.seq_len / bb["wall_seconds"],
-                    "bergson_peak_rss_bytes": bb["peak_rss_bytes"],
+                    "bergson_tokens_per_s": statistics.median(bergson_tps),
+                    "bergson_tokens_per_s_rounds": bergson_tps,
+                    "bergson_peak_rss_bytes": max(b["peak_rss_bytes"] for b in bbs),
                     "bergson_query_seconds": bq["query_seconds"],
                     "bergson_query_peak_rss_bytes": bq["peak_rss_bytes"],
                     "bergson_top10_overlap": overlap(btop, np.load(d / f"exact_{bc}_full_top10.npy")),
@@ -842,7 +879,11 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
                     "bergson_top10_overlap_unembed": overlap(btop, np.load(d / f"exact_{bc}_unembed_top10.npy")),
                 }
             )
-            row["ours_over_bergson"] = row["ours_tokens_per_s"] / row["bergson_tokens_per_s"]
+            # each round's ratio pairs the two builds run next to each other (for adam_rank1,
+            # the exact-Adam run's bergson builds); the row's ratio is their median
+            ratios = [o / b for o, b in zip(ours_tps, bergson_tps)]
+            row["ours_over_bergson_rounds"] = ratios
+            row["ours_over_bergson"] = statistics.median(ratios)
             row["ours_over_bergson_warm_cache"] = row["ours_tokens_per_s_warm_cache"] / row["bergson_tokens_per_s"]
             # the most ours_over_bergson could be with our FLOPs at this run's best GEMM rate
             row["roofline_over_bergson"] = row["ours_roofline_tokens_per_s"] / row["bergson_tokens_per_s"]
@@ -850,7 +891,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             for f in ROW_FIELDS:
                 row.setdefault(f, None)
         row["loadavg_1m"] = round(os.getloadavg()[0], 2)
-        row = {k: (float(f"{v:.5g}") if isinstance(v, float) else v) for k, v in row.items()}
+        row = {k: _rounded(v) for k, v in row.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
         with open(pathlib.Path(args.out) / "race.jsonl", "a") as f:
@@ -877,6 +918,12 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--train_rounds", type=int, default=2, help="alternations of our and torch's train-step stages (best of each)"
     )
+    parser.add_argument(
+        "--build_rounds",
+        type=int,
+        default=3,
+        help="alternations of our cold build and bergson's (median of each; the ratio: median of the rounds' ratios)",
+    )
     parser.add_argument("--unembed", action="store_true", help="ours: also attribute embed_out (vectors.unembed)")
     parser.add_argument("--out", default=str(pathlib.Path.home() / ".cache" / "trackstar_jax" / "peer_race"))
     parser.add_argument("--peer_venv", default=str(DEFAULT_VENV))
@@ -901,7 +948,9 @@ def main(argv=None) -> None:
     if args.quick:
         args.shapes, args.tokens, args.num_queries, args.overlap_queries = "micro", 2048, 4, 4
         args.subset, args.adam_steps, args.batch, args.proj_dim, args.bergson_p = 16, 2, 4, 4, 2
-        args.num_blocks = 2
+        args.num_blocks, args.build_rounds = 2, 2
+    if args.build_rounds < 1:
+        raise SystemExit(f"--build_rounds must be at least 1, got {args.build_rounds}")
     args.corrections = [c for c in args.corrections.split(",") if c]
     bad = [c for c in args.corrections if c not in CORRECTIONS + ("none",)]
     if bad:

@@ -94,6 +94,9 @@ def test_micro_race_schema_without_bergson(tmp_path):
     assert 0.0 <= row["ours_top10_overlap"] <= 1.0
     assert row["bergson_tokens_per_s"] is None and row["ours_over_bergson"] is None
     assert row["gemm_peak_gflops"] > 0 and row["train_rounds"] == 2
+    # --quick alternates two cold builds; the row's figure is their median (here their mean)
+    assert row["build_rounds"] == 2 and len(row["ours_tokens_per_s_rounds"]) == 2
+    np.testing.assert_allclose(row["ours_tokens_per_s"], np.mean(row["ours_tokens_per_s_rounds"]), rtol=1e-4)
     # `plan.dot_flops` of the build's step: the hand count plus the projections (k = 4 at this
     # width of 32: a few per cent more)
     bound = featurize_flops_lower_bound("micro", 128, exact_v=True)
