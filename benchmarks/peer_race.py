@@ -383,6 +383,16 @@ def _ours_setup(spec: dict, correction: str):
     return cfg, graphdef, params, opt_state, vc
 
 
+def _placed(fn, params):
+    """The loader's host parameters on the devices, the host copy let go (as a user's script
+    would: `load_hf` returns numpy arrays, and the featurizer places them once)."""
+    import jax
+
+    placed = fn.place_params(params)
+    jax.block_until_ready(placed)
+    return placed
+
+
 def _batches(tokens, b: int):
     import numpy as np
 
@@ -414,6 +424,8 @@ def stage_ours_build(spec: dict) -> dict:
     d = pathlib.Path(spec["dir"])
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
     fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state)
+    params = _placed(fn, params)
+    del opt_state  # its correction is in `fn.precond`
     tokens = np.load(d / "index_tokens.npy")
     out = np.lib.format.open_memmap(d / f"ours_{spec['correction']}.npy", "w+", np.float32, (len(tokens), fn.dim))
     t_first = None
@@ -499,6 +511,8 @@ def stage_ours_query(spec: dict) -> dict:
     t0 = time.perf_counter()
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
     fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state, role="query")
+    params = _placed(fn, params)
+    del opt_state
     index = np.load(d / f"ours_{spec['correction']}.npy")
     head = index[: spec["subset"]].copy()  # the overlap's rows, as the build wrote them
     # normalised in place and handed over: one copy of the index in memory, not three

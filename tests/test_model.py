@@ -216,6 +216,18 @@ def test_paper_configs_build_abstractly_with_the_paper_sizes(name, target):
     assert flat["layer_0/mlp/gate/kernel"].shape == (cfg.embed_dim, cfg.mlp_dim)
 
 
+def test_abstract_params_are_traced_once_and_each_caller_gets_its_own_tree():
+    cfg = dataclasses.replace(SMALL, num_layers=SMALL.num_layers + 1)  # a config no other test traced
+    g1, s1 = model_lib.abstract_params(cfg)
+    g2, s2 = model_lib.abstract_params(cfg)
+    assert model_lib._abstract_params.cache_info().currsize >= 1 and g1 == g2
+    assert jax.tree.structure(s1) == jax.tree.structure(s2) and s1 is not s2
+    assert all(a == b for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)))
+    s1["layer_0"] = None  # a caller editing its tree does not edit the next caller's
+    _, s3 = model_lib.abstract_params(cfg)
+    assert s3["layer_0"] is not None and model_lib.flat_params(s3) == model_lib.flat_params(s2)
+
+
 @pytest.mark.parametrize("arch", ["palm", "llama", "gpt_neox"])
 def test_remat_gives_the_same_gradients_and_lowers_a_recomputed_forward(arch):
     """`model.remat`: the loss gradient is unchanged, and each layer's forward is lowered a second
