@@ -2,6 +2,7 @@
 for test_multihost.py and test_multihost_stages.py. Every wait has a timeout, so a hang fails."""
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,8 @@ def env(num_devices: int = 2) -> dict:
         JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),
         JAX_COMPILATION_CACHE_DIR=_CACHE_DIR,
         JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.2",
+        # on SIGABRT (sent to a process that hangs, see `wait`) print every thread's traceback
+        PYTHONFAULTHANDLER="1",
     )
     return out
 
@@ -95,13 +98,32 @@ def wait(procs: list[subprocess.Popen], stage: str, timeout_s: float = TIMEOUT_S
             stdout, stderr = p.communicate(timeout=timeout_s)
             out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     except subprocess.TimeoutExpired:
-        pytest.fail(f"launch.{stage} with {len(procs)} processes did not finish within {timeout_s}s (a hang)")
+        pytest.fail(
+            f"launch.{stage} with {len(procs)} processes did not finish within {timeout_s}s (a hang); "
+            f"where each process was:\n{_where_hung(procs)}"
+        )
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
     return out
+
+
+def _where_hung(procs: list[subprocess.Popen]) -> str:
+    """Each running process's Python tracebacks (faulthandler, on SIGABRT) and stderr tail."""
+    parts = []
+    for i, p in enumerate(procs):
+        if p.poll() is not None:
+            parts.append(f"process {i}: exited {p.returncode}")
+            continue
+        p.send_signal(signal.SIGABRT)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            err = "(no output within 30 s of SIGABRT)"
+        parts.append(f"process {i}:\n{(err or '(stderr went to a log file)')[-6000:]}")
+    return "\n".join(parts)
 
 
 def ok(results: list[subprocess.CompletedProcess]) -> list[str]:

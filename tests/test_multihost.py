@@ -152,3 +152,38 @@ def test_writer_partition_in_one_process():
         multihost.writer_partition(2, 2)
     multihost.sync("single-process-noop")  # no jax.distributed: nothing to wait for
     multihost.require_single_process("launch.retrieve")  # one process: allowed
+
+
+_SERIAL_SCRIPT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import Mesh, PartitionSpec as P
+from trackstar_jax.distributed import multihost
+assert not multihost.serial_collectives()  # before jax.distributed: in-process collectives
+multihost.initialize(f"localhost:{sys.argv[1]}", 1, 0, timeout_s=60)
+assert multihost.serial_collectives()  # CPU under jax.distributed: gloo
+mesh = Mesh(np.array(jax.devices()), ("d",))
+f = jax.jit(jax.shard_map(
+    lambda x: 0.5 * jax.lax.all_gather(x, "d", axis=0, tiled=True).mean(0, keepdims=True) + 0.5 * x,
+    mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+x = jnp.ones((8, 16), jnp.float32)
+for _ in range(300):  # unsettled, such a loop hung within seconds
+    x = multihost.settle(f(x))
+print(float(jax.device_get(x).sum()))
+"""
+
+
+def test_settled_collective_programs_do_not_deadlock_under_gloo():
+    """`multihost.settle` waits for each program where gloo runs the collectives (one process of
+    a jax.distributed job with 8 CPU devices): 300 shard_map all-gathers finish."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _SERIAL_SCRIPT, str(mh.free_port())],
+        cwd=mh.REPO,
+        env=mh.env(num_devices=8),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    (result,) = mh.wait([proc], "the settled all-gather loop", timeout_s=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert float(result.stdout.strip().splitlines()[-1]) == 8 * 16  # ones stay ones

@@ -135,6 +135,22 @@ def is_multiprocess() -> bool:
     return jax.process_count() > 1
 
 
+def serial_collectives() -> bool:
+    """Whether each multi-device program must finish before the next is dispatched: on the CPU
+    under `jax.distributed`, XLA runs collectives through gloo, and two programs with
+    collectives in flight at once (async dispatch) can deadlock. A loop of shard_map
+    all-gathers over 8 CPU devices in one such process hung within seconds in every run, and
+    never when each call was waited for (BUILD_NOTES, issue 13, session 14)."""
+    from jax._src import distributed  # noqa: PLC0415  (the client `_client` reads too)
+
+    return distributed.global_state.client is not None and jax.default_backend() == "cpu"
+
+
+def settle(x: Any) -> Any:
+    """`x`, waited for where `serial_collectives()` (else returned at once, still in flight)."""
+    return jax.block_until_ready(x) if serial_collectives() else x
+
+
 def is_primary() -> bool:
     """True on process 0: the process that writes a stage's shared, single files."""
     return jax.process_index() == 0

@@ -56,7 +56,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from trackstar_jax.distributed import memory, runtime
+from trackstar_jax.distributed import memory, multihost, runtime
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import native
 
@@ -641,7 +641,7 @@ def stream_topk(
         fn = _sharded_fn(mesh, k, plan, scale_d is not None)
         tail = ((scale_d,) if scale_d is not None else ()) + _scalars(mesh, start, n)
         for b, qd in enumerate(q_dev):
-            cand = fn(qd, rows_d, *tail)
+            cand = multihost.settle(fn(qd, rows_d, *tail))  # gloo: one collective program at a time
             results[b] = cand if results[b] is None else merge(results[b], cand)
     out = [_finish(r, min(qbs, q.shape[0] - b * qbs)) for b, r in enumerate(results)]
     return TopK(*(np.concatenate([getattr(o, f) for o in out]) for f in TopK._fields))

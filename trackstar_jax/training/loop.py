@@ -213,7 +213,7 @@ def run_loop(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*donated buffers were not usable.*")
         for step in range(start + 1, num_steps + 1):
-            state, metrics = step_fn(state, batch)
+            state, metrics = multihost.settle(step_fn(state, batch))  # gloo: one step in flight
             if step < num_steps:
                 batch = next(batches)
             progress()
@@ -280,7 +280,7 @@ def held_out_loss(jit_eval_step: Any, params: Any, batches: list[dict]) -> float
     """Mean loss per target token over the held-out batches (None without held-out text)."""
     if not batches:
         return None
-    metrics = jax.device_get([jit_eval_step(params, b) for b in batches])
+    metrics = jax.device_get([multihost.settle(jit_eval_step(params, b)) for b in batches])
     return sum(float(m["loss_sum"]) for m in metrics) / max(sum(float(m["num_tokens"]) for m in metrics), 1.0)
 
 
