@@ -58,9 +58,9 @@ compile and writing included, both tools alike), over `--build_rounds` (3) alter
 the two cold builds (ours, bergson; bergson, ours; ...): each tool's figure is its median
 round, `ours_over_bergson` the median of the rounds' ratios (each pairing two builds run
 next to each other), the peak RSS the largest round's, and `*_rounds` lists every round (this
-VM's speed, and bergson's with it, moved by up to 25% between runs an hour apart); 100 queries one at a time (gradient +
-cosine score against the whole index + top-10), after one warm-up query; and on the first
-`--subset` index examples the top-10 overlap, over `--overlap_queries` held-out queries, with
+VM's speed, and bergson's with it, moved by up to 25% between runs an hour apart); 100 queries
+one at a time (gradient + cosine score against the whole index + top-10), after one warm-up
+query; and on the first `--subset` index examples the top-10 overlap, over `--overlap_queries` held-out queries, with
 the exact cosine of the unprojected corrected gradients (computed with materialised
 per-example gradients by our reference path; `_full`: every parameter TrackStar attributes by
 default (all but the token embedding and the untied `embed_out`: biases and LayerNorms
