@@ -297,9 +297,13 @@ def stage_bergson_query(spec: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
     d = pathlib.Path(spec["dir"])
-    run = d / f"bergson_{spec['correction']}"
+    bf16 = spec.get("precision") == "bf16"
+    run = d / f"bergson_{spec['correction']}{'_bf16' if bf16 else ''}"
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(str(d / "model"), torch_dtype=torch.float32)
+    # the build's precision (bergson's `--precision`: the model's dtype)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(d / "model"), torch_dtype=torch.bfloat16 if bf16 else torch.float32
+    )
     model.requires_grad_(False)
     model.get_input_embeddings().requires_grad_(True)
     attr = Attributor(str(run), device="cpu", unit_norm=True)
@@ -332,9 +336,11 @@ def stage_bergson_query(spec: dict) -> dict:
         one(i % len(queries))
     query_s = time.perf_counter() - t0
     nq = spec["overlap_queries"]
-    q = np.stack([np.concatenate([c[n].reshape(-1).numpy() for n in attr.ordered_modules]) for c in captured[:nq]])
+    q = np.stack(
+        [np.concatenate([c[n].reshape(-1).float().numpy() for n in attr.ordered_modules]) for c in captured[:nq]]
+    )
     idx = np.asarray(load_gradients(run), dtype=np.float32)[: spec["subset"]]
-    np.save(d / f"bergson_{spec['correction']}_top10.npy", top10_cosine(q, idx))
+    np.save(run.with_name(run.name + "_top10.npy"), top10_cosine(q, idx))
     return {"query_seconds": query_s, "setup_seconds": setup_s, "d": int(idx.shape[1])}
 
 
@@ -364,6 +370,8 @@ def _ours_setup(spec: dict, correction: str):
 
     d = pathlib.Path(spec["dir"])
     cfg, params = hf.load_hf(d / "model")
+    if spec.get("matmul_dtype"):  # `--precision bf16`: bf16 GEMM operands, float32 accumulation
+        cfg = dataclasses.replace(cfg, matmul_dtype=spec["matmul_dtype"])
     graphdef, _ = model_lib.abstract_params(cfg)
     opt_state = None
     if correction != "none":
@@ -381,6 +389,11 @@ def _ours_setup(spec: dict, correction: str):
         batch_size=spec["batch"],
     )
     return cfg, graphdef, params, opt_state, vc
+
+
+def _ours_name(spec: dict) -> str:
+    """The stem of our index / top-10 files for a spec: `ours_<correction>[_bf16]`."""
+    return f"ours_{spec['correction']}{'_bf16' if spec.get('matmul_dtype') else ''}"
 
 
 def _placed(fn, params):
@@ -427,7 +440,7 @@ def stage_ours_build(spec: dict) -> dict:
     params = _placed(fn, params)
     del opt_state  # its correction is in `fn.precond`
     tokens = np.load(d / "index_tokens.npy")
-    out = np.lib.format.open_memmap(d / f"ours_{spec['correction']}.npy", "w+", np.float32, (len(tokens), fn.dim))
+    out = np.lib.format.open_memmap(d / f"{_ours_name(spec)}.npy", "w+", np.float32, (len(tokens), fn.dim))
     t_first = None
     t0 = time.perf_counter()
     for i, (n, b) in enumerate(_batches(tokens, spec["batch"])):
@@ -513,7 +526,7 @@ def stage_ours_query(spec: dict) -> dict:
     fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state, role="query")
     params = _placed(fn, params)
     del opt_state
-    index = np.load(d / f"ours_{spec['correction']}.npy")
+    index = np.load(d / f"{_ours_name(spec)}.npy")
     head = index[: spec["subset"]].copy()  # the overlap's rows, as the build wrote them
     # normalised in place and handed over: one copy of the index in memory, not three
     index /= np.linalg.norm(index, axis=1, keepdims=True)
@@ -541,7 +554,7 @@ def stage_ours_query(spec: dict) -> dict:
         vecs.append(one(i % len(queries))[1])
     query_s = time.perf_counter() - t0
     q = np.concatenate(vecs[: spec["overlap_queries"]])
-    np.save(d / f"ours_{spec['correction']}_top10.npy", top10_cosine(q, head))
+    np.save(d / f"{_ours_name(spec)}_top10.npy", top10_cosine(q, head))
     return {"query_seconds": query_s, "setup_seconds": setup_s}
 
 
@@ -570,7 +583,8 @@ def stage_gemm(spec: dict) -> dict:
         _, vb = layers.head_vocab_blocks(v, block)
         rows = layers.head_chunk_tokens(d, blocked=True)
         shapes += [(rows, d, vb), (rows, vb, d)]
-    rates = plan.calibrate(seconds=2.0, matmuls=tuple(shapes))["flops_per_s_by_shape"]
+    dtype = spec.get("matmul_dtype") or "float32"
+    rates = plan.calibrate(seconds=2.0, matmuls=tuple(shapes), dtype=dtype)["flops_per_s_by_shape"]
     rates = {k: x / 1e9 for k, x in rates.items()}
     tokens = np.zeros((spec["batch"], spec["seq_len"]), np.int32)
     batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens)}
@@ -581,6 +595,7 @@ def stage_gemm(spec: dict) -> dict:
         step_args = (fn.place_params(params), fn.precond, batch, fn.projections)
         flops[correction] = plan.dot_flops(fn.step, *step_args) / tokens.size
     return {
+        "gemm_dtype": dtype,
         "gemm_gflops_by_shape": rates,
         "gemm_peak_gflops": max(rates.values()),
         "featurize_gemm_flops_per_token": flops,
@@ -728,12 +743,14 @@ def _rounded(v):
 
 
 def _bergson_build(args, peer_py, d: pathlib.Path, bc: str, sfx: str, resume: bool) -> dict:
-    """One measured `bergson build` (correction `bc`) into `d/bergson_<bc>`, which it overwrites;
-    with `resume`, a finished build with the same command is read back."""
+    """One measured `bergson build` (correction `bc`, `--precision` as raced) into
+    `d/bergson_<bc>[_bf16]`, which it overwrites; with `resume`, a finished build with the same
+    command is read back."""
+    psfx = "_bf16" if args.precision == "bf16" else ""
     cmd = [
         str(peer_py.parent / "bergson"),
         "build",
-        str(d / f"bergson_{bc}"),
+        str(d / f"bergson_{bc}{psfx}"),
         "--model",
         str(d / "model"),
         "--dataset",
@@ -747,10 +764,12 @@ def _bergson_build(args, peer_py, d: pathlib.Path, bc: str, sfx: str, resume: bo
     ]
     if bc != "none":
         cmd += ["--optimizer_state", str(d / f"opt_{bc}")]
-    done = d / f"measured_bergson_build_{bc}{sfx}.json"
+    if psfx:
+        cmd += ["--precision", "bf16"]
+    done = d / f"measured_bergson_build_{bc}{psfx}{sfx}.json"
     if resume and done.exists() and json.loads(done.read_text())["cmd"] == cmd:
         return json.loads(done.read_text())["result"]
-    bb = run_measured(cmd, d / f"log_bergson_build_{bc}{sfx}.txt")
+    bb = run_measured(cmd, d / f"log_bergson_build_{bc}{psfx}{sfx}.txt")
     done.write_text(json.dumps({"cmd": cmd, "result": bb}))
     return bb
 
@@ -798,16 +817,21 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
     }
     torch_train = {"torch_adamw_tokens_per_s": max(t["torch_adamw_tokens_per_s"] for _, t in rounds)}
     # the GEMM rate: resumed with the builds it bounds, so that both come from one run
-    gemm_spec = {**base, "seq_len": args.seq_len, "corrections": args.corrections, "unembed": args.unembed}
+    # `--precision bf16`: our specs carry the GEMM operand dtype (fp32 specs are as before, so
+    # earlier runs' stages still match), bergson builds with `--precision bf16`
+    psfx = "_bf16" if args.precision == "bf16" else ""
+    lowp = {"matmul_dtype": "bfloat16"} if psfx else {}
+    gemm_spec = {**base, "seq_len": args.seq_len, "corrections": args.corrections, "unembed": args.unembed, **lowp}
     gemm = _stage(sys.executable, "gemm", gemm_spec, d, resume=r)
     exact = _stage(sys.executable, "exact", {**inputs, "exact_sets": list(EXACT_SETS)}, d, resume=ri)
     rows = []
     bergson: dict[str, dict] = {}
     for c in args.corrections:
-        spec = {**base, "correction": c, "unembed": args.unembed}
+        spec = {**base, "correction": c, "unembed": args.unembed, **lowp}
+        ct = f"{c}{psfx}"  # this correction's files and stage tags
         # Cold: an empty compilation cache (a first run); warm: the same build again, its
         # featurize step loaded from the cache the cold build filled (every later run).
-        cache = d / f"xla_cache_{c}"
+        cache = d / f"xla_cache_{ct}"
         env = {CACHE_ENV: str(cache)}
         bc = "adam" if c == "adam_rank1" else c
         run_bergson = not args.no_bergson and bc not in bergson
@@ -819,18 +843,19 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             order = ("ours", "bergson") if i % 2 == 0 else ("bergson", "ours")
             for tool in order:
                 if tool == "ours":
-                    ob = _reusable("ours_build", spec, d, f"_{c}{sfx}") if r else None
+                    ob = _reusable("ours_build", spec, d, f"_{ct}{sfx}") if r else None
                     if ob is None:  # a cold build runs: its cache folder starts empty
                         shutil.rmtree(cache, ignore_errors=True)
-                        ob = _stage(sys.executable, "ours_build", spec, d, f"_{c}{sfx}", env=env)
+                        ob = _stage(sys.executable, "ours_build", spec, d, f"_{ct}{sfx}", env=env)
                     ours_rounds.append(ob)
                 elif run_bergson:
                     bergson_rounds.append(_bergson_build(args, peer_py, d, bc, sfx, r))
         # the warm build after the last cold one, whose compilation cache it reads
-        obw = _stage(sys.executable, "ours_build", {**spec, "warm": True}, d, f"_{c}_warm", resume=r, env=env)
-        oq = _stage(sys.executable, "ours_query", spec, d, f"_{c}", resume=r, env=env)
+        obw = _stage(sys.executable, "ours_build", {**spec, "warm": True}, d, f"_{ct}_warm", resume=r, env=env)
+        oq = _stage(sys.executable, "ours_query", spec, d, f"_{ct}", resume=r, env=env)
         if run_bergson:
-            bq = _stage(peer_py, "bergson_query", {**base, "correction": bc}, d, f"_{bc}", resume=r)
+            bspec = {**base, "correction": bc, **({"precision": "bf16"} if psfx else {})}
+            bq = _stage(peer_py, "bergson_query", bspec, d, f"_{bc}{psfx}", resume=r)
             bergson[bc] = {"builds": bergson_rounds, "query": bq}
         # the round with the median wall time stands for the build (phases, steady rate); the
         # peak RSS is the largest of any round
@@ -841,6 +866,7 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             "bench": "peer_race",
             "shape": shape,
             "correction": c,
+            "precision": args.precision,
             "d": ob["d"],
             "tokens": n * args.seq_len,
             "ours_tokens_per_s": statistics.median(ours_tps),
@@ -871,18 +897,19 @@ def race_shape(shape: str, args, peer_py) -> list[dict]:
             # the roofline: this run's best GEMM rate over our featurize step's GEMM FLOPs per token
             # (`plan.dot_flops` of the build's step)
             "gemm_peak_gflops": gemm["gemm_peak_gflops"],
+            "gemm_dtype": gemm["gemm_dtype"],
             "ours_flops_per_token": flops,
             "ours_steady_gflops": ob["steady_tokens_per_s"] * flops / 1e9,
             "ours_roofline_tokens_per_s": gemm["gemm_peak_gflops"] * 1e9 / flops,
         }
-        ours_top = np.load(d / f"ours_{c}_top10.npy")
+        ours_top = np.load(d / f"{_ours_name(spec)}_top10.npy")
         ex_c = bc
         for s in EXACT_SETS:
             ex = np.load(d / f"exact_{ex_c}_{s}_top10.npy")
             row[f"ours_top10_overlap{'' if s == 'full' else '_' + s}"] = overlap(ours_top, ex)
         if bc in bergson:
             bbs, bq = bergson[bc]["builds"], bergson[bc]["query"]
-            btop = np.load(d / f"bergson_{bc}_top10.npy")
+            btop = np.load(d / f"bergson_{bc}{psfx}_top10.npy")
             bergson_tps = [n * args.seq_len / b["wall_seconds"] for b in bbs]
             row.update(
                 {
@@ -943,6 +970,13 @@ def main(argv=None) -> None:
         help="alternations of our cold build and bergson's (median of each; the ratio: median of the rounds' ratios)",
     )
     parser.add_argument("--unembed", action="store_true", help="ours: also attribute embed_out (vectors.unembed)")
+    parser.add_argument(
+        "--precision",
+        default="fp32",
+        choices=("fp32", "bf16"),
+        help="bf16: our GEMM operands in bf16 with float32 accumulation (model.matmul_dtype) and "
+        "bergson's --precision bf16 (its model in bf16); the exact top-10 stays float32",
+    )
     parser.add_argument("--out", default=str(pathlib.Path.home() / ".cache" / "trackstar_jax" / "peer_race"))
     parser.add_argument("--peer_venv", default=str(DEFAULT_VENV))
     parser.add_argument("--resume", action="store_true", help="reuse finished stages of an earlier run in --out")

@@ -57,7 +57,7 @@ RESUMABLE_TRAIN_KEYS = (
 QUERY_MODES = ("gold", "prediction")
 # Keys of the run sections that change how a step is computed, not what it computes: never
 # compared with a run's config.json (e.g. rematerialise to fit a larger batch when featurizing).
-RUNTIME_KEYS = ("model.remat",)
+RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
 
 
 class ConfigError(ValueError):
@@ -432,7 +432,7 @@ def with_runtime_keys(saved: Settings, current: Settings) -> Settings:
 
 # `config.model` fields that stay the user's choice for an imported model (`model.source` set);
 # every other model field (arch and shapes) comes from the imported checkpoint.
-IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "max_len", "remat")
+IMPORT_USER_FIELDS = ("source", "dtype", "param_dtype", "matmul_dtype", "max_len", "remat")
 
 
 def resolve_imported_model(

@@ -174,11 +174,14 @@ def dot_flops(fn: Any, *args: Any) -> int:
     return _jaxpr_dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
 
 
-def calibrate(seconds: float = 0.5, matmuls: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024),)) -> dict:
+def calibrate(
+    seconds: float = 0.5, matmuls: tuple[tuple[int, int, int], ...] = ((1024, 1024, 1024),), dtype: str = "float32"
+) -> dict:
     """Measured on the present default device, each rate the best call within `seconds`:
-    `flops_per_s` (the best float32 `[m, k] @ [k, n]` over `matmuls`; each shape's in
-    `flops_per_s_by_shape`, keyed `"MxKxN"`) and `bytes_per_s` (a jitted sum of 128 MiB)."""
-    mm = jax.jit(jnp.matmul)
+    `flops_per_s` (the best `[m, k] @ [k, n]` over `matmuls`, operands in `dtype`, accumulated
+    and returned in float32; each shape's in `flops_per_s_by_shape`, keyed `"MxKxN"`) and
+    `bytes_per_s` (a jitted sum of 128 MiB)."""
+    mm = jax.jit(lambda a, b: jnp.matmul(a, b, preferred_element_type=jnp.float32))
     big = jnp.ones((32 << 20,), jnp.float32)  # 128 MiB: beyond the caches
     sm = jax.jit(jnp.sum)
 
@@ -193,7 +196,7 @@ def calibrate(seconds: float = 0.5, matmuls: tuple[tuple[int, int, int], ...] = 
 
     by_shape = {}
     for m, k, n in matmuls:
-        a, b = jnp.ones((m, k), jnp.float32), jnp.ones((k, n), jnp.float32)
+        a, b = jnp.ones((m, k), dtype), jnp.ones((k, n), dtype)
         by_shape[f"{m}x{k}x{n}"] = best_rate(mm, (a, b), 2 * m * k * n)
     return {
         "flops_per_s": max(by_shape.values()),

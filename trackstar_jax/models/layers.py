@@ -89,12 +89,78 @@ def matmul_2d(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, 
 # SPMD partitioner does not carry the batch's fsdp sharding through the reshape, not verified),
 # while only XLA:CPU needs the 2-D form for speed.
 MATMUL_FLATTEN = {"cpu": True}
+# Operand dtypes whose GEMMs `lowp_matmul` runs with every transposed operand materialised, on
+# the platforms listed. XLA:CPU (YNNPACK) multiplies bf16 x bf16 -> f32 at ~2x its float32 rate
+# on a CPU with AVX512-BF16 (410-420 against 200-215 GFLOP/s, 2-core EPYC), but only in the
+# `[M, K] x [K, N]` layout: a dot whose operand is transposed (every backward GEMM: `dy W^T`,
+# `x^T dy`) or whose output is bf16 is upcast to float32 and runs at ~180-200 (BUILD_NOTES, issue 13).
+LOWP_MATMUL = {"cpu": ("bfloat16",)}
 
 
-def dense_matmul(x: Float[Array, "... i"], w: Float[Array, "i o"]) -> Float[Array, "... o"]:
-    """`x @ w` over the last axis as the target platform runs it best: `matmul_2d` on the CPU,
-    `einsum("...i,io->...o")` elsewhere (`MATMUL_FLATTEN`, `runtime.target_platform`)."""
-    if MATMUL_FLATTEN.get(runtime.target_platform(), False):
+def physical_transpose(a: Float[Array, "m n"]) -> Float[Array, "n m"]:
+    """`a.T` written out row-major. XLA folds a plain transpose into the dot that reads it (as
+    a column-major operand, which XLA:CPU's bf16 GEMM does not take); going through a 3-D
+    transpose of the same bytes it does not, so the copy is made (~1 ms per 4M bf16 elements)."""
+    m, n = a.shape
+    s = 2 if m % 2 == 0 else 1
+    return jnp.transpose(a.reshape(s, m // s, n), (2, 0, 1)).reshape(n, m)
+
+
+def _lowp_dot(a, b):
+    return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _lowp_mm(x, w, operand_dtype, x_dtype, w_dtype):
+    del x_dtype, w_dtype
+    return _lowp_dot(x.astype(operand_dtype), w.astype(operand_dtype))
+
+
+def _lowp_mm_fwd(x, w, operand_dtype, x_dtype, w_dtype):
+    del x_dtype, w_dtype
+    xo, wo = x.astype(operand_dtype), w.astype(operand_dtype)
+    return _lowp_dot(xo, wo), (xo, wo)  # residuals: the rounded operands
+
+
+def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, res, ct):
+    xo, wo = res
+    ct = ct.astype(operand_dtype)
+    dx = _lowp_dot(ct, physical_transpose(wo))
+    dw = _lowp_dot(physical_transpose(xo), ct)
+    return dx.astype(x_dtype), dw.astype(w_dtype)
+
+
+_lowp_mm = jax.custom_vjp(_lowp_mm, nondiff_argnums=(2, 3, 4))
+_lowp_mm.defvjp(_lowp_mm_fwd, _lowp_mm_bwd)
+
+
+def lowp_matmul(x: Float[Array, "n i"], w: Float[Array, "i o"], operand_dtype: str = "bfloat16") -> Float[Array, "n o"]:
+    """`x @ w` with both operands rounded to `operand_dtype` (e.g. bf16), accumulated and
+    returned in float32, and differentiated the same way: each gradient GEMM takes the
+    cotangent rounded to `operand_dtype` and the transposed operand materialised
+    (`physical_transpose`), so all three GEMMs run in the layout XLA:CPU's bf16 kernel takes
+    (`LOWP_MATMUL`). The gradients come back in float32, cast to `x`'s and `w`'s dtypes."""
+    return _lowp_mm(x, w, jnp.dtype(operand_dtype).name, x.dtype.name, w.dtype.name)
+
+
+def dense_matmul(
+    x: Float[Array, "... i"], w: Float[Array, "i o"], operand_dtype: str | None = None
+) -> Float[Array, "... o"]:
+    """`x @ w` over the last axis as the target platform runs it best, in `x`'s dtype.
+
+    `operand_dtype` (None: `x`'s) is the dtype the two operands are rounded to (`LMConfig.
+    matmul_dtype`); products accumulate in float32 whenever it differs from `x`'s. On the CPU a
+    low-precision operand dtype (`LOWP_MATMUL`) goes through `lowp_matmul`; otherwise the CPU
+    flattens the leading axes (`matmul_2d`) and other platforms use
+    `einsum("...i,io->...o")` (`MATMUL_FLATTEN`, `runtime.target_platform`)."""
+    platform = runtime.target_platform()
+    od = jnp.dtype(operand_dtype or x.dtype)
+    if od.name in LOWP_MATMUL.get(platform, ()):
+        y = lowp_matmul(x.reshape(-1, x.shape[-1]), w, od.name)
+        return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
+    if od != x.dtype:
+        y = jnp.einsum("...i,io->...o", x.astype(od), w.astype(od), preferred_element_type=jnp.float32)
+        return y.astype(x.dtype)
+    if MATMUL_FLATTEN.get(platform, False):
         return matmul_2d(x, w)
     return jnp.einsum("...i,io->...o", x, w)
 
@@ -111,9 +177,10 @@ class Linear(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((out_features,), pdt)) if bias else None
         self.path = path
         self.dtype = cfg.dtype
+        self.matmul_dtype = cfg.matmul_dtype or None
 
     def __call__(self, x: Float[Array, "... i"], tap: Tap | None = None) -> Float[Array, "... o"]:
-        y = dense_matmul(x, self.kernel[...].astype(self.dtype))
+        y = dense_matmul(x, self.kernel[...].astype(self.dtype), self.matmul_dtype)
         if tap is not None:
             y = tap(self.path + "/kernel", x, y)
         if self.bias is not None:
@@ -302,6 +369,24 @@ def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
     return split(x), split(targets), split(weights), pad
 
 
+def _head_operands(x, w, operand_dtype):
+    """`(x, w, wt)`: the head's GEMM operands in `operand_dtype`, with `wt = w^T [V, d]`
+    written out (`physical_transpose`) where the platform's low-precision GEMM needs it
+    (`LOWP_MATMUL`), else None (the `dx` GEMM reads `w` transposed)."""
+    od = jnp.dtype(operand_dtype)
+    xo, wo = x.astype(od), w.astype(od)
+    if od.name not in LOWP_MATMUL.get(runtime.target_platform(), ()):
+        return xo, wo, None
+    return xo, wo, physical_transpose(wo)
+
+
+def _dx_dot(d, w, wt):
+    """`d @ w^T` `[..., V] -> [..., d]` in float32: from `wt [V, d]` when written out."""
+    if wt is not None:
+        return jnp.einsum("...v,vd->...d", d.astype(wt.dtype), wt, preferred_element_type=jnp.float32)
+    return jnp.einsum("...v,dv->...d", d.astype(w.dtype), w, preferred_element_type=jnp.float32)
+
+
 def _head_chunk_stats(xc, w, yc):
     """Logits of one chunk `[B, c, V]` (float32), their logsumexp and the target logits."""
     lg = jnp.einsum("bcd,dv->bcv", xc, w, preferred_element_type=jnp.float32)
@@ -312,8 +397,9 @@ def _head_chunk_stats(xc, w, yc):
     return lg, e, s, lse, jnp.take_along_axis(lg, yc[..., None], axis=-1)[..., 0]
 
 
-def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block):
+def _head_nll_sum(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block, operand_dtype):
     del weight_grad, vocab_block
+    x, w = x.astype(operand_dtype), w.astype(operand_dtype)
     xs, ys, ws, _ = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(acc, inp):
@@ -331,14 +417,15 @@ def head_vocab_blocks(vocab: int, vocab_block: int) -> tuple[int, int]:
     return nb, -(-int(vocab) // nb)
 
 
-def _head_blocked_dx(xs, ys, ws, w, vocab_block):
+def _head_blocked_dx(xs, ys, ws, w, vocab_block, wt=None):
     """Loss and `dx` of chunked inputs `[n, r, k, d]` (`_head_chunks`), the vocabulary taken
     `vocab_block` columns at a time with an online softmax: per chunk a scan over the `nb`
     blocks of `W` keeps the running max `m`, sum `s` and `acc = sum_v exp(l_v - m) W[:, v]`,
     rescaled when `m` grows; then `dx = weights * (acc / s - W[:, target])`. The vocabulary is
     cut into `nb = ceil(V / vocab_block)` blocks of `vb` columns (`head_vocab_blocks`), each a
     slice of `W` (no copy of the whole matrix); the last one ends at `V` and masks to -inf the
-    columns it shares with the one before.
+    columns it shares with the one before. With `wt = w^T [V, d]` written out
+    (`_head_operands`), each block's `dx` GEMM reads its rows.
 
     Returns the summed loss (float32) and `dx [n, r, k, d]` (float32)."""
     d, v = w.shape
@@ -361,7 +448,8 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block):
             scale = jnp.exp(m - m_new)
             p = jnp.exp(lg - m_new[:, None])
             s = s * scale + jnp.sum(p, axis=-1)
-            acc = acc * scale[:, None] + jnp.dot(p.astype(w.dtype), wj.T, preferred_element_type=jnp.float32)
+            wtj = None if wt is None else jax.lax.dynamic_slice_in_dim(wt, start, vb, axis=0)
+            acc = acc * scale[:, None] + _dx_dot(p, wj, wtj)
             return (m_new, s, acc), None
 
         r = x2.shape[0]
@@ -375,13 +463,15 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block):
     return jax.lax.scan(chunk, jnp.zeros((), jnp.float32), (xs, ys, ws))
 
 
-def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block):
+def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_grad, vocab_block, operand_dtype):
     """Loss and both input gradients in one pass over the chunks: each `[B, c, V]` block of
     logits is made, turned into `weights * (softmax - onehot)` and consumed by the `dx` (and
     `dW`) GEMMs while it is still in cache; the full `[B, T, V]` logits never exist. Without
     the weight gradient and with `vocab_block`, each chunk's vocabulary is blocked
     (`_head_blocked_dx`)."""
     b, t = targets.shape
+    x_dtype, w_dtype = x.dtype, w.dtype
+    x, w, wt = _head_operands(x, w, operand_dtype)
     xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(carry, inp):
@@ -389,33 +479,35 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
         xc, yc, wc = inp
         lg, e, s, lse, tl = _head_chunk_stats(xc, w, yc)
         d = e * (wc[..., None] / s) - wc[..., None] * jax.nn.one_hot(yc, lg.shape[-1], dtype=e.dtype)
-        dxc = jnp.einsum("bcv,dv->bcd", d.astype(w.dtype), w, preferred_element_type=jnp.float32)
+        dxc = _dx_dot(d, w, wt)
         if weight_grad:
-            flat_x = xc.reshape(-1, xc.shape[-1])
-            dw = dw + jnp.einsum(
-                "nd,nv->dv", flat_x, d.reshape(-1, d.shape[-1]).astype(xc.dtype), preferred_element_type=jnp.float32
-            )
+            flat_x, flat_d = xc.reshape(-1, xc.shape[-1]), d.reshape(-1, d.shape[-1]).astype(xc.dtype)
+            if wt is not None:
+                # the rounded operands multiplied in float32 (the same products): a bf16 GEMM
+                # here failed at run time for a tied head, whose `dW` XLA lays out transposed
+                flat_x, flat_d = flat_x.astype(jnp.float32), flat_d.astype(jnp.float32)
+            dw = dw + jnp.einsum("nd,nv->dv", flat_x, flat_d, preferred_element_type=jnp.float32)
         return (loss + jnp.sum(wc * (lse - tl)), dw), dxc
 
     if vocab_block and not weight_grad:
-        loss, dx = _head_blocked_dx(xs, ys, ws, w, vocab_block)
+        loss, dx = _head_blocked_dx(xs, ys, ws, w, vocab_block, wt)
         dw = None
     else:
         dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
         (loss, dw), dx = jax.lax.scan(body, (jnp.zeros((), jnp.float32), dw0), (xs, ys, ws))
-        dw = dw.astype(w.dtype) if weight_grad else None
+        dw = dw.astype(w_dtype) if weight_grad else None
     # [T/c, B*g, c/g, d] -> [B, T/c, c, d] -> [B, T, d]
-    dx = jnp.moveaxis(dx.reshape(dx.shape[0], b, -1, dx.shape[-1]), 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x.dtype)
+    dx = jnp.moveaxis(dx.reshape(dx.shape[0], b, -1, dx.shape[-1]), 0, 1).reshape(b, t + pad, -1)[:, :t].astype(x_dtype)
     return loss, (dx, dw)
 
 
-def _head_nll_sum_bwd(chunk_tokens, min_rows, weight_grad, vocab_block, res, ct):
-    del chunk_tokens, min_rows, vocab_block
+def _head_nll_sum_bwd(chunk_tokens, min_rows, weight_grad, vocab_block, operand_dtype, res, ct):
+    del chunk_tokens, min_rows, vocab_block, operand_dtype
     dx, dw = res
     return (ct * dx).astype(dx.dtype), (ct * dw).astype(dw.dtype) if weight_grad else None, None, None
 
 
-_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5, 6, 7))
+_head_nll_sum = jax.custom_vjp(_head_nll_sum, nondiff_argnums=(4, 5, 6, 7, 8))
 _head_nll_sum.defvjp(_head_nll_sum_fwd, _head_nll_sum_bwd)
 
 
@@ -429,6 +521,7 @@ def head_nll_sum(
     chunk_tokens: int | None = None,
     chunk_rows: int | None = None,
     vocab_block: int | None = None,
+    operand_dtype: str | None = None,
 ) -> Float[Array, ""]:
     """`sum_{b,t} weights * -log softmax(x W)[target]`: the output head and the weighted
     next-token loss fused, chunked along time.
@@ -451,8 +544,12 @@ def head_nll_sum(
       vocab_block: with `weight_grad=False`, the gradient's chunks take the vocabulary this
         many columns at a time (online softmax; 0: whole; None: `head_vocab_block()`). The result does not depend
         on it beyond rounding.
+      operand_dtype: the dtype the head's GEMM operands are rounded to (`LMConfig.matmul_dtype`;
+        None: `x`'s); products accumulate in float32. On the CPU a low-precision one
+        (`LOWP_MATMUL`) also writes `w^T` out once per call for the `dx` GEMMs.
     """
     block = (head_vocab_block() if vocab_block is None else int(vocab_block)) if not weight_grad else 0
     chunk = head_chunk_tokens(x.shape[-1], blocked=bool(block)) if chunk_tokens is None else int(chunk_tokens)
     rows = head_chunk_rows() if chunk_rows is None else int(chunk_rows)
-    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad, block)
+    od = jnp.dtype(operand_dtype or x.dtype).name
+    return _head_nll_sum(x, w, targets, weights.astype(jnp.float32), chunk, rows, weight_grad, block, od)

@@ -49,6 +49,7 @@ from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the famil
 
 ARCHS = ("palm", "llama", "gpt_neox")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+MATMUL_DTYPES = ("", "float32", "bfloat16")
 _ARCH_MODULES = {a: f"trackstar_jax.models.{a}" for a in ARCHS}
 
 # Parameters TrackStar never attributes (§3: "all model parameters except the token
@@ -88,6 +89,12 @@ class LMConfig:
       parallel_residual: gpt_neox `x + attn(ln1(x)) + mlp(ln2(x))`.
       activation: MLP activation ("silu" = SwiGLU for palm/llama; gelu/gelu_tanh/relu for gpt_neox).
       dtype: activation / compute dtype; param_dtype: parameter storage dtype.
+      matmul_dtype: the dtype the dense layers' and the output head's GEMM operands are
+        rounded to, products accumulated in float32 ("": `dtype`). "bfloat16" with float32
+        activations is TPU's default matmul precision; on a CPU with AVX512-BF16 those GEMMs
+        run at about twice the float32 rate (`layers.LOWP_MATMUL`). Attention's small GEMMs,
+        norms, softmax and the residual stream stay in `dtype`. A runtime choice
+        (`config.RUNTIME_KEYS`): an index records it with its featurizer settings.
       source: where the weights come from: "" (pretrained by `launch.train`), a Hugging Face
         folder, a `.gguf` file, or "smollm2" (see `training.importer`). Not an architecture
         field: `launch.import_model` fills the others from the source.
@@ -109,6 +116,7 @@ class LMConfig:
     rope_base: float = 10_000.0
     dtype: str = "float32"
     param_dtype: str = "float32"
+    matmul_dtype: str = ""
     arch: str = "palm"
     num_kv_heads: int | None = None
     norm_eps: float = 1e-6
@@ -143,6 +151,8 @@ class LMConfig:
                 )
             )
             raise ValueError(f"{what}, got {self.rotary_dim}")
+        if self.matmul_dtype not in MATMUL_DTYPES:
+            raise ValueError(f"model.matmul_dtype must be one of {MATMUL_DTYPES}, got {self.matmul_dtype!r}")
         if self.norm_eps <= 0:
             raise ValueError(f"model.norm_eps must be positive, got {self.norm_eps}")
         if self.norm_bias and self.norm != "layer":
@@ -238,7 +248,14 @@ def nll_sum(
     """
     model = nnx.merge(graphdef, params)
     if isinstance(model, DecoderLM):
-        return head_nll_sum(model.hidden(inputs, tap), model.head_matrix(), targets, weights, weight_grad=weight_grad)
+        return head_nll_sum(
+            model.hidden(inputs, tap),
+            model.head_matrix(),
+            targets,
+            weights,
+            weight_grad=weight_grad,
+            operand_dtype=model.cfg.matmul_dtype or None,
+        )
     return -jnp.sum(token_log_probs(model(inputs, tap), targets) * jax.lax.stop_gradient(weights))
 
 
@@ -333,7 +350,7 @@ class DecoderLM(nnx.Module):
     def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
         x = self.hidden(tokens, tap)
         if self.cfg.tie_embeddings:
-            logits = dense_matmul(x, self.head_matrix())
+            logits = dense_matmul(x, self.head_matrix(), self.cfg.matmul_dtype or None)
         else:
             logits = self.unembed(x, tap)
         return logits.astype(jnp.float32)
