@@ -190,3 +190,16 @@ def test_a_stage_may_set_remat_on_a_run_made_without_it(run_dir):
         fn = vectors.make_vector_fn(run.graphdef, run.model_cfg, settings.vectors, run.params, run.opt_state)
         out.append(np.asarray(fn(run.params, fn.precond, batch)))
     np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5 * np.max(np.abs(out[0])))
+
+
+def test_a_stage_may_set_matmul_dtype_and_an_index_is_not_resumed_across_it(run_dir, f32_index):
+    """`model.matmul_dtype` (a `config.RUNTIME_KEYS` key) set by a stage reaches the loaded
+    model and is recorded with the index's featurizer settings: a float32 index is not resumed
+    by a bf16 build (the rows' bits differ), and the refusal names the key."""
+    c, _ = f32_index
+    settings = config_lib.from_configdict(c).replace({"model.matmul_dtype": "bfloat16"})
+    run = checkpoint.load_run(run_dir, runtime=settings)
+    assert run.model_cfg.matmul_dtype == "bfloat16"
+    assert "matmul_dtype" not in build.expected_identity(run, settings, 256)["model"]["config"]
+    with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'featurizer.matmul_dtype'"):
+        build.build_index(settings, run_dir)

@@ -168,10 +168,19 @@ def dot_flops(fn: Any, *args: Any) -> int:
     `length` times, a cond its costliest branch. Element-wise work is not counted. XLA's
     `cost_analysis()` counts a loop's body once, which undercounts the chunked head (a scan).
 
+    Dead code is removed first, as XLA removes it: a custom VJP's backward computes every
+    input's gradient (`layers.lowp_matmul`'s weight gradient under a featurizer's input-only
+    gradient), and what nothing reads never runs.
+
     Raises:
       ValueError: if `fn` runs a while loop (its trip count is not in the jaxpr).
     """
-    return _jaxpr_dot_flops(jax.make_jaxpr(fn)(*args).jaxpr)
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    # private: jax has no public DCE of a jaxpr (nested scans / pjits pruned by its rules)
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+    return _jaxpr_dot_flops(jaxpr)
 
 
 def calibrate(

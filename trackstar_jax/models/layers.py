@@ -110,36 +110,44 @@ def _lowp_dot(a, b):
     return jnp.dot(a, b, preferred_element_type=jnp.float32)
 
 
-def _lowp_mm(x, w, operand_dtype, x_dtype, w_dtype):
-    del x_dtype, w_dtype
-    return _lowp_dot(x.astype(operand_dtype), w.astype(operand_dtype))
+def _lowp_mm(x, w, operand_dtype, x_dtype, w_dtype, written_out):
+    del x_dtype, w_dtype, written_out
+    return jnp.einsum(
+        "...i,io->...o", x.astype(operand_dtype), w.astype(operand_dtype), preferred_element_type=jnp.float32
+    )
 
 
-def _lowp_mm_fwd(x, w, operand_dtype, x_dtype, w_dtype):
-    del x_dtype, w_dtype
+def _lowp_mm_fwd(x, w, operand_dtype, x_dtype, w_dtype, written_out):
     xo, wo = x.astype(operand_dtype), w.astype(operand_dtype)
-    return _lowp_dot(xo, wo), (xo, wo)  # residuals: the rounded operands
+    return _lowp_mm(xo, wo, operand_dtype, x_dtype, w_dtype, written_out), (xo, wo)  # residuals: the rounded operands
 
 
-def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, res, ct):
+def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, written_out, res, ct):
     xo, wo = res
     ct = ct.astype(operand_dtype)
-    dx = _lowp_dot(ct, physical_transpose(wo))
-    dw = _lowp_dot(physical_transpose(xo), ct)
+    if written_out:  # 2-D operands; both transposes written out (`physical_transpose`)
+        dx, dw = _lowp_dot(ct, physical_transpose(wo)), _lowp_dot(physical_transpose(xo), ct)
+    else:
+        dx = jnp.einsum("...o,io->...i", ct, wo, preferred_element_type=jnp.float32)
+        dw = jnp.einsum("...i,...o->io", xo, ct, preferred_element_type=jnp.float32)
     return dx.astype(x_dtype), dw.astype(w_dtype)
 
 
-_lowp_mm = jax.custom_vjp(_lowp_mm, nondiff_argnums=(2, 3, 4))
+_lowp_mm = jax.custom_vjp(_lowp_mm, nondiff_argnums=(2, 3, 4, 5))
 _lowp_mm.defvjp(_lowp_mm_fwd, _lowp_mm_bwd)
 
 
-def lowp_matmul(x: Float[Array, "n i"], w: Float[Array, "i o"], operand_dtype: str = "bfloat16") -> Float[Array, "n o"]:
+def lowp_matmul(
+    x: Float[Array, "... i"], w: Float[Array, "i o"], operand_dtype: str = "bfloat16", *, written_out: bool = True
+) -> Float[Array, "... o"]:
     """`x @ w` with both operands rounded to `operand_dtype` (e.g. bf16), accumulated and
     returned in float32, and differentiated the same way: each gradient GEMM takes the
-    cotangent rounded to `operand_dtype` and the transposed operand materialised
-    (`physical_transpose`), so all three GEMMs run in the layout XLA:CPU's bf16 kernel takes
-    (`LOWP_MATMUL`). The gradients come back in float32, cast to `x`'s and `w`'s dtypes."""
-    return _lowp_mm(x, w, jnp.dtype(operand_dtype).name, x.dtype.name, w.dtype.name)
+    cotangent rounded to `operand_dtype` and accumulates in float32; the gradients come back
+    in `x`'s and `w`'s dtypes (not rounded to `operand_dtype`: TPU's default precision for a
+    float32 matmul). With `written_out` (2-D `x`), the gradient GEMMs read the transposed
+    operands written out (`physical_transpose`), the layout XLA:CPU's bf16 kernel takes
+    (`LOWP_MATMUL`)."""
+    return _lowp_mm(x, w, jnp.dtype(operand_dtype).name, x.dtype.name, w.dtype.name, bool(written_out))
 
 
 def dense_matmul(
@@ -148,18 +156,18 @@ def dense_matmul(
     """`x @ w` over the last axis as the target platform runs it best, in `x`'s dtype.
 
     `operand_dtype` (None: `x`'s) is the dtype the two operands are rounded to (`LMConfig.
-    matmul_dtype`); products accumulate in float32 whenever it differs from `x`'s. On the CPU a
-    low-precision operand dtype (`LOWP_MATMUL`) goes through `lowp_matmul`; otherwise the CPU
-    flattens the leading axes (`matmul_2d`) and other platforms use
-    `einsum("...i,io->...o")` (`MATMUL_FLATTEN`, `runtime.target_platform`)."""
+    matmul_dtype`); products accumulate in float32 and gradients are not rounded to it
+    whenever it differs from `x`'s (`lowp_matmul`). On the CPU a low-precision operand dtype
+    (`LOWP_MATMUL`) always goes through `lowp_matmul` with the leading axes flattened and the
+    transposes written out; otherwise the CPU flattens the leading axes (`matmul_2d`) and
+    other platforms use `einsum("...i,io->...o")` (`MATMUL_FLATTEN`, `runtime.target_platform`)."""
     platform = runtime.target_platform()
     od = jnp.dtype(operand_dtype or x.dtype)
     if od.name in LOWP_MATMUL.get(platform, ()):
-        y = lowp_matmul(x.reshape(-1, x.shape[-1]), w, od.name)
+        y = lowp_matmul(x.reshape(-1, x.shape[-1]), w, od.name, written_out=True)
         return y.astype(x.dtype).reshape(*x.shape[:-1], w.shape[-1])
     if od != x.dtype:
-        y = jnp.einsum("...i,io->...o", x.astype(od), w.astype(od), preferred_element_type=jnp.float32)
-        return y.astype(x.dtype)
+        return lowp_matmul(x, w, od.name, written_out=False).astype(x.dtype)
     if MATMUL_FLATTEN.get(platform, False):
         return matmul_2d(x, w)
     return jnp.einsum("...i,io->...o", x, w)
