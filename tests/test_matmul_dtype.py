@@ -40,7 +40,8 @@ def test_physical_transpose_is_the_transpose(shape):
     np.testing.assert_array_equal(np.asarray(jax.jit(layers.physical_transpose)(a)), np.asarray(a).T)
 
 
-@pytest.mark.parametrize("n,i,o", [(6, 5, 7), (16, 8, 12), (1, 4, 3)])
+# (2, 16, 24), (1, 4, 3): fewer rows than the weight has, whose `dx` transposes the cotangent
+@pytest.mark.parametrize("n,i,o", [(6, 5, 7), (16, 8, 12), (2, 16, 24), (1, 4, 3)])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lowp_matmul_and_its_gradients_multiply_the_rounded_operands(n, i, o, dtype):
     """Value `x_r @ w_r` in float32; gradients `ct_r @ w_r^T` and `x_r^T @ ct_r` (`_r`: rounded
@@ -76,32 +77,36 @@ def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(m
     Fails if XLA folds a written-out transpose back into a dot (then upcast to float32)."""
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
-    x, w = jnp.ones((64, 32), jnp.float32), jnp.ones((32, 48), jnp.float32)
+    w = jnp.ones((32, 48), jnp.float32)
     dense = jax.jit(jax.grad(lambda x, w: jnp.sum(layers.dense_matmul(x, w, "bfloat16") ** 2), argnums=(0, 1)))
-    types = _dot_operand_types(dense.lower(x, w).compile().as_text())
-    assert len(types) == 3 and all(t == ("bf16", "bf16") for t in types), types
-    h, wh = jnp.ones((4, 31, 32), jnp.float32), jnp.ones((32, 300), jnp.float32)
-    y, wt = jnp.ones((4, 31), jnp.int32), jnp.ones((4, 31), jnp.float32)
-    for block in (0, 64):
+    for rows in (64, 4):  # a batch's rows, and a query's fewer rows than the weight has
+        x = jnp.ones((rows, 32), jnp.float32)
+        types = _dot_operand_types(dense.lower(x, w).compile().as_text())
+        assert len(types) == 3 and all(t == ("bf16", "bf16") for t in types), (rows, types)
+    wh = jnp.ones((32, 300), jnp.float32)
+    for (b, t), block in [((4, 31), 0), ((4, 31), 64), ((1, 7), 64)]:
+        h, y, wt = jnp.ones((b, t, 32), jnp.float32), jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.float32)
         head = functools.partial(
             layers.head_nll_sum, targets=y, weights=wt, weight_grad=False, vocab_block=block, operand_dtype="bfloat16"
         )
         types = _dot_operand_types(jax.jit(jax.grad(head)).lower(h, wh).compile().as_text())
-        assert len(types) >= 2 and all(t == ("bf16", "bf16") for t in types), (block, types)
+        assert len(types) >= 2 and all(t == ("bf16", "bf16") for t in types), (b, t, block, types)
     # without the operand dtype: float32 GEMMs (the test can tell the two apart)
+    x = jnp.ones((64, 32), jnp.float32)
     plain = jax.jit(jax.grad(lambda x, w: jnp.sum(layers.dense_matmul(x, w) ** 2), argnums=(0, 1)))
     assert all(t == ("f32", "f32") for t in _dot_operand_types(plain.lower(x, w).compile().as_text()))
 
 
+@pytest.mark.parametrize("d", [16, 48])  # 48: wider than the 33 rows (`dx` transposes `softmax - onehot`)
 @pytest.mark.parametrize("weight_grad,vocab_block", [(True, 0), (False, 0), (False, 8), (False, 37)])
-def test_the_bf16_head_is_the_head_of_the_rounded_operands(weight_grad, vocab_block):
+def test_the_bf16_head_is_the_head_of_the_rounded_operands(weight_grad, vocab_block, d):
     """Loss and gradients of `head_nll_sum(..., operand_dtype="bfloat16")` against float64 numpy
     on bf16-rounded `x` and `W`: the loss to float32 accumulation; with the vocabulary whole,
     `dx = r(D) W_r^T` and `dW = x_r^T r(D)` (`D = weights * (softmax - onehot)`, `r`: rounded
     to bf16, as the GEMMs take it) to 1e-4, where the float32 head is 20x further off; in
     vocabulary blocks each block's unnormalised exponentials are what is rounded (3e-3)."""
     rng = np.random.default_rng(1)
-    b, t, d, v = 3, 11, 16, 37
+    b, t, v = 3, 11, 37
     x = jnp.asarray(rng.standard_normal((b, t, d)), jnp.float32)
     w = jnp.asarray(rng.standard_normal((d, v)), jnp.float32)
     y = jnp.asarray(rng.integers(0, v, (b, t)), jnp.int32)

@@ -125,8 +125,15 @@ def _lowp_mm_fwd(x, w, operand_dtype, x_dtype, w_dtype, written_out):
 def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, written_out, res, ct):
     xo, wo = res
     ct = ct.astype(operand_dtype)
-    if written_out:  # 2-D operands; both transposes written out (`physical_transpose`)
-        dx, dw = _lowp_dot(ct, physical_transpose(wo)), _lowp_dot(physical_transpose(xo), ct)
+    if written_out:  # 2-D operands; the transposed ones written out (`physical_transpose`)
+        n, (i, o) = xo.shape[0], wo.shape
+        if i * o <= n * (i + o):
+            dx = _lowp_dot(ct, physical_transpose(wo))
+        else:  # fewer rows than the weight has (a query): `(W ct^T)^T`, the activations transposed
+            dx = physical_transpose(
+                _lowp_dot(wo, physical_transpose(ct))
+            )  # a plain `.T` XLA:CPU lays into the dot: it then fails
+        dw = _lowp_dot(physical_transpose(xo), ct)
     else:
         dx = jnp.einsum("...o,io->...i", ct, wo, preferred_element_type=jnp.float32)
         dw = jnp.einsum("...i,...o->io", xo, ct, preferred_element_type=jnp.float32)
@@ -378,20 +385,26 @@ def _head_chunks(x, targets, weights, chunk_tokens, min_rows):
 
 
 def _head_operands(x, w, operand_dtype):
-    """`(x, w, wt)`: the head's GEMM operands in `operand_dtype`, with `wt = w^T [V, d]`
-    written out (`physical_transpose`) where the platform's low-precision GEMM needs it
-    (`LOWP_MATMUL`), else None (the `dx` GEMM reads `w` transposed)."""
+    """`(x, w, wt, lowp)`: the head's GEMM operands in `operand_dtype`; `lowp`: the platform's
+    low-precision GEMM needs its operands untransposed (`LOWP_MATMUL`). Then `wt = w^T [V, d]`
+    is written out (`physical_transpose`) for the `dx` GEMMs when the head has at least `d` rows
+    (`x`'s `B*T`); with fewer (a query) each `dx` GEMM transposes its `[rows, V]` factor
+    instead, fewer bytes than `W` (`_dx_dot`). Else `wt` is None."""
     od = jnp.dtype(operand_dtype)
     xo, wo = x.astype(od), w.astype(od)
-    if od.name not in LOWP_MATMUL.get(runtime.target_platform(), ()):
-        return xo, wo, None
-    return xo, wo, physical_transpose(wo)
+    lowp = od.name in LOWP_MATMUL.get(runtime.target_platform(), ())
+    rows = math.prod(x.shape[:-1])
+    return xo, wo, physical_transpose(wo) if lowp and rows >= w.shape[0] else None, lowp
 
 
-def _dx_dot(d, w, wt):
-    """`d @ w^T` `[..., V] -> [..., d]` in float32: from `wt [V, d]` when written out."""
+def _dx_dot(d, w, wt, lowp=False):
+    """`d @ w^T` `[..., V] -> [..., d]` in float32: from `wt [V, d]` when written out; else with
+    `lowp` as `(w d^T)^T` with `d^T` written out (`_head_operands`)."""
     if wt is not None:
         return jnp.einsum("...v,vd->...d", d.astype(wt.dtype), wt, preferred_element_type=jnp.float32)
+    if lowp:
+        d2 = physical_transpose(d.reshape(-1, d.shape[-1]).astype(w.dtype))
+        return physical_transpose(_lowp_dot(w, d2)).reshape(*d.shape[:-1], w.shape[0])
     return jnp.einsum("...v,dv->...d", d.astype(w.dtype), w, preferred_element_type=jnp.float32)
 
 
@@ -425,7 +438,7 @@ def head_vocab_blocks(vocab: int, vocab_block: int) -> tuple[int, int]:
     return nb, -(-int(vocab) // nb)
 
 
-def _head_blocked_dx(xs, ys, ws, w, vocab_block, wt=None):
+def _head_blocked_dx(xs, ys, ws, w, vocab_block, wt=None, lowp=False):
     """Loss and `dx` of chunked inputs `[n, r, k, d]` (`_head_chunks`), the vocabulary taken
     `vocab_block` columns at a time with an online softmax: per chunk a scan over the `nb`
     blocks of `W` keeps the running max `m`, sum `s` and `acc = sum_v exp(l_v - m) W[:, v]`,
@@ -457,7 +470,7 @@ def _head_blocked_dx(xs, ys, ws, w, vocab_block, wt=None):
             p = jnp.exp(lg - m_new[:, None])
             s = s * scale + jnp.sum(p, axis=-1)
             wtj = None if wt is None else jax.lax.dynamic_slice_in_dim(wt, start, vb, axis=0)
-            acc = acc * scale[:, None] + _dx_dot(p, wj, wtj)
+            acc = acc * scale[:, None] + _dx_dot(p, wj, wtj, lowp)
             return (m_new, s, acc), None
 
         r = x2.shape[0]
@@ -479,7 +492,7 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
     (`_head_blocked_dx`)."""
     b, t = targets.shape
     x_dtype, w_dtype = x.dtype, w.dtype
-    x, w, wt = _head_operands(x, w, operand_dtype)
+    x, w, wt, lowp = _head_operands(x, w, operand_dtype)
     xs, ys, ws, pad = _head_chunks(x, targets, weights, chunk_tokens, min_rows)
 
     def body(carry, inp):
@@ -487,10 +500,10 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
         xc, yc, wc = inp
         lg, e, s, lse, tl = _head_chunk_stats(xc, w, yc)
         d = e * (wc[..., None] / s) - wc[..., None] * jax.nn.one_hot(yc, lg.shape[-1], dtype=e.dtype)
-        dxc = _dx_dot(d, w, wt)
+        dxc = _dx_dot(d, w, wt, lowp)
         if weight_grad:
             flat_x, flat_d = xc.reshape(-1, xc.shape[-1]), d.reshape(-1, d.shape[-1]).astype(xc.dtype)
-            if wt is not None:
+            if lowp:
                 # the rounded operands multiplied in float32 (the same products): a bf16 GEMM
                 # here failed at run time for a tied head, whose `dW` XLA lays out transposed
                 flat_x, flat_d = flat_x.astype(jnp.float32), flat_d.astype(jnp.float32)
@@ -498,7 +511,7 @@ def _head_nll_sum_fwd(x, w, targets, weights, chunk_tokens, min_rows, weight_gra
         return (loss + jnp.sum(wc * (lse - tl)), dw), dxc
 
     if vocab_block and not weight_grad:
-        loss, dx = _head_blocked_dx(xs, ys, ws, w, vocab_block, wt)
+        loss, dx = _head_blocked_dx(xs, ys, ws, w, vocab_block, wt, lowp)
         dw = None
     else:
         dw0 = jnp.zeros(w.shape if weight_grad else (), jnp.float32)
