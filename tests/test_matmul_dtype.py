@@ -173,6 +173,7 @@ def test_the_cpu_bf16_path_equals_the_accelerators_einsum_path(arch, tie, monkey
 
     # the head's vocabulary whole on both (the blocked head rounds other numbers: tested above)
     monkeypatch.setitem(layers.HEAD_VOCAB_BLOCK, "cpu", 0)
+    jax.clear_caches()  # read at trace time
     for weight_grad in (True, False):
         monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
         cpu = grads(graphdef, weight_grad)
@@ -189,10 +190,9 @@ def test_the_cpu_bf16_path_equals_the_accelerators_einsum_path(arch, tie, monkey
             assert _rel(cpu[1][path], f32[1][path]) < 3e-2, path
 
 
-@pytest.mark.parametrize("correction,exact_v", [("adafactor", False), ("adam", True)])
-def test_bf16_vectors_are_the_float32_vectors_within_rounding(correction, exact_v):
-    """The fast featurizer with `matmul_dtype="bfloat16"`: every row's cosine with the float32
-    model's row above 0.999, the two unequal (the option is on)."""
+def _trained(correction: str):
+    """A small untied GPT-NeoX after one optimizer step (`correction`'s second moment), and a
+    batch of 8 rows (one per fake device)."""
     cfg = arch_config("gpt_neox", tie_embeddings=False)
     if correction == "adafactor":
         opt = train_lib.make_optimizer(train_lib.OptimizerConfig(min_dim_size_to_factor=8, warmup_steps=1))
@@ -200,21 +200,47 @@ def test_bf16_vectors_are_the_float32_vectors_within_rounding(correction, exact_
         opt = optax.adam(1e-2)
     graphdef, state = train_lib.init_state(cfg, opt, seed=0)
     rng = np.random.default_rng(4)
-    tokens = rng.integers(1, cfg.vocab_size, (8, 16)).astype(np.int32)  # a row per fake device
+    tokens = rng.integers(1, cfg.vocab_size, (8, 16)).astype(np.int32)
     batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens), "example_id": np.arange(8, dtype=np.int32)}
     state, _ = train_lib.train_step(state, batch, graphdef=graphdef, opt=opt)  # a second moment of real gradients
-    params, opt_state = state.params, state.opt_state
+    return cfg, state.params, state.opt_state, batch
+
+
+def _vectors(cfg, matmul_dtype, vc, params, opt_state, batch):
+    c = dataclasses.replace(cfg, matmul_dtype=matmul_dtype)
+    gd, _ = model_lib.split_model(model_lib.make_model(c, seed=0))
+    fn = vectors.make_vector_fn(gd, c, vc, params, opt_state)
+    return np.asarray(fn(params, fn.precond, batch), np.float64)
+
+
+@pytest.mark.parametrize("correction,exact_v", [("adafactor", False), ("adam", True)])
+def test_bf16_vectors_are_the_float32_vectors_within_rounding(correction, exact_v):
+    """The fast featurizer with `matmul_dtype="bfloat16"`: every row's cosine with the float32
+    model's row above 0.999, the two unequal (the option is on)."""
+    cfg, params, opt_state, batch = _trained(correction)
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=8, correction=True, exact_v=exact_v, batch_size=8)
-    out = {}
-    for md in ("", "bfloat16"):
-        c = dataclasses.replace(cfg, matmul_dtype=md)
-        gd, _ = model_lib.split_model(model_lib.make_model(c, seed=0))
-        fn = vectors.make_vector_fn(gd, c, vc, params, opt_state)
-        out[md] = np.asarray(fn(params, fn.precond, batch), np.float64)
-    a, b = out[""], out["bfloat16"]
+    a, b = (_vectors(cfg, md, vc, params, opt_state, batch) for md in ("", "bfloat16"))
     cos = np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert np.all(cos > 0.999), cos
     assert not np.array_equal(a, b)
+
+
+def test_the_bf16_exact_path_equals_the_bf16_reference_path(monkeypatch):
+    """Adam's V applied exactly under `matmul_dtype="bfloat16"`: the fast path's per-example
+    layer gradients (`x_r^T g_r`, one layer at a time, `factored._capture_dense_exact`) against
+    the reference path's vmap(grad) through `lowp_matmul` (its weight gradient `x_r^T ct_r`):
+    equal but for a few bf16 roundings that fall the other way (the two paths' heads make
+    `softmax - onehot` in float32 by different sums), the head's vocabulary whole on both."""
+    monkeypatch.setitem(layers.HEAD_VOCAB_BLOCK, "cpu", 0)
+    jax.clear_caches()  # read at trace time: no step traced under the default may be reused
+    cfg, params, opt_state, batch = _trained("adam")
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=8, correction=True, exact_v=True, batch_size=8)
+    fast = _vectors(cfg, "bfloat16", vc, params, opt_state, batch)
+    ref = _vectors(cfg, "bfloat16", dataclasses.replace(vc, path="reference"), params, opt_state, batch)
+    f32 = _vectors(cfg, "", dataclasses.replace(vc, path="reference"), params, opt_state, batch)
+    assert _rel(fast, ref) < 1e-3, _rel(fast, ref)  # 1.6e-4 measured; float32 paths: 1.2e-7
+    assert _rel(f32, ref) > 10 * _rel(fast, ref)  # the rounding is what both paths share (9.3e-3)
+    jax.clear_caches()
 
 
 def test_a_bad_matmul_dtype_is_refused():

@@ -50,6 +50,7 @@ from trackstar_jax.distributed import runtime
 from trackstar_jax.features import grads as grads_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
+from trackstar_jax.models import layers as layers_lib
 from trackstar_jax.models import lm as model_lib
 
 
@@ -106,7 +107,6 @@ def _capture_dense_lazy_bwd(res, g):
 _capture_dense_lazy.defvjp(_capture_dense_lazy_fwd, _capture_dense_lazy_bwd)
 
 
-@jax.custom_vjp
 def _capture_dense_exact(
     y: Float[Array, "b t n"],
     x: Float[Array, "b t m"],
@@ -114,16 +114,19 @@ def _capture_dense_exact(
     p1: Float[Array, "k n"],
     f: Float[Array, "m n"],
     z: Float[Array, "b k k"],
+    operand_dtype: str | None = None,
 ) -> Float[Array, "b t n"]:
     """Identity on `y`; its VJP sends `P0 ((sum_t x_t g_t^T) * F) P1^T` to `z`: the layer's
-    per-example gradient materialised (one layer at a time), corrected element-wise by `F`."""
-    del x, p0, p1, f, z
+    per-example gradient materialised (one layer at a time), corrected element-wise by `F`.
+    `operand_dtype` (the model's `matmul_dtype`, None: as they come): the dtype `x` and `g` are
+    rounded to for the gradient's GEMM (float32 accumulation), as the layer's own GEMMs take them."""
+    del x, p0, p1, f, z, operand_dtype
     return y
 
 
-def _capture_dense_exact_fwd(y, x, p0, p1, f, z):
+def _capture_dense_exact_fwd(y, x, p0, p1, f, z, operand_dtype):
     del z
-    return y, (x, p0, p1, f)
+    return y, (x if operand_dtype is None else x.astype(operand_dtype), p0, p1, f)
 
 
 # Whether `_capture_dense_exact` materialises one example's `[m, n]` gradient at a time (a loop
@@ -143,18 +146,22 @@ def _exact_projected(xt, g, p0, p1, f):
     return p0 @ jnp.matmul(grad, p1.T)
 
 
-def _capture_dense_exact_bwd(res, g):
+def _capture_dense_exact_bwd(operand_dtype, res, g):
     x, p0, p1, f = res
     # The inputs transposed once for the whole batch (`[B, m, T]`), not per example inside the
     # loop: the loop's `x^T g` ran 7-13% faster at the pythia-70m shapes (BUILD_NOTES, issue 13).
-    xt = jnp.swapaxes(x, 1, 2)
+    if operand_dtype is None:
+        xt, gg = jnp.swapaxes(x, 1, 2), g
+    else:  # a bf16 GEMM's layout on the CPU: `x^T` written out (`layers.physical_transpose`)
+        xt, gg = layers_lib.physical_transpose(x), g.astype(operand_dtype)
     if EXACT_V_PER_EXAMPLE.get(runtime.target_platform(), False):
-        dz = jax.lax.map(lambda xg: _exact_projected(*xg, p0, p1, f), (xt, g))
+        dz = jax.lax.map(lambda xg: _exact_projected(*xg, p0, p1, f), (xt, gg))
     else:
-        dz = jax.vmap(_exact_projected, in_axes=(0, 0, None, None, None))(xt, g, p0, p1, f)
+        dz = jax.vmap(_exact_projected, in_axes=(0, 0, None, None, None))(xt, gg, p0, p1, f)
     return g, None, None, None, None, dz
 
 
+_capture_dense_exact = jax.custom_vjp(_capture_dense_exact, nondiff_argnums=(6,))
 _capture_dense_exact.defvjp(_capture_dense_exact_fwd, _capture_dense_exact_bwd)
 
 
@@ -281,6 +288,11 @@ def factored_vectors(
     inputs, targets, weights = model_lib.lm_targets(batch)
     b, k = inputs.shape[0], plan.proj_dim
     exact = exact_paths(correction, exact_v)
+    # the exact path's per-example GEMMs take the model's GEMM operand dtype where the CPU runs
+    # it in bf16 (`model.matmul_dtype`, `layers.LOWP_MATMUL`)
+    model_od = getattr(getattr(nnx.merge(graphdef, params), "cfg", None), "matmul_dtype", "") or None
+    lowp = layers_lib.LOWP_MATMUL.get(runtime.target_platform(), ())
+    exact_od = model_od if exact and model_od in lowp else None
     projs = step_projections(plan, correction, seed, exact_v) if projections is None else projections
     entries = {e.path: e for e in plan.entries}
     unembed = any(p.split("/")[0] == model_lib.UNEMBED for p in entries)  # vectors.unembed
@@ -301,7 +313,7 @@ def factored_vectors(
             if e.kind == "scale":
                 return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
             if path in exact:
-                return _capture_dense_exact(y, x, p0, p1, correction.full[path], zs[e.side])
+                return _capture_dense_exact(y, x, p0, p1, correction.full[path], zs[e.side], exact_od)
             if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
                 return _capture_dense_lazy(y, x, p0, p1, zs[e.side])
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)

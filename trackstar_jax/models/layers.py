@@ -97,13 +97,16 @@ MATMUL_FLATTEN = {"cpu": True}
 LOWP_MATMUL = {"cpu": ("bfloat16",)}
 
 
-def physical_transpose(a: Float[Array, "m n"]) -> Float[Array, "n m"]:
-    """`a.T` written out row-major. XLA folds a plain transpose into the dot that reads it (as
-    a column-major operand, which XLA:CPU's bf16 GEMM does not take); going through a 3-D
-    transpose of the same bytes it does not, so the copy is made (~1 ms per 4M bf16 elements)."""
-    m, n = a.shape
+def physical_transpose(a: Float[Array, "... m n"]) -> Float[Array, "... n m"]:
+    """`a` with its last two axes swapped, written out row-major. XLA folds a plain transpose
+    into the dot that reads it (as a column-major operand, which XLA:CPU's bf16 GEMM does not
+    take); going through a transpose of one more axis (the rows split in two) it does not, so
+    the copy is made (~1 ms per 4M bf16 elements)."""
+    *lead, m, n = a.shape
     s = 2 if m % 2 == 0 else 1
-    return jnp.transpose(a.reshape(s, m // s, n), (2, 0, 1)).reshape(n, m)
+    k = len(lead)
+    b = a.reshape(*lead, s, m // s, n)
+    return jnp.transpose(b, (*range(k), k + 2, k, k + 1)).reshape(*lead, n, m)
 
 
 def _lowp_dot(a, b):
