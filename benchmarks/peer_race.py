@@ -43,11 +43,18 @@ does (`distributed.runtime`), in a folder of the race's own per correction: the 
 first with that folder empty (`ours_tokens_per_s`: a first run on a machine) and then again
 (`ours_tokens_per_s_warm_cache`: every later run with the same model and shapes).
 
-Roofline (stage `gemm`, resumed with the builds): this machine's best float32 GEMM rate at the shape's
-matrix shapes through XLA, measured in the same run, and our featurize step's GEMM FLOPs per
-token (`plan.dot_flops` of the step the build runs): `ours_steady_gflops`, `ours_roofline_tokens_per_s` (the
-most any featurizer doing our FLOPs could reach here) and `roofline_over_bergson` (the most
-`ours_over_bergson` could be).
+Roofline (stage `gemm`, resumed with the builds): this machine's best GEMM rate (float32
+operands, or bf16 under `--precision bf16`) at the shape's matrix shapes through XLA, measured
+in the same run, and our featurize step's GEMM FLOPs per token (`plan.dot_flops` of the step
+the build runs): `ours_steady_gflops`, `ours_roofline_tokens_per_s` (the most any featurizer
+doing our FLOPs could reach here) and `roofline_over_bergson` (the most `ours_over_bergson`
+could be).
+
+Precision (`--precision`, default `fp32`): `bf16` races our `model.matmul_dtype="bfloat16"`
+(the dense layers' and the head's GEMM operands in bf16, float32 accumulation and activations)
+against bergson's `--precision bf16` (its model in bf16, queries too); rows say `precision`, the
+roofline uses the bf16 GEMM rate, the exact top-10 stays float32, and the two precisions' files
+and stages sit side by side (`*_bf16`).
 
 `--resume` reuses every finished stage whose spec is unchanged; `--reuse_inputs` reuses only
 the prepared model, optimizer states and exact top-10, and times everything else again.

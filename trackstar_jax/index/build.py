@@ -79,7 +79,7 @@ def index_manifest(
             "batch_size": int(vec_cfg.batch_size),
             "max_len": int(run.model_cfg.max_len),
             "length_buckets": f"pow2>={data_lib.MIN_BUCKET_LEN}",
-            # GEMM operands' dtype (a runtime key, so not under model.config): other bits
+            # `model.matmul_dtype` (a runtime key, so not in model.config) changes the rows' bits
             **({"matmul_dtype": run.model_cfg.matmul_dtype} if run.model_cfg.matmul_dtype else {}),
         },
         info={
