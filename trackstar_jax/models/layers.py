@@ -121,8 +121,8 @@ def _lowp_mm(x, w, operand_dtype, x_dtype, w_dtype, written_out):
 
 
 def _lowp_mm_fwd(x, w, operand_dtype, x_dtype, w_dtype, written_out):
-    xo, wo = x.astype(operand_dtype), w.astype(operand_dtype)
-    return _lowp_mm(xo, wo, operand_dtype, x_dtype, w_dtype, written_out), (xo, wo)  # residuals: the rounded operands
+    xo, wo = x.astype(operand_dtype), w.astype(operand_dtype)  # the residuals: the rounded operands
+    return _lowp_mm(xo, wo, operand_dtype, x_dtype, w_dtype, written_out), (xo, wo)
 
 
 def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, written_out, res, ct):
@@ -132,10 +132,11 @@ def _lowp_mm_bwd(operand_dtype, x_dtype, w_dtype, written_out, res, ct):
         n, (i, o) = xo.shape[0], wo.shape
         if i * o <= n * (i + o):
             dx = _lowp_dot(ct, physical_transpose(wo))
-        else:  # fewer rows than the weight has (a query): `(W ct^T)^T`, the activations transposed
-            dx = physical_transpose(
-                _lowp_dot(wo, physical_transpose(ct))
-            )  # a plain `.T` XLA:CPU lays into the dot: it then fails
+        else:
+            # fewer rows than the weight has (a query): `(W ct^T)^T`, the activations transposed
+            # instead of W, the result written out too (XLA:CPU lays a plain `.T` into the dot,
+            # which then fails at run time)
+            dx = physical_transpose(_lowp_dot(wo, physical_transpose(ct)))
         dw = _lowp_dot(physical_transpose(xo), ct)
     else:
         dx = jnp.einsum("...o,io->...i", ct, wo, preferred_element_type=jnp.float32)
