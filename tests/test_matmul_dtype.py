@@ -59,6 +59,59 @@ def test_lowp_matmul_and_its_gradients_multiply_the_rounded_operands(n, i, o, dt
     np.testing.assert_allclose(np.asarray(dw, np.float64), xr.T @ cr, rtol=out_tol, atol=out_tol)
 
 
+def _np_attention(q, k, v, do, rnd):
+    """Causal GQA attention and its VJP in float64 numpy, one (example, head) at a time; `rnd`
+    rounds each GEMM's operands (`_rounded`, or the identity for the float32 reference)."""
+    b, t, h, d = q.shape
+    r = h // k.shape[2]
+    o, dq, dk, dv = np.zeros(q.shape), np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for bi in range(b):
+        for hi in range(h):
+            qi, ki, vi, doi = q[bi, :, hi], k[bi, :, hi // r], v[bi, :, hi // r], do[bi, :, hi]
+            s = np.where(np.tril(np.ones((t, t), bool)), rnd(qi) @ rnd(ki).T / np.sqrt(d), -np.inf)
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            o[bi, :, hi] = rnd(p) @ rnd(vi)
+            dp = rnd(doi) @ rnd(vi).T
+            ds = p * (dp - np.sum(dp * p, -1, keepdims=True)) / np.sqrt(d)
+            dq[bi, :, hi] = rnd(ds) @ rnd(ki)
+            dk[bi, :, hi // r] += rnd(ds).T @ rnd(qi)
+            dv[bi, :, hi // r] += rnd(p).T @ rnd(doi)
+    return o, (dq, dk, dv)
+
+
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("g", [4, 2, 1])  # multi-head, grouped-query, multi-query (4 query heads)
+@pytest.mark.parametrize("operand_dtype", [None, "bfloat16"])
+def test_causal_attention_and_its_gradients_against_a_loop(operand_dtype, g, platform, monkeypatch):
+    """`causal_attention` on the CPU's heads-first layout and on the accelerators' einsum path:
+    output and the gradients of q, k, v against float64 numpy, one head at a time. With bf16
+    operands every GEMM's operands rounded (the softmax's probabilities, the cotangent and the
+    softmax's VJP too) and float32 accumulation: to 2e-4, where the float32 reference is 10x
+    further off."""
+    monkeypatch.setenv(runtime.TARGET_ENV, platform)
+    rng = np.random.default_rng(7)
+    b, t, h, d = 2, 9, 4, 8
+    q, do = (rng.standard_normal((b, t, h, d)) for _ in range(2))
+    k, v = (rng.standard_normal((b, t, g, d)) for _ in range(2))
+    args = [jnp.asarray(a, jnp.float32) for a in (q, k, v)]
+    f = jax.jit(functools.partial(layers.causal_attention, operand_dtype=operand_dtype))
+    o, vjp = jax.vjp(f, *args)
+    grads = jax.jit(vjp)(jnp.asarray(do, jnp.float32))
+    assert o.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in grads)
+    if operand_dtype is None:
+        o_r, g_r = _np_attention(q, k, v, do, lambda a: a)
+        tol = 2e-6
+    else:
+        o_r, g_r = _np_attention(*(np.asarray(a, np.float64) for a in args), do, _rounded)
+        o_f, g_f = _np_attention(q, k, v, do, lambda a: a)
+        tol = 2e-4
+        assert _rel(o_f, o_r) > 10 * tol and all(_rel(x, y) > 10 * tol for x, y in zip(g_f, g_r))
+    assert _rel(o, o_r) < tol
+    for name, x, y in zip("qkv", grads, g_r):
+        assert _rel(x, y) < tol, name
+
+
 def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     """The element types of every dot's two operands in a compiled HLO module's text."""
     out = []
@@ -91,6 +144,10 @@ def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(m
         )
         types = _dot_operand_types(jax.jit(jax.grad(head)).lower(h, wh).compile().as_text())
         assert len(types) >= 2 and all(t == ("bf16", "bf16") for t in types), (b, t, block, types)
+    q, k = jnp.ones((2, 16, 4, 8), jnp.float32), jnp.ones((2, 16, 2, 8), jnp.float32)
+    attn = jax.jit(jax.grad(lambda q, k: jnp.sum(layers.causal_attention(q, k, k, "bfloat16") ** 2), argnums=(0, 1)))
+    types = _dot_operand_types(attn.lower(q, k).compile().as_text())
+    assert len(types) == 6 and all(t == ("bf16", "bf16") for t in types), types
     # without the operand dtype: float32 GEMMs (the test can tell the two apart)
     x = jnp.ones((64, 32), jnp.float32)
     plain = jax.jit(jax.grad(lambda x, w: jnp.sum(layers.dense_matmul(x, w) ** 2), argnums=(0, 1)))

@@ -43,6 +43,7 @@ class Attention(nnx.Module):
         self.out = layers.Linear(h * hd, d, f"{path}/out", cfg, rngs=rngs, bias=cfg.out_bias)
         self.num_heads, self.head_dim = h, hd
         self.rope_base, self.rotary_dim = cfg.rope_base, cfg.rotary_dim
+        self.matmul_dtype = cfg.matmul_dtype or None
 
     def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
         b, t, _ = x.shape
@@ -52,7 +53,7 @@ class Attention(nnx.Module):
         v = self.value(x, tap).reshape(shape)
         q = layers.rope(q, self.rope_base, self.rotary_dim)
         k = layers.rope(k, self.rope_base, self.rotary_dim)
-        ctx = layers.causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
+        ctx = layers.causal_attention(q, k, v, self.matmul_dtype).reshape(b, t, self.num_heads * self.head_dim)
         return self.out(ctx, tap)
 
 

@@ -272,23 +272,115 @@ def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = Non
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest], axis=-1).astype(x.dtype)
 
 
+# Platforms whose attention lays the heads out first (`[b*g, r*t, d]`, each key/value head's
+# queries stacked as rows): XLA:CPU's batched GEMMs then read contiguous row-major operands;
+# with the `[b, t, h, d]` layout they ran at 20-40 GFLOP/s, half the rate (70m shape; BUILD_NOTES,
+# issue 13). Elsewhere XLA's layout assignment chooses (the einsum on `[b, t, h, d]`).
+ATTENTION_HEAD_MAJOR = {"cpu": True}
+
+
+def _scores_mask(t: int, r: int) -> Array:
+    """`[r*t, t]` bool: row `i` (query position `i % t` of one of `r` stacked heads) sees keys <= it."""
+    return jnp.tile(jnp.tril(jnp.ones((t, t), dtype=bool)), (r, 1))
+
+
+def _bdot(a, b, written_out):
+    """`[n, m, k] x [n, k, p] -> [n, m, p]` in float32; `written_out`: `b` is given as `[n, p, k]`
+    and is written out transposed (`physical_transpose`; the layout XLA:CPU's bf16 GEMM takes)."""
+    if written_out:
+        b = physical_transpose(b)
+    return jax.lax.dot_general(a, b, (((2,), (1,)), ((0,), (0,))), preferred_element_type=jnp.float32)
+
+
+def _lowp_attn(qh, kh, vh, r, operand_dtype, written_out, dtype):
+    del dtype
+    return _lowp_attn_fwd(qh, kh, vh, r, operand_dtype, written_out)[0]
+
+
+def _lowp_attn_fwd(qh, kh, vh, r, operand_dtype, written_out, dtype=None):
+    """`qh [n, r*t, d]`, `kh, vh [n, t, d]` (`causal_attention`'s heads-first layout) -> the
+    attention output `[n, r*t, d]` in `qh`'s dtype, and the residuals: the rounded operands and
+    the float32 probabilities."""
+    od, d = jnp.dtype(operand_dtype), qh.shape[-1]
+    qo, ko, vo = qh.astype(od), kh.astype(od), vh.astype(od)
+    if written_out:
+        s = _bdot(qo, ko, True)
+    else:
+        s = jnp.einsum("nmd,nkd->nmk", qo, ko, preferred_element_type=jnp.float32)
+    s = jnp.where(_scores_mask(kh.shape[1], r), s / math.sqrt(d), jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1)  # [n, r*t, t] float32
+    o = _bdot(p.astype(od), vo, False)
+    return o.astype(qh.dtype), (qo, ko, vo, p)
+
+
+def _lowp_attn_bwd(r, operand_dtype, written_out, dtype, res, do):
+    qo, ko, vo, p = res
+    od, d = jnp.dtype(operand_dtype), qo.shape[-1]
+    do, po = do.astype(od), p.astype(od)
+    if written_out:
+        dp = _bdot(do, vo, True)  # do v^T  [n, m, k]
+        dv = _bdot(physical_transpose(po), do, False)  # p^T do  [n, k, d]
+    else:
+        dp = jnp.einsum("nmd,nkd->nmk", do, vo, preferred_element_type=jnp.float32)
+        dv = jnp.einsum("nmk,nmd->nkd", po, do, preferred_element_type=jnp.float32)
+    ds = (p * (dp - jnp.sum(dp * p, axis=-1, keepdims=True)) / math.sqrt(d)).astype(od)  # softmax's VJP
+    if written_out:
+        dq = _bdot(ds, ko, False)  # ds k  [n, m, d]
+        dk = _bdot(physical_transpose(ds), qo, False)  # ds^T q  [n, k, d]
+    else:
+        dq = jnp.einsum("nmk,nkd->nmd", ds, ko, preferred_element_type=jnp.float32)
+        dk = jnp.einsum("nmk,nmd->nkd", ds, qo, preferred_element_type=jnp.float32)
+    dt = jnp.dtype(dtype)
+    return dq.astype(dt), dk.astype(dt), dv.astype(dt)
+
+
+_lowp_attn = jax.custom_vjp(_lowp_attn, nondiff_argnums=(3, 4, 5, 6))
+_lowp_attn.defvjp(_lowp_attn_fwd, _lowp_attn_bwd)
+
+
 def causal_attention(
-    q: Float[Array, "b t h d"], k: Float[Array, "b t g d"], v: Float[Array, "b t g d"]
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t g d"],
+    v: Float[Array, "b t g d"],
+    operand_dtype: str | None = None,
 ) -> Float[Array, "b t h d"]:
     """Causal softmax attention with `h` query heads over `g` key/value heads (h % g == 0).
 
     Query head j reads key/value head `j // (h / g)` (HF's `repeat_kv` order), which covers
     multi-head (g = h), grouped-query and multi-query (g = 1) attention. Scores and softmax
     in float32, scaled by 1/sqrt(d).
+
+    `operand_dtype` (None: `q`'s; `LMConfig.matmul_dtype`): when it differs from `q`'s, the
+    four GEMMs (`q k^T`, `p v` and, in the backward pass, `do v^T`, `p^T do`, `ds k`,
+    `ds^T q`) take operands rounded to it and accumulate in float32, the gradients returned
+    unrounded, as `lowp_matmul` does; on the CPU (`LOWP_MATMUL`) with every transposed operand
+    written out. The heads are laid out first where `ATTENTION_HEAD_MAJOR` says so.
     """
     b, t, h, d = q.shape
     g = k.shape[2]
-    qg = q.reshape(b, t, g, h // g, d)
-    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-    logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, h, d)
+    r = h // g
+    platform = runtime.target_platform()
+    od = jnp.dtype(operand_dtype or q.dtype)
+    if od == q.dtype and not ATTENTION_HEAD_MAJOR.get(platform, False):
+        qg = q.reshape(b, t, g, r, d)
+        logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
+        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
+        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, h, d)
+    # heads first: [b*g, r*t, d] queries (the r heads sharing a key/value head stacked as rows),
+    # [b*g, t, d] keys and values
+    qh = jnp.transpose(q.reshape(b, t, g, r, d), (0, 2, 3, 1, 4)).reshape(b * g, r * t, d)
+    kh, vh = (jnp.transpose(a, (0, 2, 1, 3)).reshape(b * g, t, d) for a in (k, v))
+    if od != q.dtype:
+        written_out = od.name in LOWP_MATMUL.get(platform, ())
+        o = _lowp_attn(qh, kh, vh, r, od.name, written_out, q.dtype.name)
+    else:
+        logits = jnp.einsum("nmd,nkd->nmk", qh, kh).astype(jnp.float32) / math.sqrt(d)
+        logits = jnp.where(_scores_mask(t, r), logits, jnp.finfo(jnp.float32).min)
+        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        o = jnp.einsum("nmk,nkd->nmd", probs, vh)
+    return jnp.transpose(o.reshape(b, g, r, t, d), (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
 
 def lm_targets(batch: Mapping[str, Array]) -> tuple[Int[Array, "b t1"], Int[Array, "b t1"], Float[Array, "b t1"]]:

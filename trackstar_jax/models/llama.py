@@ -32,6 +32,7 @@ class Attention(nnx.Module):
         self.value = layers.Linear(d, g * hd, f"{path}/value", cfg, rngs=rngs, bias=cfg.qkv_bias)
         self.out = layers.Linear(h * hd, d, f"{path}/out", cfg, rngs=rngs, bias=cfg.out_bias)
         self.num_heads, self.kv_heads, self.head_dim, self.rope_base = h, g, hd, cfg.rope_base
+        self.matmul_dtype = cfg.matmul_dtype or None
 
     def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
         b, t, _ = x.shape
@@ -39,7 +40,7 @@ class Attention(nnx.Module):
         k = self.key(x, tap).reshape(b, t, self.kv_heads, self.head_dim)
         v = self.value(x, tap).reshape(b, t, self.kv_heads, self.head_dim)
         q, k = layers.rope(q, self.rope_base), layers.rope(k, self.rope_base)
-        ctx = layers.causal_attention(q, k, v).reshape(b, t, self.num_heads * self.head_dim)
+        ctx = layers.causal_attention(q, k, v, self.matmul_dtype).reshape(b, t, self.num_heads * self.head_dim)
         return self.out(ctx, tap)
 
 

@@ -31,6 +31,7 @@ class MultiQueryAttention(nnx.Module):
         self.value = Linear(d, hd, f"{path}/value", cfg, rngs=rngs)
         self.out = Linear(h * hd, d, f"{path}/out", cfg, rngs=rngs)
         self.num_heads, self.head_dim, self.rope_base = h, hd, cfg.rope_base
+        self.matmul_dtype = cfg.matmul_dtype or None
 
     def __call__(self, x: Float[Array, "b t d"], tap: Tap | None = None) -> Float[Array, "b t d"]:
         b, t, _ = x.shape
@@ -38,7 +39,7 @@ class MultiQueryAttention(nnx.Module):
         k = self.key(x, tap)  # [b, t, hd]: the single shared head
         v = self.value(x, tap)
         q, k = layers.rope(q, self.rope_base), layers.rope(k, self.rope_base)
-        ctx = layers.causal_attention(q, k[:, :, None], v[:, :, None])
+        ctx = layers.causal_attention(q, k[:, :, None], v[:, :, None], self.matmul_dtype)
         ctx = ctx.reshape(b, t, self.num_heads * self.head_dim)
         return self.out(ctx, tap)
 
