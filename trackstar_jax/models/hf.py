@@ -335,7 +335,7 @@ def from_hf_state_dict(
         if tuple(x.shape) != t.shape:
             raise ValueError(f"tensor {t.name!r} in {source} has shape {tuple(x.shape)}; config.json implies {t.shape}")
         for path, y in t.convert(x).items():
-            flat[path] = np.ascontiguousarray(y.astype(pdt))
+            flat[path] = np.ascontiguousarray(y, dtype=pdt)  # one copy at most (a transposed kernel)
     _, abstract = lm.abstract_params(cfg)
     want = {p: tuple(x.shape) for p, x in lm.flat_params(abstract).items()}
     got = {p: tuple(x.shape) for p, x in flat.items()}

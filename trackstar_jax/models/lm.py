@@ -89,11 +89,11 @@ class LMConfig:
       parallel_residual: gpt_neox `x + attn(ln1(x)) + mlp(ln2(x))`.
       activation: MLP activation ("silu" = SwiGLU for palm/llama; gelu/gelu_tanh/relu for gpt_neox).
       dtype: activation / compute dtype; param_dtype: parameter storage dtype.
-      matmul_dtype: the dtype the dense layers' and the output head's GEMM operands are
-        rounded to, products accumulated in float32 ("": `dtype`). "bfloat16" with float32
-        activations is TPU's default matmul precision; on a CPU with AVX512-BF16 those GEMMs
-        run at about twice the float32 rate (`layers.LOWP_MATMUL`). Attention's small GEMMs,
-        norms, softmax and the residual stream stay in `dtype`. A runtime choice
+      matmul_dtype: the dtype the dense layers', attention's and the output head's GEMM
+        operands are rounded to, products accumulated in float32 ("": `dtype`). "bfloat16"
+        with float32 activations is TPU's default matmul precision; on a CPU with AVX512-BF16
+        those GEMMs run at about twice the float32 rate (`layers.LOWP_MATMUL`). Norms,
+        softmaxes and the residual stream stay in `dtype`. A runtime choice
         (`config.RUNTIME_KEYS`): an index records it with its featurizer settings.
       source: where the weights come from: "" (pretrained by `launch.train`), a Hugging Face
         folder, a `.gguf` file, or "smollm2" (see `training.importer`). Not an architecture
