@@ -351,7 +351,7 @@ def causal_attention(
     in float32, scaled by 1/sqrt(d).
 
     `operand_dtype` (None: `q`'s; `LMConfig.matmul_dtype`): when it differs from `q`'s, the
-    four GEMMs (`q k^T`, `p v` and, in the backward pass, `do v^T`, `p^T do`, `ds k`,
+    six GEMMs (`q k^T`, `p v` and, in the backward pass, `do v^T`, `p^T do`, `ds k`,
     `ds^T q`) take operands rounded to it and accumulate in float32, the gradients returned
     unrounded, as `lowp_matmul` does; on the CPU (`LOWP_MATMUL`) with every transposed operand
     written out. The heads are laid out first where `ATTENTION_HEAD_MAJOR` says so.
