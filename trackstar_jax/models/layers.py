@@ -274,8 +274,8 @@ def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = Non
 
 # Platforms whose attention lays the heads out first (`[b*g, r*t, d]`, each key/value head's
 # queries stacked as rows): XLA:CPU's batched GEMMs then read contiguous row-major operands;
-# with the `[b, t, h, d]` layout they ran at 20-40 GFLOP/s, half the rate (70m shape; BUILD_NOTES,
-# issue 13). Elsewhere XLA's layout assignment chooses (the einsum on `[b, t, h, d]`).
+# with the `[b, t, h, d]` layout one layer's attention ran at 19-30 GFLOP/s against 35-60 (70m
+# shape; BUILD_NOTES, issue 13). Elsewhere XLA's layout assignment chooses (the einsum on `[b, t, h, d]`).
 ATTENTION_HEAD_MAJOR = {"cpu": True}
 
 
