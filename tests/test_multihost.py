@@ -159,7 +159,7 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from trackstar_jax.distributed import multihost
-assert not multihost.serial_collectives()  # before jax.distributed: in-process collectives
+assert multihost.serial_collectives()  # before jax.distributed: in-process collectives, 8 devices
 multihost.initialize(f"localhost:{sys.argv[1]}", 1, 0, timeout_s=60)
 assert multihost.serial_collectives()  # CPU under jax.distributed: gloo
 mesh = Mesh(np.array(jax.devices()), ("d",))
@@ -171,6 +171,25 @@ for _ in range(300):  # unsettled, such a loop hung within seconds
     x = multihost.settle(f(x))
 print(float(jax.device_get(x).sum()))
 """
+
+
+def test_collective_programs_are_serial_on_a_multi_device_cpu():
+    """`serial_collectives`: on the CPU with several devices (this 8-device process), also
+    without jax.distributed; with one CPU device, nothing has collectives: dispatch stays
+    asynchronous."""
+    assert jax.default_backend() == "cpu" and jax.local_device_count() == 8  # conftest's fake devices
+    assert multihost.serial_collectives()
+    script = "from trackstar_jax.distributed import multihost; print(multihost.serial_collectives())"
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=mh.REPO,
+        env=mh.env(num_devices=1),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
 
 
 def test_settled_collective_programs_do_not_deadlock_under_gloo():

@@ -103,7 +103,8 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: ja
     Batches never straddle the call's row range (so a resumed or split build forms the same
     batches), are padded to `vectors.batch_size` rows and to a power-of-two length, and are
     dispatched without blocking: the device works on them while the builder writes the
-    previous chunk. `counters["tokens"]` accumulates the non-padding tokens.
+    previous chunk (on a multi-device CPU each batch is waited for: `multihost.settle`).
+    `counters["tokens"]` accumulates the non-padding tokens.
     """
     tok, max_len, bs = run.tokenizer, run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
     texts = run.corpus.texts
@@ -117,11 +118,9 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: ja
             counters["tokens"] += sum(len(t) for t, _ in items)
             seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
             batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
-            vecs, _ = vec_fn.jitted(
-                run.params,
-                vec_fn.precond,
-                sharding_lib.device_batch({"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh),
-            )
+            placed = sharding_lib.device_batch({"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh)
+            # CPU with several devices: one collective program at a time (`multihost.settle`)
+            vecs, _ = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, placed))
             outs.append(vecs[: hi - lo])
         return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
 

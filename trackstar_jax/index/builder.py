@@ -24,6 +24,7 @@ import numpy as np
 from absl import logging
 
 from trackstar_jax import files
+from trackstar_jax.distributed import multihost
 from trackstar_jax.index import store
 
 # ------------------------------------------------------------------------------------------
@@ -281,6 +282,7 @@ class IndexBuilder:
                     if c >= upto:
                         part = self._partial(stored, scale)
                         seg_acc = part if seg_acc is None else seg_acc + part
+                    multihost.settle((stored, scale, bad, seg_acc))  # multi-device CPU: one at a time
                     if pending is not None:
                         writer.flush(pending)  # chunk c is queued on the device while c-1 goes to disk
                     pending = (c, lo, hi, stored, scale, bad)

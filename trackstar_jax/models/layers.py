@@ -284,6 +284,13 @@ def _scores_mask(t: int, r: int) -> Array:
     return jnp.tile(jnp.tril(jnp.ones((t, t), dtype=bool)), (r, 1))
 
 
+def _causal_softmax(s: Array, mask: Array, d: int) -> Float[Array, "... m k"]:
+    """Scores `s [..., m, k]` -> float32 softmax over the keys of `s / sqrt(d)`, the entries where
+    `mask` is False set to float32's min first (one source for every attention path)."""
+    s = s.astype(jnp.float32) / math.sqrt(d)
+    return jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), axis=-1)
+
+
 def _bdot(a, b, written_out):
     """`[n, m, k] x [n, k, p] -> [n, m, p]` in float32; `written_out`: `b` is given as `[n, p, k]`
     and is written out transposed (`physical_transpose`; the layout XLA:CPU's bf16 GEMM takes)."""
@@ -307,8 +314,7 @@ def _lowp_attn_fwd(qh, kh, vh, r, operand_dtype, written_out, dtype=None):
         s = _bdot(qo, ko, True)
     else:
         s = jnp.einsum("nmd,nkd->nmk", qo, ko, preferred_element_type=jnp.float32)
-    s = jnp.where(_scores_mask(kh.shape[1], r), s / math.sqrt(d), jnp.finfo(jnp.float32).min)
-    p = jax.nn.softmax(s, axis=-1)  # [n, r*t, t] float32
+    p = _causal_softmax(s, _scores_mask(kh.shape[1], r), d)  # [n, r*t, t] float32
     o = _bdot(p.astype(od), vo, False)
     return o.astype(qh.dtype), (qo, ko, vo, p)
 
@@ -363,10 +369,8 @@ def causal_attention(
     od = jnp.dtype(operand_dtype or q.dtype)
     if od == q.dtype and not ATTENTION_HEAD_MAJOR.get(platform, False):
         qg = q.reshape(b, t, g, r, d)
-        logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k).astype(jnp.float32) / math.sqrt(d)
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, k)
+        probs = _causal_softmax(logits, jnp.tril(jnp.ones((t, t), dtype=bool)), d).astype(v.dtype)
         return jnp.einsum("bgrqk,bkgd->bqgrd", probs, v).reshape(b, t, h, d)
     # heads first: [b*g, r*t, d] queries (the r heads sharing a key/value head stacked as rows),
     # [b*g, t, d] keys and values
@@ -376,9 +380,8 @@ def causal_attention(
         written_out = od.name in LOWP_MATMUL.get(platform, ())
         o = _lowp_attn(qh, kh, vh, r, od.name, written_out, q.dtype.name)
     else:
-        logits = jnp.einsum("nmd,nkd->nmk", qh, kh).astype(jnp.float32) / math.sqrt(d)
-        logits = jnp.where(_scores_mask(t, r), logits, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+        logits = jnp.einsum("nmd,nkd->nmk", qh, kh)
+        probs = _causal_softmax(logits, _scores_mask(t, r), d).astype(v.dtype)
         o = jnp.einsum("nmk,nkd->nmd", probs, vh)
     return jnp.transpose(o.reshape(b, g, r, t, d), (0, 3, 1, 2, 4)).reshape(b, t, h, d)
 
