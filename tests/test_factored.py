@@ -181,6 +181,7 @@ def test_uneven_blocks_and_layer_norm():
     np.testing.assert_allclose(fast, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
 
 
+@pytest.mark.slow  # 30 s; CI keeps the every-kernel-factored case at test size (`..._where_optax_factors`)
 def test_fast_equals_reference_on_the_tiny_experiment(tiny_config):
     # experiments/tiny.py as configured (its optimizer factors every kernel), through the
     # same config -> typed objects path the pipeline uses.

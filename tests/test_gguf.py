@@ -22,27 +22,14 @@ from trackstar_jax.models import gguf as gguf_lib
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    try:
-        return gguf_lib.smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def ours(smollm2_tensors):
+    return smollm2_tensors  # conftest: load_gguf of the file, shared by the session
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_path):
-    return gguf_lib.load_gguf(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_path):
+def reference(smollm2_transformers):
     """transformers' float32 state dict and config from the same file."""
-    torch = pytest.importorskip("torch", reason="torch is needed for the transformers reference")
-    transformers = pytest.importorskip("transformers", reason="transformers is needed for the reference")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    )
+    model = smollm2_transformers
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     return model.config, state
 

@@ -63,17 +63,6 @@ def lama_sentences() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    pytest.importorskip("gguf", reason="reading GGUF metadata needs the `gguf` package")
-    from trackstar_jax.models import gguf as gguf_lib
-
-    try:
-        return gguf_lib.smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def ours(smollm2_path):
     return hf_tokenizer.HFTokenizer.from_gguf(smollm2_path)
 

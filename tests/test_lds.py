@@ -127,6 +127,7 @@ def _planted_settings(tiny_config, **validate):
     c.train.num_completions = 0
     c.vectors.num_blocks = 1
     c.validate.num_subsets = M
+    c.validate.num_steps = 50  # the retrained models: ~40 epochs of their 20 passages still memorise them
     c.validate.methods = ("trex_gold", "bm25", "exp1")
     c.validate.parallel_subsets = 1  # the side-by-side path compiles for minutes: tested in the slow test below
     for k, v in validate.items():
@@ -171,7 +172,7 @@ def test_oracle_attribution_beats_random(planted):
     rng = np.random.default_rng(0)
     random = [lds.lds(rng.normal(size=(losses.shape[1], masks.shape[1])), masks, losses).mean for _ in range(20)]
     # Random: per-query spearman over M=6 subsets has sd ~0.45; the mean over 20 queries and
-    # 20 draws is ~0 +- 0.03. The oracle is far above it (measured 0.80, random 0.03).
+    # 20 draws is ~0 +- 0.03. The oracle is far above it (measured 0.80, random 0.003).
     assert abs(np.mean(random)) < 0.1
     assert oracle["lds"] > 0.3 and oracle["lds"] > np.mean(random) + 0.25
     assert oracle["num_constant_loss"] == 0
@@ -191,7 +192,7 @@ def test_a_different_config_is_refused_naming_the_field(planted, tiny_config):
     with pytest.raises(config_lib.ConfigError, match="validate.fraction: saved 0.5, now 0.4"):
         lds.validate(_planted_settings(tiny_config, fraction=0.4), workdir)
     with pytest.raises(config_lib.ConfigError, match="validate.num_steps"):
-        lds.validate(_planted_settings(tiny_config, num_steps=50), workdir)
+        lds.validate(_planted_settings(tiny_config, num_steps=40), workdir)
     for i in range(M):
         assert retrain.is_done(workdir, i)  # nothing was touched
 

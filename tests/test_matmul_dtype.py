@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import arch_config
+from conftest import arch_config, skip_if_not_enough_devices
 
 from trackstar_jax.distributed import runtime, sharding
 from trackstar_jax.features import vectors
@@ -241,6 +241,7 @@ def test_the_cpu_bf16_path_equals_the_accelerators_einsum_path(arch, tie, monkey
             assert _rel(cpu[1][path], f32[1][path]) < 3e-2, path
 
 
+@functools.lru_cache(maxsize=None)
 def _trained(correction: str):
     """A small untied GPT-NeoX after one optimizer step (`correction`'s second moment), and a
     batch of 2 rows (featurized on one device: `_vectors`)."""
@@ -257,10 +258,10 @@ def _trained(correction: str):
     return cfg, state.params, state.opt_state, batch
 
 
-def _vectors(cfg, matmul_dtype, vc, params, opt_state, batch):
+def _vectors(cfg, matmul_dtype, vc, params, opt_state, batch, mesh=None):
     c = dataclasses.replace(cfg, matmul_dtype=matmul_dtype)
     gd, _ = model_lib.split_model(model_lib.make_model(c, seed=0))
-    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    mesh = mesh or sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     fn = vectors.make_vector_fn(gd, c, vc, params, opt_state, mesh=mesh)
     return np.asarray(fn(params, fn.precond, batch), np.float64)
 
@@ -275,6 +276,25 @@ def test_bf16_vectors_are_the_float32_vectors_within_rounding(correction, exact_
     cos = np.sum(a * b, 1) / np.linalg.norm(a, axis=1) / np.linalg.norm(b, axis=1)
     assert np.all(cos > 0.999), cos
     assert not np.array_equal(a, b)
+
+
+def test_bf16_vectors_on_1_and_8_devices_and_fsdp():
+    """`matmul_dtype="bfloat16"` through the sharded step (Adafactor, the fast path): 8 devices on
+    the data axis and the parameters sharded over fsdp (2 x 4) give the one-device bf16 vectors
+    to float32 round-off (9e-8 measured), while the float32 model's are bf16 rounding away
+    (5e-3): a mesh that lost the option would fail."""
+    skip_if_not_enough_devices(8)
+    cfg, params, opt_state, _ = _trained("adafactor")
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(1, cfg.vocab_size, (8, 16)).astype(np.int32)
+    batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens), "example_id": np.arange(8, dtype=np.int32)}
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=8, correction=True, batch_size=8)
+    one = _vectors(cfg, "bfloat16", vc, params, opt_state, batch)
+    assert _rel(_vectors(cfg, "", vc, params, opt_state, batch), one) > 1e-3
+    for shape in ((8, 1, 1), (2, 4, 1)):
+        mesh = sharding.make_mesh(shape, devices=jax.devices()[:8])
+        got = _vectors(cfg, "bfloat16", vc, params, opt_state, batch, mesh=mesh)
+        assert _rel(got, one) < 1e-5, (shape, _rel(got, one))
 
 
 def test_the_bf16_exact_path_equals_the_bf16_reference_path(monkeypatch):

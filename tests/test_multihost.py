@@ -159,7 +159,6 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 from trackstar_jax.distributed import multihost
-assert multihost.serial_collectives()  # before jax.distributed: in-process collectives, 8 devices
 multihost.initialize(f"localhost:{sys.argv[1]}", 1, 0, timeout_s=60)
 assert multihost.serial_collectives()  # CPU under jax.distributed: gloo
 mesh = Mesh(np.array(jax.devices()), ("d",))

@@ -15,8 +15,11 @@ hf_lib = pytest.importorskip("trackstar_jax.models.hf", reason="trackstar_jax.mo
 if not hasattr(hf_lib, "from_hf_state_dict"):
     pytest.skip("trackstar_jax.models.hf has no from_hf_state_dict yet", allow_module_level=True)
 
-from trackstar_jax.data import hf_tokenizer
-from trackstar_jax.models import gguf as gguf_lib
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from trackstar_jax.data import hf_tokenizer  # noqa: E402
+from trackstar_jax.models import lm  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -32,49 +35,39 @@ LOGIT_ATOL = 2e-3  # float32 round-off over 30 layers, logits up to ~30 in magni
 
 
 @pytest.fixture(scope="module")
-def smollm2_path():
-    try:
-        return gguf_lib.smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-@pytest.fixture(scope="module")
 def tok(smollm2_path):
     return hf_tokenizer.HFTokenizer.from_gguf(smollm2_path)
 
 
 @pytest.fixture(scope="module")
-def ours(smollm2_path):
-    config, tensors = gguf_lib.load_gguf(smollm2_path)
-    return hf_lib.from_hf_state_dict(config, tensors)
+def ours(smollm2_tensors):
+    return hf_lib.from_hf_state_dict(*smollm2_tensors)
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
-    ).eval()
+def reference(smollm2_transformers):
+    import torch  # noqa: PLC0415  (the conftest fixture skipped if absent)
 
     def logits(ids: list[int]) -> np.ndarray:
         with torch.no_grad():
-            return model(torch.tensor([ids])).logits[0].numpy()
+            return smollm2_transformers(torch.tensor([ids])).logits[0].numpy()
 
     return logits
 
 
+_forward = jax.jit(lm.apply, static_argnums=0)
+PAD_TO = 32  # every sequence below is padded to this length: one compile of the forward
+
+
 def _logits(loaded, ids: list[int]) -> np.ndarray:
-    """Last-layer logits `[t, v]` of one sequence from `from_hf_state_dict`'s `(LMConfig, params)`."""
-    import jax.numpy as jnp  # noqa: PLC0415
-
-    from trackstar_jax.models import lm  # noqa: PLC0415
-
+    """Last-layer logits `[t, v]` of one sequence from `from_hf_state_dict`'s `(LMConfig, params)`,
+    through one jitted forward of `PAD_TO` tokens: padding after the sequence leaves its
+    positions' logits as they are (causal attention)."""
     cfg, params = loaded
+    assert len(ids) <= PAD_TO, len(ids)
     graphdef, _ = lm.abstract_params(cfg)
-    return np.asarray(lm.apply(graphdef, params, jnp.asarray([ids], jnp.int32))[0], np.float32)
+    padded = jnp.asarray([ids + [0] * (PAD_TO - len(ids))], jnp.int32)
+    return np.asarray(_forward(graphdef, params, padded)[0, : len(ids)], np.float32)
 
 
 @pytest.mark.parametrize("bos", [False, True])

@@ -232,7 +232,7 @@ def test_imported_architectures_fast_equals_reference_on_1_and_8_devices(arch, c
     out = {}
     for path in ("fast", "reference"):
         vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=correction, proj_seed=3, path=path)
-        for n in (1, 8):
+        for n in (1, 8) if path == "fast" else (1,):  # the reference is the unsharded truth
             mesh = sharding.make_mesh(devices=jax.devices()[:n])
             fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, opt_state, mesh=mesh)
             with jax.default_matmul_precision("highest"):
