@@ -25,6 +25,9 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
+# importing jax does not start its backend: `--fake_devices` below still takes effect
+from trackstar_jax.distributed.runtime import PLATFORMS
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _N = flags.DEFINE_integer("num_examples", None, "Corpus examples (default: config.data.max_examples or 1e6).")
 _T = flags.DEFINE_integer("tokens_per_example", None, "Tokens per example (default: config.model.max_len).")
@@ -36,7 +39,7 @@ _MEM = flags.DEFINE_float("device_memory_gib", 0.0, "Device memory limit in GiB 
 _TARGET = flags.DEFINE_enum(
     "target_platform",
     None,
-    ["cpu", "gpu", "tpu"],
+    list(PLATFORMS),
     "Compile the steps' platform-dependent structure for this platform (default: the present backend).",
 )
 _COMPILE = flags.DEFINE_bool(
