@@ -443,10 +443,12 @@ def stage_ours_build(spec: dict) -> dict:
     t_import = time.perf_counter()
     d = pathlib.Path(spec["dir"])
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
-    fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state)
+    tokens = np.load(d / "index_tokens.npy")
+    # the step compiles (in a thread) while the correction and projections are made, as in
+    # `index.build` (every batch here has the tokens' length)
+    fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state, seq_len=tokens.shape[1])
     params = _placed(fn, params)
     del opt_state  # its correction is in `fn.precond`
-    tokens = np.load(d / "index_tokens.npy")
     out = np.lib.format.open_memmap(d / f"{_ours_name(spec)}.npy", "w+", np.float32, (len(tokens), fn.dim))
     t_first = None
     t0 = time.perf_counter()

@@ -1,6 +1,7 @@
 """The jitted, sharded featurize step: determinism, 1 vs 8 devices, config and bad input."""
 
 import functools
+import logging
 
 import jax
 import numpy as np
@@ -241,3 +242,37 @@ def test_imported_architectures_fast_equals_reference_on_1_and_8_devices(arch, c
     assert want.shape == (B, VC.dim) and np.abs(want).max() > 0
     for key, got in out.items():
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=str(key))
+
+
+class _Messages(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def test_the_step_compiled_ahead_is_the_one_calls_run():
+    """`make_vector_fn(seq_len=T)` compiles the step in a thread while the correction and the
+    projections are made; `check_fits` of that length and calls on host batches of that shape
+    (int32, as `data.pad_batch` makes them) with the parameters as training left them run that
+    executable: one trace and one XLA compile of the step in all. (Calls used to trace and
+    compile again: their parameters, correction and batch were typed without the mesh.)"""
+    cfg, graphdef, state = _state()
+    vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=41, batch_size=B)  # a new step
+    batches = [{**b, "loss_mask": b["loss_mask"].astype(np.int32)} for b in (_batch(1), _batch(2))]
+    log = _Messages()
+    logging.getLogger("jax._src.dispatch").addHandler(log)  # where jax_log_compiles writes
+    jax.config.update("jax_log_compiles", True)  # process-wide: the compiling thread logs too
+    try:
+        fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state, seq_len=T)
+        fn.check_fits(state.params, T)
+        got = [fn(state.params, fn.precond, b) for b in batches]
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        logging.getLogger("jax._src.dispatch").removeHandler(log)
+    for what in ("Finished tracing vector_step", "Finished XLA compilation of jit(vector_step)"):
+        assert sum(what in m for m in log.messages) == 1, (what, log.messages)
+    ref = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state)  # compiled at its first call
+    np.testing.assert_array_equal(got[0], ref(state.params, ref.precond, batches[0]))
