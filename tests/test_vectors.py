@@ -94,8 +94,8 @@ def test_params_sharded_over_fsdp_give_the_same_vectors():
 
 @pytest.mark.parametrize("num_devices", [1, 8])
 def test_host_params_are_placed_once_and_give_the_same_vectors(num_devices):
-    """Numpy parameters (what `models.hf.load_hf` returns) are put on the devices once per
-    tree, not at every call, and give the vectors the device arrays give."""
+    """Numpy parameters (what `models.hf.load_hf` returns) and device arrays outside the step's
+    sharding are put there once per tree, not at every call, and give the same vectors."""
     skip_if_not_enough_devices(num_devices)
     cfg, graphdef, state = _state()
     host = jax.tree.map(np.asarray, state.params)
@@ -103,7 +103,9 @@ def test_host_params_are_placed_once_and_give_the_same_vectors(num_devices):
     placed = fn.place_params(host)
     assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(placed))
     assert fn.place_params(host) is placed  # cached by tree identity
-    assert fn.place_params(state.params) is state.params  # device arrays pass through
+    on_device = fn.place_params(state.params)  # training's single-device arrays: placed once too
+    assert fn.place_params(state.params) is on_device
+    assert fn.place_params(on_device) is on_device  # already in the step's sharding: passes through
     np.testing.assert_array_equal(fn(host, fn.precond, _batch(1)), fn(state.params, fn.precond, _batch(1)))
 
 
