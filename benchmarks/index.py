@@ -138,7 +138,7 @@ def main(argv):
             np.zeros((builder.chunk_rows, vec_fn.dim), np.float32), dtype=dtype
         )  # compile outside timing
         counters = {"tokens": 0, "truncated": 0}
-        stats = builder.build(build.make_rows_fn(run, vec_fn, mesh, counters))
+        stats = builder.build(build.make_rows_fn(run, vec_fn, counters))
         assert stats.finalized and stats.rows_written == builder.num_rows
         on_disk = index.store._du(path / "vectors") + index.store._du(path / "row_scale")
         _emit(

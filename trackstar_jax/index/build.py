@@ -97,7 +97,7 @@ def expected_identity(run: checkpoint_lib.Run, settings: config_lib.Settings, di
     return {section: m[section] for section in ("model", "vectors", "corpus")}
 
 
-def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: jax.sharding.Mesh, counters: dict) -> Any:
+def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters: dict) -> Any:
     """`rows_fn(start, stop)` for `IndexBuilder`: featurizes examples `[start, stop)`.
 
     Batches never straddle the call's row range (so a resumed or split build forms the same
@@ -118,9 +118,9 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, mesh: ja
             counters["tokens"] += sum(len(t) for t, _ in items)
             seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
             batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
-            placed = sharding_lib.device_batch({"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}, mesh)
+            host = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}  # `jitted` places it on vec_fn.mesh
             # CPU with several devices: one collective program at a time (`multihost.settle`)
-            vecs, _ = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, placed))
+            vecs, _ = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, host))
             outs.append(vecs[: hi - lo])
         return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
 
@@ -183,7 +183,7 @@ def build_index(
         vec_fn.check_fits(run.params)
         builder = builder_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
         counters = {"tokens": 0, "truncated": 0}
-        rows_fn = make_rows_fn(run, vec_fn, mesh, counters)
+        rows_fn = make_rows_fn(run, vec_fn, counters)
         logging.info(
             "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)",
             path,
