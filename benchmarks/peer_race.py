@@ -444,9 +444,7 @@ def stage_ours_build(spec: dict) -> dict:
     d = pathlib.Path(spec["dir"])
     cfg, graphdef, params, opt_state, vc = _ours_setup(spec, spec["correction"])
     tokens = np.load(d / "index_tokens.npy")
-    # the step compiles (in a thread) while the correction and projections are made (every
-    # batch here has the tokens' length)
-    fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state, seq_len=tokens.shape[1])
+    fn = vectors.make_vector_fn(graphdef, cfg, vc, params, opt_state)
     params = _placed(fn, params)
     del opt_state  # its correction is in `fn.precond`
     out = np.lib.format.open_memmap(d / f"{_ours_name(spec)}.npy", "w+", np.float32, (len(tokens), fn.dim))

@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # here (children inherit it); test_runtime and the `compile_cache` fixture turn caches on themselves.
 os.environ["TRACKSTAR_COMPILATION_CACHE"] = "off"
 
+import itertools  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -15,6 +16,25 @@ import pytest  # noqa: E402
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def covering(*axes, strength: int = 2) -> list:
+    """Every combination of `axes` (lists of values) as `pytest.param`s, in product order; those
+    outside a covering array are marked slow. The covering (greedy, deterministic) holds every
+    value of an axis (`strength=1`) or every pair of values of any two axes (`strength=2`) at
+    least once, so CI runs each value / pair and `-m slow` adds the rest of the product.
+    Use as `@pytest.mark.parametrize("a,b", covering(A, B))`."""
+    combos = list(itertools.product(*axes))
+
+    def tuples(c):
+        return {tuple((i, c[i]) for i in ix) for ix in itertools.combinations(range(len(c)), strength)}
+
+    needed, kept = set().union(*map(tuples, combos)), set()
+    while needed:
+        best = max(combos, key=lambda c: len(tuples(c) & needed))  # the first of the best: deterministic
+        kept.add(best)
+        needed -= tuples(best)
+    return [pytest.param(*c, marks=() if c in kept else pytest.mark.slow) for c in combos]
 
 
 def skip_if_not_enough_devices(n: int):

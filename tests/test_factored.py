@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import arch_config
+from conftest import arch_config, covering
 
 from trackstar_jax import config as config_lib
 
@@ -76,9 +76,7 @@ def _rel(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.mark.parametrize("tied", [True, False])
-@pytest.mark.parametrize("correction", [True, False])
-@pytest.mark.parametrize("output_fn", grads.OUTPUT_FNS)
+@pytest.mark.parametrize("output_fn,correction,tied", covering(grads.OUTPUT_FNS, [True, False], [True, False]))
 def test_fast_equals_reference_where_optax_factors(output_fn, correction, tied):
     # min_dim_size_to_factor=16: every kernel of this model is factored, so the rank-one
     # correction the fast path folds into P0/P1 is exact and the paths must agree.
@@ -111,8 +109,7 @@ def test_fast_uses_rank_one_v_where_v_is_full(optimizer):
     assert 1e-4 < rel < 1.0 and np.all(cos > 0.3), (rel, cos)
 
 
-@pytest.mark.parametrize("optimizer", ["adafactor", "adam"])
-@pytest.mark.parametrize("per_example", [True, False])
+@pytest.mark.parametrize("optimizer,per_example", covering(["adafactor", "adam"], [True, False], strength=1))
 def test_fast_exact_v_equals_reference_where_v_is_full(optimizer, per_example, monkeypatch):
     # vectors.exact_v: the fast path applies the element-wise V exactly (one layer's
     # per-example gradient at a time) and must equal the exact reference to float32 round-off,
@@ -220,8 +217,9 @@ def _arch_state(arch):
     return ARCH_CONFIGS[arch], graphdef, state
 
 
-@pytest.mark.parametrize("correction", [True, False])
-@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+# each architecture and each correction setting in CI; test_vectors' jitted 1-vs-8-device
+# test runs the other two pairs (on other variants of the architectures)
+@pytest.mark.parametrize("arch,correction", covering(sorted(ARCH_CONFIGS), [True, False], strength=1))
 def test_fast_equals_reference_on_imported_architectures(arch, correction):
     cfg, graphdef, state = _arch_state(arch)
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=correction, proj_seed=5)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import arch_config
+from conftest import arch_config, covering
 from flax import nnx
 
 from trackstar_jax import config as config_lib
@@ -333,9 +333,9 @@ def test_bad_architecture_config_names_the_field(kwargs, field):
         model_lib.LMConfig(**kwargs)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("chunk_tokens", [1, 7, 64, 10_000])
-@pytest.mark.parametrize("chunk_rows", [1, 4, 16])
+@pytest.mark.parametrize(
+    "dtype,chunk_tokens,chunk_rows", covering(["float32", "bfloat16"], [1, 7, 64, 10_000], [1, 4, 16])
+)
 def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_tokens, chunk_rows):
     """`layers.head_nll_sum` (chunked, gradients made in the forward pass) against the naive
     `[B, T, V]` logits + log-softmax path in float64 numpy: value, d/dx and d/dW, for chunk

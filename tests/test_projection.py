@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import covering
 
 from trackstar_jax.features import projection as proj
 from trackstar_jax.models import lm as model_lib
@@ -87,8 +88,7 @@ def test_block_plan_errors_name_the_parameter():
         proj.block_plan(shapes, cfg.num_layers, cfg.num_layers + 1, 4)
 
 
-@pytest.mark.parametrize("partitionable", [True, False])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("partitionable,dtype", covering([True, False], ["float32", "bfloat16"], strength=1))
 def test_side_matrices_have_the_bits_of_a_draw_of_their_own_shape(partitionable, dtype):
     """`side_matrices` draws a flat power-of-two stream and cuts it (one threefry compile for many
     shapes): the same bits as the eager draw of the exact shape, below and above the 2^16-entry

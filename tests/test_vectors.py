@@ -6,7 +6,7 @@ import logging
 import jax
 import numpy as np
 import pytest
-from conftest import arch_config, skip_if_not_enough_devices
+from conftest import arch_config, covering, skip_if_not_enough_devices
 
 from trackstar_jax import config as config_lib
 
@@ -225,8 +225,9 @@ def _arch_state(arch):
     return cfg, graphdef, state
 
 
-@pytest.mark.parametrize("correction", [True, False])
-@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+# each architecture and each correction setting in CI: the pairs test_factored's eager test
+# leaves (on other variants of the architectures)
+@pytest.mark.parametrize("arch,correction", covering(sorted(ARCH_CONFIGS), [False, True], strength=1))
 def test_imported_architectures_fast_equals_reference_on_1_and_8_devices(arch, correction):
     skip_if_not_enough_devices(8)
     cfg, graphdef, state = _arch_state(arch)
@@ -256,10 +257,9 @@ class _Messages(logging.Handler):
 
 
 def test_the_step_compiled_ahead_is_the_one_calls_run():
-    """`make_vector_fn(seq_len=T)` compiles the step in a thread while the correction and the
-    projections are made; `check_fits` of that length and calls on host batches of that shape
-    (int32, as `data.pad_batch` makes them) with the parameters as training left them run that
-    executable: one trace and one XLA compile of the step in all. (Calls used to trace and
+    """`check_fits` compiles the step ahead of time on shapes; calls on host batches of that
+    shape (int32, as `data.pad_batch` makes them) with the parameters as training left them run
+    that executable: one trace and one XLA compile of the step in all. (Calls used to trace and
     compile again: their parameters, correction and batch were typed without the mesh.)"""
     cfg, graphdef, state = _state()
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=41, batch_size=B)  # a new step
@@ -268,7 +268,7 @@ def test_the_step_compiled_ahead_is_the_one_calls_run():
     logging.getLogger("jax._src.dispatch").addHandler(log)  # where jax_log_compiles writes
     jax.config.update("jax_log_compiles", True)  # process-wide: the compiling thread logs too
     try:
-        fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state, seq_len=T)
+        fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state)
         fn.check_fits(state.params, T)
         got = [fn(state.params, fn.precond, b) for b in batches]
     finally:

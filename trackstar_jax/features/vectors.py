@@ -16,7 +16,6 @@ Typical use (index builder, queries, evaluation):
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import math
@@ -321,21 +320,11 @@ class VectorFn:
       mesh: the mesh the step is sharded over.
     """
 
-    def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role, seq_len=None):
+    def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role):
         self.vec_cfg, self.model_cfg, self.role = vec_cfg, model_cfg, role
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_block_plan(params, model_cfg, vec_cfg)
         self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
-        self._compiling = None  # (seq_len, Future of the step compiled on shapes)
-        if seq_len is not None:
-            # A cold start's largest costs, overlapped: the step's trace + XLA compile (on shapes
-            # only) in a thread, while this one reads the correction and draws the projections
-            # (their own small compiles). XLA compiles without the GIL, so on two cores both run.
-            abstract = abstract_precond(params, opt_state, vec_cfg, self.plan)
-            args = (self.step, params, abstract, vec_cfg.batch_size, seq_len, self.mesh, vec_cfg, self.plan)
-            pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="featurize-compile")
-            self._compiling = (seq_len, pool.submit(compile_vector_step, *args))
-            pool.shutdown(wait=False)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
         if self.precond is not None:
             # the step takes it replicated on the mesh (it may come from an fsdp-sharded optimizer
@@ -359,11 +348,7 @@ class VectorFn:
         """
         seq_len = seq_len or self.model_cfg.max_len
         bs = self.vec_cfg.batch_size
-        compiled = self._compiled(seq_len)
-        if compiled is None:
-            compiled = compile_vector_step(
-                self.step, params, self.precond, bs, seq_len, self.mesh, self.vec_cfg, self.plan
-            )
+        compiled = compile_vector_step(self.step, params, self.precond, bs, seq_len, self.mesh, self.vec_cfg, self.plan)
         mem = memory_lib.compiled_memory(compiled)
         what = f"{self.vec_cfg.path} path, {bs} rows x {seq_len} tokens on mesh {dict(self.mesh.shape)}"
         memory_lib.check_fits("featurize", mem.get("peak_bytes"), what=what)
@@ -392,19 +377,8 @@ class VectorFn:
             projs = jax.device_put(projs, sharding_lib.replicated(self.mesh))  # as the precond
         return projs
 
-    def _compiled(self, seq_len: int | None = None) -> Any:
-        """Waits for the background compile (`make_vector_fn(seq_len=...)`), re-raising its
-        error; its executable when it was for `seq_len`, else None (JAX's cache of `step` holds
-        it either way: a call on its shapes does not compile again)."""
-        if self._compiling is None:
-            return None
-        n, future = self._compiling
-        compiled = future.result()
-        return compiled if seq_len == n else None
-
     def jitted(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]):
         """The compiled step without the host-side checks: `(vectors, aux)` as device arrays."""
-        self._compiled()  # not two compiles of one step at once
         host = {k: np.asarray(v) for k, v in batch.items() if not isinstance(v, jax.Array)}
         if host:  # placed as `compile_vector_step` describes the batch: a call reuses that compile
             batch = {**batch, **sharding_lib.device_batch(host, self.mesh)}
@@ -432,7 +406,6 @@ def make_vector_fn(
     *,
     mesh: Mesh | None = None,
     role: str = "index",
-    seq_len: int | None = None,
 ) -> VectorFn:
     """Builds the checked, jit-compiled featurizer for one model + optimizer state.
 
@@ -444,9 +417,6 @@ def make_vector_fn(
       opt_state: optimizer state (Adafactor or Adam); may be None when `correction=False`.
       mesh: device mesh (default: all devices on the data axis).
       role: "index" for corpus rows, "query" for queries (matters for output_fn="trak").
-      seq_len: the batch length (tokens) the caller will run first: its step is compiled in a
-        background thread while the correction and the projections are made (None: compiled
-        at the first call). `check_fits` of that length, and calls, wait for it.
 
     Returns:
       A `VectorFn`; call it as `fn(params, fn.precond, batch)`.
@@ -457,7 +427,7 @@ def make_vector_fn(
     """
     if role not in grads_lib.ROLES:
         raise ValueError(f"role must be one of {grads_lib.ROLES}, got {role!r}")
-    return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role, seq_len)
+    return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role)
 
 
 def projection_dim_for(d: int, num_blocks: int) -> int:
