@@ -62,13 +62,16 @@ def _state(tied, min_dim, head_dim=16, optimizer="adafactor"):
     return _setup(tied, min_dim, head_dim, optimizer=optimizer)
 
 
-def _both(cfg, graphdef, state, vec_cfg, batch, exact):
+def _both(cfg, graphdef, state, vec_cfg, batch, exact, jit=False):
+    """Fast and reference vectors, op by op (a module's grids share the eager ops' compiles) or,
+    with `jit`, each path compiled whole (cheaper for a model the module runs once)."""
     plan = vectors.make_block_plan(state.params, cfg, vec_cfg)
     corr = pc.from_opt_state(state.params, state.opt_state, plan.paths, exact=exact) if vec_cfg.correction else None
     kw = dict(graphdef=graphdef, plan=plan, output_fn=vec_cfg.output_fn, seed=vec_cfg.proj_seed)
+    wrap = jax.jit if jit else (lambda f: f)
     with jax.default_matmul_precision("highest"):
-        fast = factored.factored_vectors(state.params, corr, batch, **kw)
-        ref = grads.reference_vectors(state.params, corr, batch, **kw)
+        fast = wrap(functools.partial(factored.factored_vectors, **kw))(state.params, corr, batch)
+        ref = wrap(functools.partial(grads.reference_vectors, **kw))(state.params, corr, batch)
     return np.asarray(fast), np.asarray(ref), corr
 
 
@@ -211,7 +214,7 @@ ARCH_CONFIGS = {
 def _arch_state(arch):
     opt = train.make_optimizer(train.OptimizerConfig(min_dim_size_to_factor=16, warmup_steps=1))
     graphdef, state = train.init_state(ARCH_CONFIGS[arch], opt, seed=0)  # make_model dispatches on arch
-    step = functools.partial(train.train_step, graphdef=graphdef, opt=opt)
+    step = jax.jit(functools.partial(train.train_step, graphdef=graphdef, opt=opt))
     for s in range(2):
         state, _ = step(state, _batch(s, B, T))
     return ARCH_CONFIGS[arch], graphdef, state
@@ -228,7 +231,7 @@ def test_fast_equals_reference_on_imported_architectures(arch, correction):
     assert "layer_0/attn/key/bias" not in plan.paths  # zero gradient where unrotated (lm.EXCLUDED_SUFFIXES)
     if arch == "gpt_neox":
         assert plan.entry("final_norm/bias").side == 3 and plan.entry("layer_0/attn_norm/bias").side == 0
-    fast, ref, corr = _both(cfg, graphdef, state, vc, _batch(105, B, T, prompt=2), exact=True)
+    fast, ref, corr = _both(cfg, graphdef, state, vc, _batch(105, B, T, prompt=2), exact=True, jit=True)
     if correction:
         assert not corr.full  # biases keep a full 1-D v, which is rank-one as a 1 x n matrix
     assert np.max(np.abs(ref)) > 0
