@@ -266,7 +266,7 @@ def test_the_step_compiled_ahead_is_the_one_calls_run():
     batches = [{**b, "loss_mask": b["loss_mask"].astype(np.int32)} for b in (_batch(1), _batch(2))]
     log = _Messages()
     logging.getLogger("jax._src.dispatch").addHandler(log)  # where jax_log_compiles writes
-    jax.config.update("jax_log_compiles", True)  # process-wide: the compiling thread logs too
+    jax.config.update("jax_log_compiles", True)  # process-wide
     try:
         fn = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state)
         fn.check_fits(state.params, T)
