@@ -96,16 +96,31 @@ def tiny_config():
     return tiny.get_config()
 
 
+def update_compiler_config(values: dict) -> dict:
+    """Sets the jax config `values` and returns the ones they replace. jax's in-memory caches of
+    traced and compiled programs do not key on `jax_disable_most_optimizations` (a jitted function
+    called again after the flag flips reuses the executable compiled under the old setting), so
+    when it changes they are cleared: what a module compiles, and the bits its tests compare,
+    must not depend on which modules ran before it in the same process (pytest-xdist workers
+    run them in a different order each time)."""
+    old = {k: jax.config.values[k] for k in values}
+    for k, v in values.items():
+        jax.config.update(k, v)
+    flag = "jax_disable_most_optimizations"
+    if flag in values and old[flag] != values[flag]:
+        jax.clear_caches()
+    return old
+
+
 @pytest.fixture(scope="module")
 def fast_compile():
     """Cheaper XLA compiles for one test module (`pytestmark = pytest.mark.usefixtures("fast_compile")`).
 
     The flag is process-global, so it is set per module and restored on exit (style.md §5.6.7).
     """
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
+    old = update_compiler_config({"jax_disable_most_optimizations": True})
     yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    update_compiler_config(old)
 
 
 def tiny_run_config(*, num_facts: int, num_distractors: int, num_steps: int, chunk_rows: int, **overrides):
@@ -155,14 +170,15 @@ def compile_cache(tmp_path_factory):
 
     Use as `pytestmark = pytest.mark.usefixtures("compile_cache")` or an autouse wrapper.
     """
-    keys = ("jax_disable_most_optimizations", "jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    old = {k: jax.config.values[k] for k in keys}
-    jax.config.update("jax_disable_most_optimizations", True)
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("jax_cache")))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    old = update_compiler_config(
+        {
+            "jax_disable_most_optimizations": True,
+            "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
+            "jax_persistent_cache_min_compile_time_secs": 0.5,
+        }
+    )
     yield
-    for k, v in old.items():
-        jax.config.update(k, v)
+    update_compiler_config(old)
 
 
 # The imported architectures at test size: what each needs to exercise its features (GQA for

@@ -6,7 +6,7 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import skip_if_not_enough_devices, tiny_run_config
+from conftest import skip_if_not_enough_devices, tiny_run_config, update_compiler_config
 from jax.sharding import AxisType
 
 from trackstar_jax import config as config_lib
@@ -338,15 +338,14 @@ def _chance_mrr(n, g):
 @pytest.fixture(scope="module")
 def trained_run(tiny_run):
     """A tiny run trained until it knows its facts, with its index (module-scoped: built once)."""
-    old = jax.config.values["jax_disable_most_optimizations"]
-    jax.config.update("jax_disable_most_optimizations", True)  # compile time dominates here
+    old = update_compiler_config({"jax_disable_most_optimizations": True})  # compile time dominates here
     try:
         c = _e2e_config()
         workdir = tiny_run(c)
         build.build_index(config_lib.from_configdict(c), workdir)
         yield c, workdir
     finally:
-        jax.config.update("jax_disable_most_optimizations", old)
+        update_compiler_config(old)
 
 
 def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
