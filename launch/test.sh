@@ -3,8 +3,8 @@
 # Extra arguments go to pytest, e.g. `bash launch/test.sh -m slow` or `-k retrieval`.
 # The suite runs on TRACKSTAR_TEST_WORKERS pytest-xdist workers (default 2 where there are two
 # cores or more; 0 = one process), a test module per unit of work (`--dist loadfile`: a module's
-# fixtures are built once). On 2 cores two workers took 508-521 s against 645-662 s in one
-# process (BUILD_NOTES, session 19). A `-n N` among the arguments wins.
+# fixtures are built once; BUILD_NOTES, session 19, has the timings). A `-n N` among the
+# arguments wins.
 set -euo pipefail
 source "$(dirname "$0")/_venv.sh" test
 cd "$REPO"

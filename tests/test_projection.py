@@ -94,10 +94,8 @@ def test_side_matrices_have_the_bits_of_a_draw_of_their_own_shape(partitionable,
     shapes): the same bits as the eager draw of the exact shape, below and above the 2^16-entry
     minimum length, and with the non-partitionable threefry (drawn as is)."""
     path = "layer_0/mlp/up/kernel"
-    # Both draws compiled now, under this process's current flags: jax's in-memory caches do not
-    # key on `jax_disable_most_optimizations`, so an eager op compiled by an earlier module with
-    # it on (test_retrieval's trained run) can round an entry 1 ulp apart.
-    jax.clear_caches()
+    # Both draws are compiled under this module's flags: `conftest.update_compiler_config` clears
+    # jax's caches when a module flips `jax_disable_most_optimizations` (they do not key on it).
     prev = jax.config.jax_threefry_partitionable
     jax.config.update("jax_threefry_partitionable", partitionable)
     try:
