@@ -24,8 +24,8 @@ Any other info string fails, so that a new block has to choose one of these.
 """
 
 import ast
-import importlib.util
 import configparser
+import importlib.util
 import os
 import pathlib
 import re
@@ -247,7 +247,7 @@ def test_the_checker_refuses_what_is_wrong():
         "pip install -e .[nope]",
         "rm -rf runs",
     ):
-        with pytest.raises(Exception):
+        with pytest.raises((AssertionError, AttributeError, ValueError, flags.Error)):
             for argv in _commands(bad):
                 _check_command(argv)
     for good in (
