@@ -134,6 +134,8 @@ def _check_launcher(argv: list[str]) -> None:
         given.add(name)
     assert required <= given, f"{argv[2]}: required flags missing: {sorted(required - given)}"
     if "config" in given:
+        path = next(a for a in argv if a.startswith("--config="))[len("--config=") :].split(":")[0]
+        assert (REPO / path).is_file(), f"no config file {path}"
         _parse_config(["launch"] + [a for a in argv[3:] if a.startswith("--config")])
 
 
