@@ -142,11 +142,11 @@ def _check_launcher(argv: list[str]) -> None:
 def _check_benchmark(argv: list[str]) -> None:
     module = REPO / "benchmarks" / f"{argv[2].split('.', 1)[1]}.py"
     assert module.is_file(), f"no benchmark {argv[2]}"
-    src = module.read_text()
+    src, (absl_names, _) = module.read_text(), _flags_defined(module)  # argparse or absl flags
     for arg in argv[3:]:
         if arg.startswith("--"):
             flag = arg.split("=", 1)[0]
-            assert f'"{flag}"' in src, f"{argv[2]} has no option {flag}"
+            assert f'"{flag}"' in src or flag[2:] in absl_names, f"{argv[2]} has no option {flag}"
 
 
 def _extras() -> set[str]:
