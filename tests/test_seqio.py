@@ -138,7 +138,8 @@ def seqio_venv() -> pathlib.Path:
     venv = pathlib.Path(os.environ.get("TRACKSTAR_SEQIO_VENV", REPO / ".venv-seqio"))
     env = {**os.environ, "TRACKSTAR_VENV": str(venv)}
     p = subprocess.run(
-        ["bash", "-c", 'source launch/_venv.sh seqio && "$PY" -c "import seqio, tensorflow_text"'],
+        # `;`, not `&&`: errexit stays on inside the sourced script, so a failed pip writes no stamp
+        ["bash", "-c", 'source launch/_venv.sh seqio; "$PY" -c "import seqio, tensorflow_text"'],
         cwd=REPO,
         env=env,
         capture_output=True,
