@@ -293,26 +293,6 @@ def test_lama_reader_on_shared_data(shared_data):
             assert by_uuid[r["uuid"]].evidence_ids  # a fact never loses all of its gold passages
 
 
-# --- seqio (optional extra) ------------------------------------------------------------------
-
-
-def test_seqio_source(tmp_path):
-    seqio = pytest.importorskip("seqio")
-    tf = pytest.importorskip("tensorflow")
-    texts = ["alpha beta", "gamma delta", "epsilon"]
-    name = "trackstar_test_task"
-    if name not in seqio.TaskRegistry.names():
-        seqio.TaskRegistry.add(
-            name,
-            source=seqio.FunctionDataSource(
-                lambda split, shuffle_files: tf.data.Dataset.from_tensor_slices({"text": texts}), splits=["train"]
-            ),
-            output_features={},
-        )
-    c = data.build_corpus(config_lib.section("data", {"source": "seqio", "seqio_task": name, "eval_fraction": 0.0}), 0)
-    assert c.texts == texts
-
-
 # --- save / load ----------------------------------------------------------------------------
 
 

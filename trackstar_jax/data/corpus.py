@@ -15,7 +15,7 @@ Sources (`config.data.source`):
     evidence is every passage made from its evidences).
   * `text` (one passage per non-blank line) and `jsonl` (one passage per record, field
     `config.data.text_key`), from a file or a folder of such files.
-  * `seqio`: a registered seqio Task (optional `seqio` extra).
+  * `seqio`: a registered seqio Task or Mixture (optional `seqio` extra; `seqio_source.py`).
 
 Held-out passages for the eval loss (`Corpus.eval_texts`) are never examples, so they never
 enter the index. Batches follow the convention in `model.py`: `tokens [B, T]` (BOS first,
@@ -172,7 +172,8 @@ def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
 
     Args:
       cfg: the typed `config.data` (`config.from_configdict(...).data`).
-      seed: the run seed (embedded generation; the held-out split is content-hashed).
+      seed: the run seed (embedded generation, a seqio Task's stochastic preprocessors; the
+        held-out split is content-hashed).
 
     Returns:
       A `Corpus` whose example ids depend only on the config and seed.
@@ -194,7 +195,9 @@ def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
         texts, facts = _read_text_files(cfg), []
         name = f"{cfg.source}:{cfg.path}"
     else:
-        texts, facts = _read_seqio(cfg), []
+        from trackstar_jax.data import seqio_source  # noqa: PLC0415  (optional extra; builds on this module)
+
+        (texts, info), facts = seqio_source.read(cfg, seed), []
         name = f"seqio:{cfg.seqio_task}/{cfg.seqio_split}"
     texts, facts, eval_texts = _split_eval(texts, facts, cfg.eval_fraction)
     return make_corpus(name, texts, facts, templates, eval_texts, info)
@@ -407,28 +410,6 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
                 )
             )
     return list(ids), facts
-
-
-def _read_seqio(cfg: DataConfig) -> list[str]:  # pragma: no cover - needs the seqio extra
-    try:
-        import seqio  # noqa: PLC0415
-    except ImportError as e:
-        raise ImportError("config.data.source='seqio' needs the optional extra: pip install -e '.[seqio]'") from e
-    if cfg.seqio_module:
-        import importlib  # noqa: PLC0415
-
-        importlib.import_module(cfg.seqio_module)  # registers the task
-    task = seqio.get_mixture_or_task(cfg.seqio_task)
-    ds = task.get_dataset(sequence_length=None, split=cfg.seqio_split, shuffle=False)
-    texts = []
-    for i, ex in enumerate(ds.as_numpy_iterator()):
-        if cfg.text_key not in ex:
-            raise ValueError(f"seqio task {cfg.seqio_task} example {i} has no feature {cfg.text_key!r}")
-        v = ex[cfg.text_key]
-        texts.append(_check_passage(v.decode("utf-8") if isinstance(v, bytes) else str(v), f"{cfg.seqio_task}[{i}]"))
-        if cfg.max_examples and len(texts) >= cfg.max_examples:
-            break
-    return texts
 
 
 # ---------------------------------------------------------------------------------------
