@@ -13,11 +13,11 @@ Info-string convention (the first word is the language, so GitHub still highligh
                           and `--config=<file>[:arg]` with its `--config.<section>.<key>=` overrides
                           loads and converts to typed `Settings` exactly as the launcher would
                           (nothing else runs); `python -m benchmarks.<name>`: the module exists and
-                          names each `--flag`; `python -m pytest <paths>`: the paths exist;
+                          names each `--flag`; `python -m pytest <paths>`: the paths exist; `python -m experiments.<m>`: the module exists;
                           `bash` / `source <file>`: the file exists; `pip install -e '.[extra]'`:
                           the extras exist in setup.cfg. Leading `VAR=value` assignments are
                           skipped; `\\` continues a line; `#` starts a comment.
-- ```bash no-run: <reason> neither run nor checked; the reason is required.
+- ```bash no-run: <reason> neither run nor checked; the reason is required (also ```python no-run: <reason>).
 - ```text                 a diagram or a sample of output: not code.
 
 Any other info string fails, so that a new block has to choose one of these.
@@ -66,7 +66,7 @@ def _kind(info: str) -> str:
         return info
     if info in ("bash", "bash run", "text"):
         return info
-    if re.fullmatch(r"bash no-run: \S.*", info):
+    if re.fullmatch(r"(bash|python) no-run: \S.*", info):
         return "bash no-run"
     raise AssertionError(f"unknown info string {info!r}: use one of those in tests/test_docs.py's docstring")
 
@@ -162,6 +162,10 @@ def _check_command(argv: list[str]) -> None:
             return _check_launcher(argv)
         if target.startswith("benchmarks."):
             return _check_benchmark(argv)
+        if target.startswith("experiments."):
+            path = REPO / pathlib.Path(*target.split("."))
+            assert path.with_suffix(".py").is_file() or (path / "__main__.py").is_file(), f"no module {target}"
+            return None
         if target == "pytest":
             for arg in argv[3:]:
                 if not arg.startswith("-") and "/" in arg:
