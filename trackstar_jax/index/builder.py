@@ -143,10 +143,7 @@ class IndexBuilder:
 
     def _chunk_files(self, c: int) -> list[pathlib.Path]:
         """The files holding chunk `c` (zarr3 default chunk keys: `c/<row chunk>/<col chunk>`)."""
-        out = [self.path / "vectors" / "c" / str(c) / "0"]
-        if self.dtype == "int8":
-            out.append(self.path / "row_scale" / "c" / str(c))
-        return out
+        return store.chunk_files(self.path, c, self.dtype)
 
     def _missing_chunks(self, complete: frozenset[int]) -> list[int]:
         """Chunks of this writer marked complete whose files are gone (a stat per chunk)."""
@@ -326,6 +323,9 @@ class IndexBuilder:
             raise store.IndexCorruptError(
                 f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}"
             ) from e
+        for f, want in zip(self._chunk_files(c), store.read_marker_crcs(self.path, c)):
+            if (got := store.file_crc32c(f)) != want:  # R_train must sum the rows written at this position
+                raise store.chunk_position_error(self.path, c, (lo, hi), f, got, want)
         return stored, scale
 
     def _write_failure(self, c: int, lo: int, hi: int, e: BaseException) -> str:
@@ -355,7 +355,13 @@ class _ChunkWriter:
         for f in futs:
             f.result()
         lo, hi = self.b.chunk_rows_range(c)
-        files.atomic_write(self.b._marker(c), json.dumps({"rows": [lo, hi]}).encode())
+        crcs = []
+        for f in self.b._chunk_files(c):
+            try:  # the marker records the crc32c each file was written with: it binds the file to chunk c
+                crcs.append(store.file_crc32c(f))
+            except FileNotFoundError:
+                raise OSError(f"the write of chunk {c} committed but left no file {f}") from None
+        files.atomic_write(self.b._marker(c), json.dumps(store.marker_record(lo, hi, crcs)).encode())
 
     def finish(self, block_all: bool) -> None:
         """Collects finished chunks (oldest first); re-raises the first failed write."""
@@ -384,11 +390,19 @@ class _ChunkWriter:
         """Checks one computed chunk `(c, lo, hi, stored, scale, bad)` and submits its writes."""
         c, lo, hi, stored, scale, bad = item
         bad = np.asarray(bad)[: hi - lo]
-        if bad.any():
-            rows = (lo + np.flatnonzero(bad)).tolist()
+        if (bad == store.BAD_NON_FINITE).any():
+            rows = (lo + np.flatnonzero(bad == store.BAD_NON_FINITE)).tolist()
             raise ValueError(
                 f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
                 f"NaN/inf from the featurizer or overflow of storage dtype {self.b.dtype})"
+            )
+        if bad.any():
+            rows = (lo + np.flatnonzero(bad)).tolist()
+            raise ValueError(
+                f"zero vector(s) for example id(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} (rows [{lo}, {hi})): "
+                f"all zero as stored in {self.b.dtype}, so they would score 0 against every query; the model's "
+                "gradients vanish there (a diverged or untrained model, or examples without loss tokens) or the "
+                "values underflow the storage dtype (try --config.index.dtype=float32 or int8)"
             )
         stored_h = np.asarray(stored)[: hi - lo]
         scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
@@ -440,6 +454,11 @@ def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
             return False
         part = np.load(f, allow_pickle=False)
         total = part if total is None else total + part
+    table = [store.read_marker_crcs(p, c) for c in range(num_chunks)]
+    files.create_once(
+        p / store.CHUNK_TABLE,
+        json.dumps({"index": store.manifest_fingerprint(manifest), "crc32c": table}).encode(),
+    )
     files.create_once(p / "r_train.npy", files.npy_bytes(total))
     files.create_once(
         p / "r_train.json",

@@ -262,6 +262,7 @@ def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, p
     return out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
 
 
+@multihost.writes_workdir("retrieve")
 def retrieve(
     settings: config_lib.Settings,
     workdir: str | os.PathLike,

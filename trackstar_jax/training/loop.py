@@ -401,6 +401,7 @@ def record_measured_opt_state(workdir: pathlib.Path, step: int) -> None:
     files.atomic_write_json(path, record)
 
 
+@multihost.writes_workdir("train")
 def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 1: pretrain the run's model (resuming from its latest checkpoint).
 
