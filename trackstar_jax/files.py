@@ -188,6 +188,19 @@ def read_json(path: str | os.PathLike, what: str = "file", fix: str = "restore i
         raise InputError(f"{what} {path} is damaged (not valid JSON: {e}); {fix}") from None
 
 
+def check_text(text: str, where: str, what: str) -> str:
+    """`text` (a passage, a prompt) unless it holds a NUL character, which no tokenizer input
+    should: a NUL from a damaged file changes what is featurized without any other sign.
+
+    Raises:
+      InputError: naming `where` (file:line), `what` and the character's position.
+    """
+    i = text.find("\x00")
+    if i >= 0:
+        raise InputError(f"{where}: the {what} holds a NUL character (U+0000) at position {i}; remove it")
+    return text
+
+
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of `data`."""
     return hashlib.sha256(data).hexdigest()
