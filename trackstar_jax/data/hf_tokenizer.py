@@ -291,4 +291,3 @@ class HFTokenizer:
             unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
-

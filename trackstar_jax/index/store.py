@@ -399,7 +399,9 @@ def load_chunk_table(path: pathlib.Path, manifest: Mapping[str, Any], num_chunks
     return crcs
 
 
-def chunk_position_error(path: pathlib.Path, c: int, rows: tuple[int, int], f: pathlib.Path, got: int, want: int) -> IndexCorruptError:
+def chunk_position_error(
+    path: pathlib.Path, c: int, rows: tuple[int, int], f: pathlib.Path, got: int, want: int
+) -> IndexCorruptError:
     """The error for a chunk file whose own crc32c is not the one recorded for its position."""
     return IndexCorruptError(
         f"index {path}: chunk {c}, rows [{rows[0]}, {rows[1]}) cannot be read: {f} passes its crc32c but is not "

@@ -383,7 +383,9 @@ class _SafetensorsFolder(Mapping):
         try:
             return self._handles[path].get_tensor(name)
         except (safetensors.SafetensorError, OSError) as e:
-            raise files_lib.InputError(f"{path}: tensor {name!r} cannot be read ({e}); download the file again") from None
+            raise files_lib.InputError(
+                f"{path}: tensor {name!r} cannot be read ({e}); download the file again"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -406,7 +408,7 @@ def open_safetensors(folder: str | pathlib.Path) -> tuple[_SafetensorsFolder, st
     if index.is_file():
         weight_map = files_lib.read_json(index, "safetensors index", "download it again")
         if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
-            raise files_lib.InputError(f"{index} has no \"weight_map\" object; download it again")
+            raise files_lib.InputError(f'{index} has no "weight_map" object; download it again')
         weight_map = weight_map["weight_map"]
         files = {}
         for shard in sorted(set(weight_map.values())):
