@@ -220,7 +220,7 @@ class WorkdirBusyError(RuntimeError):
     """Another process is writing the same run directory (the message names its pid and stage)."""
 
 
-_held: dict[str, list] = {}  # lock file -> [fd, depth]: a stage that runs another stage re-enters
+_held: dict[str, int] = {}  # lock file -> depth: a stage that runs another stage re-enters
 
 
 def _lock_path(workdir: pathlib.Path, process_index: int) -> pathlib.Path:
@@ -228,51 +228,69 @@ def _lock_path(workdir: pathlib.Path, process_index: int) -> pathlib.Path:
 
 
 @contextlib.contextmanager
-def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0) -> Iterator[None]:
-    """Holds the run directory's writer lock (`fcntl.flock` on `<workdir>/.writer-<i>.lock`) while
-    a stage writes it; every writing stage takes it, re-entrantly within one process.
+def exclusive_lock(lock: pathlib.Path, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Holds `fcntl.flock(lock)` without waiting, writing `holder` into the file while held.
 
-    The kernel drops the lock when its holder exits (a crash or `kill -9` included), so a rerun
-    never waits on a dead writer. Process `i` of a multi-process job (or of `launch.validate
-    --process_index=i`) takes lock `i`, so a job's own processes do not exclude each other.
-    On first taking it, temporaries left by dead writers of this host are removed.
+    The kernel drops the lock when its holder exits (a crash or `kill -9` included), so the
+    next writer never waits on a dead one; the file is emptied on release.
 
     Raises:
-      WorkdirBusyError: another live process holds it (names its pid, host and stage).
+      busy(what the live holder wrote): another process holds it.
     """
-    workdir = pathlib.Path(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_path(workdir, process_index)
-    key = str(lock.resolve())
-    if key in _held:
-        _held[key][1] += 1
-        try:
-            yield
-        finally:
-            _held[key][1] -= 1
-        return
     fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that has not said who it is"
-            raise WorkdirBusyError(
-                f"{workdir} is being written by another process ({holder}); two stages writing one run "
-                f"directory at once would interleave its files: wait for it to finish or stop it, or use "
-                f"another --workdir (lock {lock})"
-            ) from None
+            raise busy(os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that did not say") from None
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{stage}, pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-        _held[key] = [fd, 1]
-        remove_stale_temporaries(workdir)
+        os.pwrite(fd, f"{holder}, pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
         try:
             yield
         finally:
-            del _held[key]
             os.ftruncate(fd, 0)  # an idle lock file is empty: a finished run's files stay byte-identical
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0) -> Iterator[None]:
+    """Holds the run directory's writer lock (`exclusive_lock` on `<workdir>/.writer-<i>.lock`)
+    while a stage writes it; every writing stage takes it, re-entrantly within one process.
+
+    Process `i` of a multi-process job (or of `launch.validate --process_index=i`, or of
+    independent `build_index` writers) takes lock `i`, so a job's own processes do not exclude
+    each other. On first taking it, temporaries left by dead writers of this host are removed.
+
+    Raises:
+      WorkdirBusyError: another live process holds it (names its stage, pid and host).
+    """
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = _lock_path(workdir, process_index)
+    key = str(lock.resolve())
+    if key in _held:  # a stage running another stage (evaluate -> build_index, retrieve)
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
+
+    def busy(holder: str) -> Exception:
+        return WorkdirBusyError(
+            f"{workdir} is being written by another process ({holder}); two stages writing one run "
+            f"directory at once would interleave its files: wait for it to finish or stop it, or use "
+            f"another --workdir (lock {lock})"
+        )
+
+    with exclusive_lock(lock, stage, busy):
+        _held[key] = 1
+        try:
+            remove_stale_temporaries(workdir)
+            yield
+        finally:
+            del _held[key]
 
 
 # Folders of bulk data that this module never writes into (tensorstore chunks, orbax checkpoints).

@@ -6,15 +6,12 @@ See `store.py` for the on-disk layout and how R_train composes with resume and w
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import pathlib
-import socket
 import time
 from typing import Any, Callable, Mapping
 
@@ -119,27 +116,18 @@ class IndexBuilder:
 
     # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
 
-    @contextlib.contextmanager
     def _writer_lock(self):
-        """Holds `progress/writer-<i>-of-<n>.lock` (fcntl) for the build: a second process that
-        would write the same chunks is refused, naming the holder (pid and host). The kernel
-        drops the lock when its holder dies (kill -9 included), so a resume never waits."""
+        """Holds `progress/writer-<i>-of-<n>.lock` (`files.exclusive_lock`) for the build: a second
+        process that would write the same chunks is refused, naming the holder (pid and host)."""
         lock = self.path / "progress" / f"writer-{self.process_index:04d}-of-{self.process_count:04d}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
-                raise store.IndexWriteError(
-                    f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
-                    f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+
+        def busy(holder: str) -> Exception:
+            return store.IndexWriteError(
+                f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
+                f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
+            )
+
+        return files.exclusive_lock(lock, "build", busy)
 
     def _chunk_files(self, c: int) -> list[pathlib.Path]:
         """The files holding chunk `c` (zarr3 default chunk keys: `c/<row chunk>/<col chunk>`)."""
