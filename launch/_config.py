@@ -10,8 +10,13 @@ from trackstar_jax.distributed import runtime
 
 
 def settings(holder: flags.FlagHolder) -> config_lib.Settings:
-    """Typed settings of `--config` (errors name the key and the config file)."""
-    return config_lib.from_configdict(holder.value, source=config_flags.get_config_filename(flags.FLAGS[holder.name]))
+    """Typed settings of `--config` (errors name the key and the config file, or the
+    `--config.<key>=` flag when the value came from the command line)."""
+    return config_lib.from_configdict(
+        holder.value,
+        source=config_flags.get_config_filename(flags.FLAGS[holder.name]),
+        flags=config_lib.command_line_overrides(sys.argv),
+    )
 
 
 def parse_flags(argv: list[str]) -> list[str]:

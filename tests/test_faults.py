@@ -6,11 +6,13 @@ resumed, two writers of one index are refused (the second names the first's pid)
 `kill -9` of `python -m launch.build_index` mid-way resumes to byte-identical vectors.
 """
 
+import errno
 import json
 import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -24,6 +26,7 @@ import pytest
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import evaluation, files, training
+from trackstar_jax import index as index_lib
 from trackstar_jax.evaluation import results as results_lib
 from trackstar_jax.index import build, store
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -349,7 +352,9 @@ def test_two_writers_and_kill9_resume_byte_identical(work):
             time.sleep(0.005)
         proc.send_signal(signal.SIGSTOP)  # frozen mid-build, holding its writer lock
         assert not (index / "COMPLETE").exists()
-        with pytest.raises(store.IndexWriteError, match=rf"another build is writing .*pid {proc.pid} on host"):
+        with pytest.raises(
+            files.WorkdirBusyError, match=rf"written by another process \(build_index, pid {proc.pid} on host"
+        ):
             build.build_index(_settings(**{"index.dir": "index_kill"}), work)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -381,3 +386,203 @@ def test_config_flag_typo_is_one_line():
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert 'Did you mean "proj_seed"' in out.stderr and "--config.vectors.proj_sed=5" in out.stderr
+
+
+# ---------------------------------------------------------------------------------------
+# Issue 38: silent wrong results, stuck runs, unclear errors
+# ---------------------------------------------------------------------------------------
+
+
+def test_swapped_chunk_files_are_refused_by_position(work):
+    a, b = (work / "index" / "vectors" / "c" / str(c) / "0" for c in (2, 3))
+    da, db = a.read_bytes(), b.read_bytes()
+    a.write_bytes(db), b.write_bytes(da)  # each still passes its own crc32c
+    with pytest.raises(
+        store.IndexCorruptError, match=r"chunk 2, rows \[8, 12\).*not the file written at this position"
+    ):
+        _retrieve(work)
+    with pytest.raises(store.IndexCorruptError, match=r"failed verification:\n.*chunk 2, rows \[8, 12\).*swapped"):
+        store.verify_index(work / "index", recompute_r=False)
+    # An index of the format before chunk checksums were bound to positions: refused, "rebuild".
+    m = json.loads((work / "index" / "manifest.json").read_text())
+    files.atomic_write_json(work / "index" / "manifest.json", {**m, "format": "trackstar_jax.index/1"})
+    with pytest.raises(store.IndexMismatchError, match=r"older format 'trackstar_jax\.index/1'.*rebuild it"):
+        store.verify_index(work / "index")
+
+
+def test_chunk_table_of_another_index_is_refused(work):
+    t = json.loads((work / "index" / store.CHUNK_TABLE).read_text())
+    files.atomic_write_json(work / "index" / store.CHUNK_TABLE, {**t, "index": "0" * 64})
+    with pytest.raises(store.IndexCorruptError, match=r"chunks\.json belongs to another index"):
+        store.open_index(work / "index")
+
+
+def test_zero_vectors_are_refused_at_build_time_naming_the_example_ids(tmp_path):
+    manifest = store.make_manifest(
+        num_rows=20,
+        dim=8,
+        num_blocks_total=2,
+        storage=store.StorageConfig(dtype="float16", chunk_rows=4, r_every_chunks=1),
+        model={"fingerprint": "m"},
+        vectors={"proj_dim": 2},
+        corpus={"fingerprint": "c"},
+    )
+
+    def rows(lo, hi):  # rows 9 and 10 underflow float16 (1e-9 -> 0); rows 12-15 are exactly zero
+        ids = np.arange(lo, hi)[:, None]
+        x = np.where(np.isin(ids, [9, 10]), 1e-9, 1.0 + ids) * np.ones((1, 8), np.float32)
+        return np.where(np.isin(ids, [12, 13, 14, 15]), 0.0, x).astype(np.float32)
+
+    with pytest.raises(ValueError, match=r"zero vector\(s\) for example id\(s\) \[9, 10\].*float16.*underflow"):
+        index_lib.IndexBuilder(tmp_path / "ix", manifest).build(rows)
+    assert not (tmp_path / "ix" / "COMPLETE").exists()
+
+
+def _hold_workdir_lock(workdir: pathlib.Path) -> subprocess.Popen:
+    code = (
+        "import sys, time; from trackstar_jax import files\n"
+        f"with files.workdir_lock({str(workdir)!r}, 'train'):\n"
+        "    print('held', flush=True); time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_dies(work):
+    from trackstar_jax.evaluation import lds
+    from trackstar_jax.training import importer
+
+    def files_now():  # the lock file itself names its holder while held
+        return {**_snapshot(work), "metrics": (work / "metrics.jsonl").read_bytes(), ".writer-0000.lock": None}
+
+    before = files_now()
+    proc = _hold_workdir_lock(work)
+    try:
+        busy = rf"{work} is being written by another process \(train, pid {proc.pid} on host"
+        stages = {
+            "train": lambda: training.train(_settings(**{"train.num_steps": 6}), work),
+            "import_model": lambda: importer.import_model(_settings(), work),
+            "build_index": lambda: build.build_index(_settings(**{"index.dir": "index2"}), work),
+            "retrieve": lambda: _retrieve(work),
+            "evaluate": lambda: evaluation.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
+            "validate": lambda: lds.validate(_settings(), work),
+        }
+        for run in stages.values():
+            with pytest.raises(files.WorkdirBusyError, match=busy):
+                run()
+        assert files_now() == before
+    finally:
+        proc.kill()  # the kernel drops the lock with its holder
+        proc.wait()
+    _retrieve(work)
+
+
+def test_evaluate_resumes_its_own_unfinished_work_and_leaves_no_temporaries(work, monkeypatch):
+    from trackstar_jax.evaluation import stage as eval_stage
+
+    s = _settings(**{"eval.methods": ("bm25",), "eval.max_queries": 4, "tailpatch.top_ks": (1,)})
+    out = work / "eval"
+    out.mkdir()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = out / f".table.json.tmp-{socket.gethostname()}-{int(dead.stdout)}"  # a writer killed mid-write
+    stale.write_text("{")
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed after the first retrieval file")
+
+    monkeypatch.setattr(eval_stage.claims_lib, "compare", killed)
+    with pytest.raises(KeyboardInterrupt):
+        evaluation.evaluate(s, work)
+    assert (out / "retrievals" / "bm25.jsonl").exists() and not (out / "table.json").exists()
+    assert not stale.exists()
+    with pytest.raises(FileExistsError, match=r"unfinished evaluation made with other settings.*num_proponents"):
+        evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
+    monkeypatch.undo()
+    table = evaluation.evaluate(s, work)  # its own unfinished work: redone without overwrite
+    assert table["rows"][0]["method"] == "bm25" and (out / "table.json").exists()
+    assert not [p for p in work.rglob("*") if ".tmp-" in p.name]
+
+
+def test_full_disk_names_the_file_and_leaves_no_temporary(work, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    out = work / "retrieval" / "queries.jsonl"
+    before = out.read_bytes()
+    with pytest.raises(files.WriteError, match=rf"cannot write {out}: the disk is full"):
+        _retrieve(work)
+    assert out.read_bytes() == before
+    assert not [p for p in (work / "retrieval").iterdir() if ".tmp-" in p.name]
+
+
+def test_damaged_model_and_tokenizer_files_are_named(tmp_path):
+    import gguf
+    import safetensors.numpy
+    import tokenizers
+
+    from trackstar_jax.data import hf_tokenizer
+    from trackstar_jax.models import gguf as gguf_lib
+    from trackstar_jax.models import hf
+
+    st = tmp_path / hf.SINGLE_FILE
+    safetensors.numpy.save_file({"w": np.ones((64, 64), np.float32)}, str(st))
+    _truncate(st)
+    with pytest.raises(files.InputError, match=rf"{st} is not a readable safetensors file .*truncated or damaged"):
+        hf.open_safetensors(tmp_path)
+    (tmp_path / hf.CONFIG_FILE).write_text('{"model_type": "llama", "hidden')
+    with pytest.raises(files.InputError, match=rf"HF model config {tmp_path / hf.CONFIG_FILE} is damaged"):
+        hf.load_hf(tmp_path)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "<s>": 1}, unk_token="a"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    _truncate(tmp_path / "tokenizer.json")
+    with pytest.raises(files.InputError, match=r"tokenizer\.json is not a readable tokenizer file"):
+        hf_tokenizer.HFTokenizer.from_pretrained_dir(tmp_path, bos_token="<s>", eos_token="<s>")
+    g = tmp_path / "m.gguf"
+    w = gguf.GGUFWriter(str(g), "llama")
+    w.add_tensor("token_embd.weight", np.ones((32, 48), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    _truncate(g)
+    with pytest.raises(ValueError, match=rf"cannot read {g} as GGUF: the file is truncated or damaged"):
+        gguf_lib.open_reader(g)
+
+
+def test_diverged_first_run_can_be_rerun_as_its_message_says(tmp_path):
+    wd = tmp_path / "run"
+    with pytest.raises(FloatingPointError, match=r"rerun with a lower --config\.train\.learning_rate") as e:
+        training.train(_settings(**{"train.learning_rate": 1e30}), wd)
+    assert "holds no checkpoint yet" in str(e.value)
+    assert training.train(_settings(), wd)["step"] == 3  # what the message says works
+
+
+def test_query_files_are_checked_like_corpora(tmp_path):
+    q = tmp_path / "q.jsonl"
+    for body in (b"", b"\n  \n"):
+        q.write_bytes(body)
+        with pytest.raises(files.InputError, match=rf"{q}: no queries \(the file is empty or blank\)"):
+            retrieval_stage.load_text_queries(q)
+    _write_queries(q, [QUERIES[0], {"promt": "x", "prompt": "y", "target": " z"}])
+    with pytest.raises(files.InputError, match=rf"{q}:2: unknown field\(s\) \['promt'\] \(did you mean \"prompt\"\?\)"):
+        retrieval_stage.load_text_queries(q)
+    _write_queries(q, [{**QUERIES[0], "example_id": "a"}, {**QUERIES[1], "example_id": "a"}])
+    with pytest.raises(files.InputError, match=rf"{q}:2: example_id 'a' is already used at line 1"):
+        retrieval_stage.load_text_queries(q)
+    _write_queries(q, [QUERIES[0], {"prompt": "Ann Lee\u0000 was born in", "target": " Rome"}])
+    with pytest.raises(files.InputError, match=rf"{q}:2: the prompt holds a NUL character \(U\+0000\) at position 7"):
+        retrieval_stage.load_text_queries(q)
+
+
+def test_semantic_config_error_names_the_command_line_flag():
+    from experiments import tiny
+
+    c = tiny.get_config()
+    c.index.chunk_rows = 0
+    argv = ["launch.build_index", "--config=experiments/tiny.py", "--config.index.chunk_rows=0"]
+    with pytest.raises(
+        config_lib.ConfigError,
+        match=r"chunk_rows must be positive.*\(from --config\.index\.chunk_rows=0 on the command line\)",
+    ):
+        config_lib.from_configdict(c, source="experiments/tiny.py", flags=config_lib.command_line_overrides(argv))
+    with pytest.raises(config_lib.ConfigError, match=r"\(in experiments/tiny\.py\)"):  # set in the file
+        config_lib.from_configdict(c, source="experiments/tiny.py")

@@ -395,10 +395,13 @@ def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
 
     c, workdir = trained_run
     qfile = tmp_path / "mine.jsonl"
-    qfile.write_text("")  # empty query set -> empty output, not a crash
+    qfile.write_text("\n")  # an empty query set is refused by name, before the run loads
     c.retrieval.queries = str(qfile)
+    with pytest.raises(ValueError, match=r"mine\.jsonl: no queries \(the file is empty or blank\)"):
+        evaluation.retrieve(config_lib.from_configdict(c), workdir)
+    qfile.write_text('{"prompt": "The", "target": " capital"}\n')
     man = evaluation.retrieve(config_lib.from_configdict(c), workdir)
-    assert man["num_queries"] == 0 and (workdir / "retrieval" / "mine.jsonl").read_text() == ""
+    assert man["num_queries"] == 1 and len((workdir / "retrieval" / "mine.jsonl").read_text().splitlines()) == 1
     with pytest.raises(FileExistsError, match="overwrite"):
         evaluation.retrieve(config_lib.from_configdict(c), workdir)
     qfile.write_text('{"prompt": "x"}\n')

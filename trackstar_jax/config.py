@@ -24,6 +24,7 @@ import functools
 import json
 import os
 import pathlib
+import re
 import sys
 import types
 import typing
@@ -291,8 +292,17 @@ class Settings:
 # ---------------------------------------------------------------------------------------
 
 
-def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
-    """Dataclass `cls` from `values`: unknown keys and bad values raise, naming the key and file."""
+def _where(source: str, flags: Mapping[str, str], key: str) -> str:
+    """Where the value of `key` ("index.chunk_rows") came from, for an error message: its
+    command-line flag when one set it, else the config file."""
+    if key in flags:
+        return f" (from {flags[key]} on the command line)"
+    return f" (in {source})" if source else ""
+
+
+def _build(cls: type, values: Mapping[str, Any], name: str, source: str, flags: Mapping[str, str] = {}) -> Any:  # noqa: B006
+    """Dataclass `cls` from `values`: unknown keys and bad values raise, naming the key and
+    where it was set (`flags`: `{"index.chunk_rows": "--config.index.chunk_rows=0"}`, else the file)."""
     where = f" (in {source})" if source else ""
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init and not (cls is Settings and f.name == "source")}
     unknown = sorted(set(values) - set(fields))
@@ -311,9 +321,10 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
                 continue
             if not isinstance(value, Mapping):
                 raise ConfigError(f"config.{name}.{key} must be a section, got {value!r}{where}")
-            kwargs[key] = _build(hint, value, f"{name}.{key}" if name else key, source)
+            kwargs[key] = _build(hint, value, f"{name}.{key}" if name else key, source, flags)
         else:
-            kwargs[key] = _coerce(value, hint, f"config.{name}.{key}" if name else f"config.{key}", where)
+            full = f"{name}.{key}" if name else key
+            kwargs[key] = _coerce(value, hint, f"config.{full}", _where(source, flags, full))
     try:
         return cls(**kwargs)
     except (TypeError, ValueError) as e:
@@ -326,7 +337,9 @@ def _build(cls: type, values: Mapping[str, Any], name: str, source: str) -> Any:
                 if name and msg.startswith(name.split(".")[0] + ".")
                 else f"config.{name or 'root'}: {msg}"
             )
-        raise ConfigError(f"{msg}{where}") from e
+        key = re.match(r"config\.([\w.]+)", msg)
+        key = key.group(1).rstrip(".") if key else ""
+        raise ConfigError(f"{msg}{_where(source, flags, key) if key in flags else where}") from e
 
 
 def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
@@ -354,16 +367,26 @@ def _coerce(value: Any, hint: Any, key: str, where: str) -> Any:
     return value
 
 
-def from_dict(values: Mapping[str, Any], source: str = "") -> Settings:
+def from_dict(values: Mapping[str, Any], source: str = "", flags: Mapping[str, str] | None = None) -> Settings:
     """`Settings` from a nested dict (a ConfigDict's `to_dict()` or a run's config.json).
 
     Raises:
-      ConfigError: an unknown key or a bad value, naming `config.<section>.<key>` and `source`.
+      ConfigError: an unknown key or a bad value, naming `config.<section>.<key>` and `source`
+        (or the command-line flag in `flags` that set it).
     """
-    return dataclasses.replace(_build(Settings, dict(values), "", source), source=source)
+    return dataclasses.replace(_build(Settings, dict(values), "", source, flags or {}), source=source)
 
 
-def from_configdict(config: Any, source: str = "") -> Settings:
+def command_line_overrides(argv: Sequence[str]) -> dict[str, str]:
+    """`{"index.chunk_rows": "--config.index.chunk_rows=0"}` for the `--config.<key>=<value>` flags of `argv`."""
+    out = {}
+    for a in argv:
+        if a.startswith("--config.") and "=" in a:
+            out[a[len("--config.") :].split("=", 1)[0]] = a
+    return out
+
+
+def from_configdict(config: Any, source: str = "", flags: Mapping[str, str] | None = None) -> Settings:
     """`Settings` from an experiment's ConfigDict (`experiments/*.py:get_config()`).
 
     `eval.row` (one table row) is resolved here into explicit settings: `eval.methods =
@@ -372,7 +395,7 @@ def from_configdict(config: Any, source: str = "") -> Settings:
     """
     if isinstance(config, Settings):
         return config
-    s = from_dict(config.to_dict() if hasattr(config, "to_dict") else dict(config), source=source)
+    s = from_dict(config.to_dict() if hasattr(config, "to_dict") else dict(config), source=source, flags=flags)
     return with_row(s, s.eval.row) if s.eval.row else s
 
 

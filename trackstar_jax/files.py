@@ -2,11 +2,16 @@
 
 Every file the stages write goes through here: a reader sees the old content or the new,
 never half a file, and `create_once` lets several writers (processes or hosts sharing a
-filesystem) race for a file that must be written exactly once.
+filesystem) race for a file that must be written exactly once. A failed write (a full disk)
+removes its temporary and names the file; `workdir_lock` keeps two stages from writing one
+run directory at once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import gzip
 import hashlib
 import io
@@ -19,27 +24,60 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+_TMP_TAG = ".tmp-"
+
 
 def _tmp_path(path: pathlib.Path) -> pathlib.Path:
     # Host and pid: writers on several hosts may share the filesystem (and a pid).
-    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
+    return path.with_name(f".{path.name}{_TMP_TAG}{socket.gethostname()}-{os.getpid()}")
+
+
+class WriteError(OSError):
+    """A file could not be written (e.g. the disk is full); the message names it. Nothing was
+    replaced and the temporary is gone."""
+
+
+def write_error(path: str | os.PathLike, e: OSError) -> WriteError:
+    """`e` (from writing `path`) as a `WriteError` naming the file and, for a full disk, saying so."""
+    if isinstance(e, WriteError):
+        return e
+    full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+    why = "the disk is full" if full else (e.strerror or str(e))
+    return WriteError(e.errno, f"cannot write {path}: {why} ({e}); the previous file (if any) is unchanged")
 
 
 def write_tmp(path: pathlib.Path, data: bytes) -> pathlib.Path:
-    """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path.
+
+    Raises:
+      WriteError: naming `path` (the temporary is removed).
+    """
     tmp = _tmp_path(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, e) from e
     return tmp
 
 
 def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
-    """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new)."""
+    """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new).
+
+    Raises:
+      WriteError: naming `path` (nothing replaced, no temporary left).
+    """
     path = pathlib.Path(path)
-    os.replace(write_tmp(path, data.encode() if isinstance(data, str) else data), path)
+    tmp = write_tmp(path, data.encode() if isinstance(data, str) else data)
+    try:
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise write_error(path, e) from e
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, **kwargs: Any) -> None:
@@ -55,9 +93,10 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[str], None]) -> 
     try:
         write(str(tmp))
         os.replace(tmp, path)
+    except OSError as e:
+        raise write_error(path, e) from e
     finally:
-        if tmp.exists():
-            tmp.unlink()
+        tmp.unlink(missing_ok=True)
 
 
 def create_once(path: str | os.PathLike, data: bytes | str) -> bool:
@@ -149,6 +188,19 @@ def read_json(path: str | os.PathLike, what: str = "file", fix: str = "restore i
         raise InputError(f"{what} {path} is damaged (not valid JSON: {e}); {fix}") from None
 
 
+def check_text(text: str, where: str, what: str) -> str:
+    """`text` (a passage, a prompt) unless it holds a NUL character, which no tokenizer input
+    should: a NUL from a damaged file changes what is featurized without any other sign.
+
+    Raises:
+      InputError: naming `where` (file:line), `what` and the character's position.
+    """
+    i = text.find("\x00")
+    if i >= 0:
+        raise InputError(f"{where}: the {what} holds a NUL character (U+0000) at position {i}; remove it")
+    return text
+
+
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of `data`."""
     return hashlib.sha256(data).hexdigest()
@@ -157,3 +209,117 @@ def sha256_bytes(data: bytes) -> str:
 def shorten(text: str, limit: int = 80) -> str:
     """`repr`-style short form of user text for error messages (long prompts are cut)."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------------------------------
+# One writer per run directory
+# ---------------------------------------------------------------------------------------
+
+
+class WorkdirBusyError(RuntimeError):
+    """Another process is writing the same run directory (the message names its pid and stage)."""
+
+
+_held: dict[str, int] = {}  # lock file -> depth: a stage that runs another stage re-enters
+
+
+def _lock_path(workdir: pathlib.Path, process_index: int) -> pathlib.Path:
+    return workdir / f".writer-{process_index:04d}.lock"
+
+
+@contextlib.contextmanager
+def exclusive_lock(lock: pathlib.Path, holder: str, busy: Callable[[str], Exception]) -> Iterator[None]:
+    """Holds `fcntl.flock(lock)` without waiting, writing `holder` into the file while held.
+
+    The kernel drops the lock when its holder exits (a crash or `kill -9` included), so the
+    next writer never waits on a dead one; the file is emptied on release.
+
+    Raises:
+      busy(what the live holder wrote): another process holds it.
+    """
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise busy(os.pread(fd, 4096, 0).decode(errors="replace").strip() or "a process that did not say") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{holder}, pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)  # an idle lock file is empty: a finished run's files stay byte-identical
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0) -> Iterator[None]:
+    """Holds the run directory's writer lock (`exclusive_lock` on `<workdir>/.writer-<i>.lock`)
+    while a stage writes it; every writing stage takes it, re-entrantly within one process.
+
+    Process `i` of a multi-process job (or of `launch.validate --process_index=i`, or of
+    independent `build_index` writers) takes lock `i`, so a job's own processes do not exclude
+    each other. On first taking it, temporaries left by dead writers of this host are removed.
+
+    Raises:
+      WorkdirBusyError: another live process holds it (names its stage, pid and host).
+    """
+    workdir = pathlib.Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = _lock_path(workdir, process_index)
+    key = str(lock.resolve())
+    if key in _held:  # a stage running another stage (evaluate -> build_index, retrieve)
+        _held[key] += 1
+        try:
+            yield
+        finally:
+            _held[key] -= 1
+        return
+
+    def busy(holder: str) -> Exception:
+        return WorkdirBusyError(
+            f"{workdir} is being written by another process ({holder}); two stages writing one run "
+            f"directory at once would interleave its files: wait for it to finish or stop it, or use "
+            f"another --workdir (lock {lock})"
+        )
+
+    with exclusive_lock(lock, stage, busy):
+        _held[key] = 1
+        try:
+            remove_stale_temporaries(workdir)
+            yield
+        finally:
+            del _held[key]
+
+
+# Folders of bulk data that this module never writes into (tensorstore chunks, orbax checkpoints).
+_NO_TEMPORARIES = frozenset({"vectors", "row_scale", "checkpoints"})
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(workdir: str | os.PathLike) -> list[pathlib.Path]:
+    """Removes `.<name>.tmp-<this host>-<pid>` files under `workdir` whose writer is dead (killed
+    mid-write); returns them. Temporaries of live processes and of other hosts are kept."""
+    prefix = f"{_TMP_TAG}{socket.gethostname()}-"
+    removed = []
+    for root, dirs, names in os.walk(workdir):
+        dirs[:] = [d for d in dirs if d not in _NO_TEMPORARIES]
+        for n in names:
+            i = n.rfind(prefix)
+            if not n.startswith(".") or i < 0 or not n[i + len(prefix) :].isdigit():
+                continue
+            if not _alive(int(n[i + len(prefix) :])):
+                f = pathlib.Path(root) / n
+                f.unlink(missing_ok=True)
+                removed.append(f)
+    return removed

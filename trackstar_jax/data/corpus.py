@@ -314,7 +314,7 @@ def _check_passage(text: str, where: str) -> str:
         raise ValueError(f"passage at {where} is not a string: {text!r}")
     if not text.strip():
         raise ValueError(f"empty passage at {where}")
-    return text.strip()
+    return files_lib.check_text(text, where, "passage").strip()
 
 
 def _files(path: str, patterns: Sequence[str]) -> list[pathlib.Path]:

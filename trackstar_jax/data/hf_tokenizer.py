@@ -33,12 +33,13 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
+
+from trackstar_jax import files
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
@@ -138,8 +139,8 @@ class HFTokenizer:
             "add_eos_token": False,
             "clean_up_tokenization_spaces": False,
         }
-        _atomic_write(d / TOKENIZER_FILE, self.backend.to_str().encode("utf-8"))
-        _atomic_write(d / CONFIG_FILE, json.dumps(config, indent=2).encode("utf-8"))
+        files.atomic_write(d / TOKENIZER_FILE, self.backend.to_str().encode("utf-8"))
+        files.atomic_write(d / CONFIG_FILE, json.dumps(config, indent=2).encode("utf-8"))
 
     @classmethod
     def from_pretrained_dir(
@@ -164,9 +165,14 @@ class HFTokenizer:
         file = p if p.suffix == ".json" else p / TOKENIZER_FILE
         if not file.is_file():
             raise FileNotFoundError(f"no {TOKENIZER_FILE} at {file}")
-        backend = tokenizers.Tokenizer.from_file(str(file))
+        try:
+            backend = tokenizers.Tokenizer.from_file(str(file))
+        except Exception as e:  # noqa: BLE001 - the Rust library raises a bare Exception for a damaged file
+            raise files.InputError(
+                f"{file} is not a readable tokenizer file ({e}): it is truncated or damaged; download it again"
+            ) from None
         config_file = file.parent / CONFIG_FILE
-        config = json.loads(config_file.read_text("utf-8")) if config_file.is_file() else {}
+        config = files.read_json(config_file, "tokenizer config", "download it again") if config_file.is_file() else {}
 
         def token_id(name: str, override: str | None, required: bool) -> int | None:
             tok = override if override is not None else config.get(name)
@@ -285,11 +291,3 @@ class HFTokenizer:
             unk_id=meta.get("tokenizer.ggml.unknown_token_id"),
             add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         )
-
-
-def _atomic_write(path: pathlib.Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

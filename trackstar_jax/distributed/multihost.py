@@ -22,14 +22,17 @@ outright is detected by JAX's heartbeat (`heartbeat_timeout_s`), which ends the 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
 import sys
 import time
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
+
+from trackstar_jax import files
 
 _KV_PREFIX = "trackstar_jax/sync"
 # Fault injection for the tests of "a process that dies": `TRACKSTAR_JAX_HOLD_AT=<sync name>@<process>`
@@ -204,6 +207,24 @@ def writer_partition(process_index: int | None = None, process_count: int | None
     if count < 1 or not 0 <= index < count:
         raise ValueError(f"--process_index={index} is not in [0, --process_count={count})")
     return index, count
+
+
+def writes_workdir(stage: str) -> Callable:
+    """Decorator of a stage `fn(settings, workdir, ...)` that writes the run directory: it runs
+    holding `files.workdir_lock(workdir, stage, i)`, `i` being its `process_index` keyword (an
+    independent writer) or else `jax.process_index()`, so a second writer of the same workdir
+    is refused at once, naming the first (`files.WorkdirBusyError`)."""
+
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def run(settings: Any, workdir: Any, *args: Any, **kwargs: Any) -> Any:
+            i = kwargs.get("process_index")
+            with files.workdir_lock(workdir, stage, jax.process_index() if i is None else int(i)):
+                return fn(settings, workdir, *args, **kwargs)
+
+        return run
+
+    return decorate
 
 
 def _client():

@@ -33,6 +33,7 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
+from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
@@ -297,6 +298,7 @@ def check_manifest(workdir: pathlib.Path, want: dict) -> None:
         )
 
 
+@multihost.writes_workdir("validate")
 def validate(
     settings: config_lib.Settings,
     workdir: str | os.PathLike,

@@ -526,11 +526,7 @@ def encode_queries(
 
 def save_queries(queries: Sequence[Query], path: str | pathlib.Path) -> None:
     """Writes queries as jsonl (one object per query)."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        for q in queries:
-            f.write(json.dumps(dataclasses.asdict(q)) + "\n")
+    files.atomic_write(path, "".join(json.dumps(dataclasses.asdict(q)) + "\n" for q in queries))
 
 
 def load_queries(path: str | pathlib.Path) -> list[Query]:

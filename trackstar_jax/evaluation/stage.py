@@ -119,9 +119,27 @@ def tailpatch_all(
     return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
 
 
+# Written (by process 0) before any retrieval file: the settings of the evaluation under way,
+# so a rerun after a crash recognises its own unfinished work and redoes it.
+STARTED_FILE = "started.json"
+
+
+def _settings_record(settings: config_lib.Settings) -> dict:
+    return config_lib.to_dict(settings.replace({"retrieval.overwrite": False}))
+
+
+def _differs(saved: dict | None, settings: config_lib.Settings, what: str) -> list[str]:
+    now = _settings_record(settings)
+    if saved is None:
+        return [f"({what} records no settings)"]
+    return config_lib.mismatches(saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
+
+
 def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | None:
     """The previous evaluation in `out_dir` if it was made with these settings (it is only
-    reported); None when there is none or `retrieval.overwrite` is set.
+    reported); None when there is none, when it is this configuration's own unfinished
+    evaluation (its `started.json` records the same settings: it is redone), or when
+    `retrieval.overwrite` is set.
 
     Same rule as `launch.retrieve`: finished outputs are replaced only with
     `--config.retrieval.overwrite=True`; a changed config is refused, naming the fields.
@@ -137,15 +155,19 @@ def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | No
         "set --config.retrieval.overwrite=True to replace it, or --config.eval.output_dir=<another folder> to keep both"
     )
     if not table_path.exists():
-        raise FileExistsError(f"{out_dir} holds an unfinished or foreign evaluation ({previous[0].name}): {how}")
+        started = out_dir / STARTED_FILE
+        if not started.exists():
+            raise FileExistsError(f"{out_dir} holds an unfinished or foreign evaluation ({previous[0].name}): {how}")
+        rec = files.read_json(started, "evaluation start record", how)
+        bad = _differs(rec.get("settings") if isinstance(rec, dict) else None, settings, STARTED_FILE)
+        if bad:
+            raise FileExistsError(
+                f"{out_dir} holds an unfinished evaluation made with other settings ({'; '.join(bad[:8])}): {how}"
+            )
+        logging.info("eval: %s holds an unfinished evaluation with these settings; redoing it", out_dir)
+        return None
     table = files.read_json(table_path, "evaluation table", how)
-    now = config_lib.to_dict(settings.replace({"retrieval.overwrite": False}))
-    saved = table.get("settings")
-    bad = (
-        ["(table.json records no settings)"]
-        if saved is None
-        else config_lib.mismatches(saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
-    )
+    bad = _differs(table.get("settings"), settings, "table.json")
     if bad:
         raise FileExistsError(
             f"{out_dir} already holds an evaluation made with other settings ({'; '.join(bad[:8])}): {how}"
@@ -215,6 +237,8 @@ def _prepare(
         logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))
         for f in stale:
             f.unlink()
+    if multihost.is_primary():
+        files.atomic_write_json(out_dir / STARTED_FILE, {"settings": _settings_record(settings)})
     return ctx, out_dir
 
 
@@ -246,6 +270,7 @@ def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQuer
     return eq
 
 
+@multihost.writes_workdir("evaluate")
 def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 4: the fact-tracing table for every row in `config.eval.methods` (see the module docstring).
 
@@ -335,7 +360,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         },
         "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
         "seconds": time.perf_counter() - t0,
-        "settings": config_lib.to_dict(settings.replace({"retrieval.overwrite": False})),
+        "settings": _settings_record(settings),
     }
     # Process 0 writes; table.json last but one, table.md last (a table.json marks a finished
     # evaluation). The others wait for it, so a failed write fails the job.
@@ -352,6 +377,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     return table
 
 
+@multihost.writes_workdir("retrieve")
 def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 3 for the evaluation's fact queries (`launch.retrieve` without `retrieval.queries`).
 

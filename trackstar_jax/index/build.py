@@ -127,6 +127,7 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     return rows_fn
 
 
+@multihost.writes_workdir("build_index")
 def build_index(
     settings: config_lib.Settings,
     workdir: str | os.PathLike,

@@ -6,15 +6,12 @@ See `store.py` for the on-disk layout and how R_train composes with resume and w
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import errno
-import fcntl
 import hashlib
 import json
 import os
 import pathlib
-import socket
 import time
 from typing import Any, Callable, Mapping
 
@@ -119,34 +116,22 @@ class IndexBuilder:
 
     # -- small pieces (tests patch _write_rows to simulate a full disk) --------------------
 
-    @contextlib.contextmanager
     def _writer_lock(self):
-        """Holds `progress/writer-<i>-of-<n>.lock` (fcntl) for the build: a second process that
-        would write the same chunks is refused, naming the holder (pid and host). The kernel
-        drops the lock when its holder dies (kill -9 included), so a resume never waits."""
+        """Holds `progress/writer-<i>-of-<n>.lock` (`files.exclusive_lock`) for the build: a second
+        process that would write the same chunks is refused, naming the holder (pid and host)."""
         lock = self.path / "progress" / f"writer-{self.process_index:04d}-of-{self.process_count:04d}.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown process"
-                raise store.IndexWriteError(
-                    f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
-                    f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-            yield
-        finally:
-            os.close(fd)  # releases the lock
+
+        def busy(holder: str) -> Exception:
+            return store.IndexWriteError(
+                f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
+                f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
+            )
+
+        return files.exclusive_lock(lock, "build", busy)
 
     def _chunk_files(self, c: int) -> list[pathlib.Path]:
         """The files holding chunk `c` (zarr3 default chunk keys: `c/<row chunk>/<col chunk>`)."""
-        out = [self.path / "vectors" / "c" / str(c) / "0"]
-        if self.dtype == "int8":
-            out.append(self.path / "row_scale" / "c" / str(c))
-        return out
+        return store.chunk_files(self.path, c, self.dtype)
 
     def _missing_chunks(self, complete: frozenset[int]) -> list[int]:
         """Chunks of this writer marked complete whose files are gone (a stat per chunk)."""
@@ -326,6 +311,9 @@ class IndexBuilder:
             raise store.IndexCorruptError(
                 f"index {self.path}: chunk {c}, rows [{lo}, {hi}) is marked complete but cannot be read: {e}"
             ) from e
+        for f, want in zip(self._chunk_files(c), store.read_marker_crcs(self.path, c)):
+            if (got := store.file_crc32c(f)) != want:  # R_train must sum the rows written at this position
+                raise store.chunk_position_error(self.path, c, (lo, hi), f, got, want)
         return stored, scale
 
     def _write_failure(self, c: int, lo: int, hi: int, e: BaseException) -> str:
@@ -355,7 +343,13 @@ class _ChunkWriter:
         for f in futs:
             f.result()
         lo, hi = self.b.chunk_rows_range(c)
-        files.atomic_write(self.b._marker(c), json.dumps({"rows": [lo, hi]}).encode())
+        crcs = []
+        for f in self.b._chunk_files(c):
+            try:  # the marker records the crc32c each file was written with: it binds the file to chunk c
+                crcs.append(store.file_crc32c(f))
+            except FileNotFoundError:
+                raise OSError(f"the write of chunk {c} committed but left no file {f}") from None
+        files.atomic_write(self.b._marker(c), json.dumps(store.marker_record(lo, hi, crcs)).encode())
 
     def finish(self, block_all: bool) -> None:
         """Collects finished chunks (oldest first); re-raises the first failed write."""
@@ -384,11 +378,19 @@ class _ChunkWriter:
         """Checks one computed chunk `(c, lo, hi, stored, scale, bad)` and submits its writes."""
         c, lo, hi, stored, scale, bad = item
         bad = np.asarray(bad)[: hi - lo]
-        if bad.any():
-            rows = (lo + np.flatnonzero(bad)).tolist()
+        if (bad == store.BAD_NON_FINITE).any():
+            rows = (lo + np.flatnonzero(bad == store.BAD_NON_FINITE)).tolist()
             raise ValueError(
                 f"non-finite vector(s) for example id(s) {rows[:10]} (rows [{lo}, {hi}); "
                 f"NaN/inf from the featurizer or overflow of storage dtype {self.b.dtype})"
+            )
+        if bad.any():
+            rows = (lo + np.flatnonzero(bad)).tolist()
+            raise ValueError(
+                f"zero vector(s) for example id(s) {rows[:10]}{' ...' if len(rows) > 10 else ''} (rows [{lo}, {hi})): "
+                f"all zero as stored in {self.b.dtype}, so they would score 0 against every query; the model's "
+                "gradients vanish there (a diverged or untrained model, or examples without loss tokens) or the "
+                "values underflow the storage dtype (try --config.index.dtype=float32 or int8)"
             )
         stored_h = np.asarray(stored)[: hi - lo]
         scale_h = None if scale is None else np.asarray(scale)[: hi - lo]
@@ -440,6 +442,11 @@ def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
             return False
         part = np.load(f, allow_pickle=False)
         total = part if total is None else total + part
+    table = [store.read_marker_crcs(p, c) for c in range(num_chunks)]
+    files.create_once(
+        p / store.CHUNK_TABLE,
+        json.dumps({"index": store.manifest_fingerprint(manifest), "crc32c": table}).encode(),
+    )
     files.create_once(p / "r_train.npy", files.npy_bytes(total))
     files.create_once(
         p / "r_train.json",

@@ -13,6 +13,7 @@ On-disk layout of an index directory (local or mounted filesystem):
     progress/chunk_XXXXXXXX.done   completion marker, written after that chunk's data is durable
     r_train/part-PPPP-of-QQQQ-upto-XXXXXXXX.npy   running R_train sum of process P's chunks
     r_train.npy, r_train.json      final R_train sum (float64) and row count
+    chunks.json              crc32c of every chunk file, by position, and the manifest fingerprint
     COMPLETE                 written last; readers then skip the marker scan
     scoring/<key>.npy        cached per-row scales of on-the-fly scoring, one per whitening
 
@@ -22,6 +23,11 @@ treat half-written rows as complete, a killed build resumes from the first chunk
 marker, and rewriting a chunk produces the same bytes (the featurizer is deterministic). Every
 chunk carries a crc32c digest (zarr3 codec) and missing chunks are read errors
 (`fill_missing_data_reads=False`), so truncation/corruption/deletion is an error naming the rows.
+A chunk's crc32c only covers its bytes, so each marker (and, once complete, `chunks.json`, which
+also records the manifest fingerprint) records the crc32c each chunk file ended with when it was
+written: a file swapped with another chunk's, or copied from another index, passes its own crc32c
+but not the one recorded for its position, and is an error naming the chunk (format 2; indices
+of format 1 had no such record and are refused with "rebuild").
 Reads of the vectors go straight to the chunk files (`c/<chunk>/0`: the raw little-endian rows,
 then their crc32c), checked with a hardware crc32c (`google-crc32c`): on a 2-core CPU tensorstore's
 decode path read a 33.5 MB block 3-6x slower under load, and streamed queries ran 1.1-1.6x slower
@@ -71,7 +77,13 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
 from trackstar_jax.models import lm
 
-FORMAT = "trackstar_jax.index/1"
+FORMAT = "trackstar_jax.index/2"
+# Older formats: why they are refused (the fix is always a rebuild).
+_OLD_FORMATS = {
+    "trackstar_jax.index/1": "its chunk checksums are not bound to the chunks' positions (two swapped chunk "
+    "files would pass)",
+}
+CHUNK_TABLE = "chunks.json"
 STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 NP_DTYPES = {
     "float32": np.dtype(np.float32),
@@ -319,8 +331,83 @@ def read_manifest(path: str | os.PathLike) -> dict:
         raise IndexCorruptError(str(e)) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT:
         got = m.get("format") if isinstance(m, dict) else type(m).__name__
+        if got in _OLD_FORMATS:
+            raise IndexMismatchError(
+                f"index {path} has the older format {got!r}: {_OLD_FORMATS[got]}; rebuild it: delete {path} "
+                "and rerun build_index"
+            )
         raise IndexMismatchError(f"index {path}: format {got!r} is not {FORMAT!r}")
     return m
+
+
+# ------------------------------------------------------------------------------------------
+# Chunk files and their position-bound checksums
+# ------------------------------------------------------------------------------------------
+
+
+def chunk_files(path: pathlib.Path, c: int, dtype: str) -> list[pathlib.Path]:
+    """The files holding chunk `c` (zarr3 default chunk keys): vectors, then the int8 row scale."""
+    out = [path / "vectors" / "c" / str(c) / "0"]
+    if dtype == "int8":
+        out.append(path / "row_scale" / "c" / str(c))
+    return out
+
+
+def file_crc32c(f: pathlib.Path) -> int:
+    """The crc32c a zarr3 chunk file ends with (4 bytes, little-endian), without reading the rest.
+
+    Raises:
+      FileNotFoundError: no such file.
+    """
+    with open(f, "rb") as fh:
+        size = fh.seek(0, os.SEEK_END)
+        fh.seek(max(size - 4, 0))
+        return int.from_bytes(fh.read(4), "little")
+
+
+def marker_record(lo: int, hi: int, crcs: list[int]) -> dict:
+    """What a chunk's completion marker holds: its rows and the crc32c its files were written with."""
+    return {"rows": [lo, hi], "crc32c": [int(x) for x in crcs]}
+
+
+def read_marker_crcs(path: pathlib.Path, c: int) -> list[int]:
+    """The crc32c recorded for chunk `c` by its completion marker (named error if damaged)."""
+    f = path / "progress" / f"chunk_{c:08d}.done"
+    fix = f"delete {f} and rerun build_index to rewrite chunk {c}"
+    try:
+        return [int(x) for x in files.read_json(f, "index chunk marker", fix)["crc32c"]]
+    except files.InputError as e:
+        raise IndexCorruptError(str(e)) from None
+    except (KeyError, TypeError, ValueError):
+        raise IndexCorruptError(f"index chunk marker {f} records no crc32c: {fix}") from None
+
+
+def load_chunk_table(path: pathlib.Path, manifest: Mapping[str, Any], num_chunks: int) -> list[list[int]]:
+    """`chunks.json` of a complete index: per chunk, the crc32c of its files (named error if it is
+    missing, damaged, the wrong length, or another index's)."""
+    f = path / CHUNK_TABLE
+    fix = f"delete {path / 'COMPLETE'} and rerun build_index to rewrite it from the chunk markers"
+    try:
+        t = files.read_json(f, "index chunk table", fix)
+    except (files.InputError, FileNotFoundError) as e:
+        raise IndexCorruptError(f"index {path}: {e}" if isinstance(e, FileNotFoundError) else str(e)) from None
+    if not isinstance(t, dict) or t.get("index") != manifest_fingerprint(manifest):
+        raise IndexCorruptError(f"index {path}: {f} belongs to another index (not this manifest's); {fix}")
+    crcs = t.get("crc32c")
+    if not isinstance(crcs, list) or len(crcs) != num_chunks:
+        raise IndexCorruptError(f"index {path}: {f} does not list one crc32c per chunk ({num_chunks}); {fix}")
+    return crcs
+
+
+def chunk_position_error(
+    path: pathlib.Path, c: int, rows: tuple[int, int], f: pathlib.Path, got: int, want: int
+) -> IndexCorruptError:
+    """The error for a chunk file whose own crc32c is not the one recorded for its position."""
+    return IndexCorruptError(
+        f"index {path}: chunk {c}, rows [{rows[0]}, {rows[1]}) cannot be read: {f} passes its crc32c but is not "
+        f"the file written at this position (crc32c {got:08x}, recorded {want:08x}): it was swapped with another "
+        f"chunk, copied from another index or rewritten; delete it and rerun build_index to rewrite it"
+    )
 
 
 def _array_spec(path: pathlib.Path, shape: list[int], chunk_shape: list[int], dtype: str) -> dict:
@@ -392,13 +479,22 @@ def dequantize(stored: Array, scale: Float[Array, " n"] | None) -> Float[Array, 
     return x if scale is None else x * jnp.asarray(scale, jnp.float32)[:, None]
 
 
+BAD_NON_FINITE, BAD_ZERO = 1, 2  # codes of `_quantize_step`'s `bad`
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _quantize_step(rows, *, dtype):
+    """`(stored, scale, bad)`: `bad` [n] int32 is 0 for a good row, `BAD_NON_FINITE`, or
+    `BAD_ZERO` for a row that is all zero as stored (zero gradients, or underflow of the
+    storage dtype): it would score 0 against every query, and a chunk of zeros equals the
+    array's fill value, which tensorstore does not write."""
     stored, scale = quantize(rows, dtype)
-    bad = ~jnp.all(jnp.isfinite(dequantize(stored, scale)), axis=1)
+    x = dequantize(stored, scale)
+    nonfinite = ~jnp.all(jnp.isfinite(x), axis=1)
     if scale is not None:
-        bad = bad | ~jnp.isfinite(scale)
-    return stored, scale, bad
+        nonfinite = nonfinite | ~jnp.isfinite(scale)
+    zero = ~jnp.any(x != 0, axis=1)
+    return stored, scale, jnp.where(nonfinite, BAD_NON_FINITE, jnp.where(zero, BAD_ZERO, 0)).astype(jnp.int32)
 
 
 @functools.partial(jax.jit, static_argnames=("num_blocks_total",))
@@ -438,6 +534,36 @@ class IndexReader:
     def refresh(self) -> None:
         """Re-reads which chunks are complete (for an index that is still being built)."""
         self.complete_chunks = _complete_chunks(self.path, self.num_chunks)
+        self._table = (
+            load_chunk_table(self.path, self.manifest, self.num_chunks) if (self.path / "COMPLETE").exists() else None
+        )
+        self._marker_crcs: dict[int, list[int]] = {}
+
+    def recorded_crcs(self, c: int) -> list[int]:
+        """The crc32c chunk `c`'s files were written with (chunks.json, else its marker)."""
+        if self._table is not None:
+            return self._table[c]
+        if c not in self._marker_crcs:
+            self._marker_crcs[c] = read_marker_crcs(self.path, c)
+        return self._marker_crcs[c]
+
+    def check_positions(self, start: int, stop: int, *, vectors: bool = True) -> None:
+        """Each chunk file of rows `[start, stop)` ends with the crc32c recorded for its position
+        (reads only the files' last 4 bytes; `vectors=False` checks the int8 row scales only)."""
+        for c in range(start // self.chunk_rows, -(-stop // self.chunk_rows)):
+            want = self.recorded_crcs(c)
+            for i, f in enumerate(chunk_files(self.path, c, self.dtype_name)):
+                if i == 0 and not vectors:
+                    continue
+                try:
+                    got = file_crc32c(f)
+                except FileNotFoundError:
+                    raise IndexCorruptError(
+                        f"index {self.path}: chunk {c}, rows {list(self.chunk_range(c))} cannot be read: its file "
+                        f"{f} is missing"
+                    ) from None
+                if got != want[i]:
+                    raise chunk_position_error(self.path, c, self.chunk_range(c), f, got, want[i])
 
     @property
     def is_complete(self) -> bool:
@@ -499,6 +625,9 @@ class IndexReader:
                 raise IndexCorruptError(
                     f"index {self.path}: chunk {c}, rows [{lo}, {hi}) cannot be read: {f} fails its crc32c"
                 )
+            got, want = int.from_bytes(data[-4:], "little"), self.recorded_crcs(c)[0]
+            if got != want:
+                raise chunk_position_error(self.path, c, (lo, hi), f, got, want)
             rows = np.frombuffer(data, self.dtype, count=self.chunk_rows * self.dim).reshape(self.chunk_rows, -1)
             a, b = max(lo, start), min(hi, stop)
             out[a - start : b - start] = rows[a - lo : b - lo]
@@ -550,6 +679,9 @@ class _PendingBlock:
             scale = self.fut_s.result() if self.fut_s is not None else None
         except ValueError as e:  # tensorstore reports DATA_LOSS / NOT_FOUND / FAILED_PRECONDITION as ValueError
             raise _locate_corruption(self.reader, self.start, self.stop, e) from e
+        # Direct reads checked the vector files' positions as they read them.
+        if not self.reader._direct or self.fut_s is not None:
+            self.reader.check_positions(self.start, self.stop, vectors=not self.reader._direct)
         return rows, scale
 
 

@@ -107,7 +107,11 @@ def open_reader(path: str | os.PathLike) -> Any:
     try:
         return _gguf().GGUFReader(str(p), "r")
     except (ValueError, KeyError, IndexError) as e:  # bad magic, unknown type ids, truncation
-        raise ValueError(f"cannot read {p} as GGUF: {e}") from e
+        # The reader's own words are about numpy views ("cannot reshape array"); say what they mean.
+        raise ValueError(
+            f"cannot read {p} as GGUF: the file is truncated or damaged (its header or tensor data do not fit its "
+            f"{p.stat().st_size} bytes, or it is not a GGUF file); download it again (reader: {type(e).__name__}: {e})"
+        ) from e
 
 
 def read_metadata(reader_or_path: Any) -> dict[str, Any]:

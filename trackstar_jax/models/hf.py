@@ -28,7 +28,6 @@ produces HF-named tensors and an HF-style config dict).
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 import re
 from typing import Any, Callable, Iterator, Mapping
@@ -37,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 import safetensors
 
+from trackstar_jax import files as files_lib
 from trackstar_jax.models import lm
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt_neox")
@@ -356,6 +356,16 @@ def _unflatten(flat: Mapping[str, Any]) -> dict:
     return out
 
 
+def _safe_open(path: pathlib.Path) -> Any:
+    """`safetensors.safe_open`, with a damaged file named (not a bare `SafetensorError`)."""
+    try:
+        return safetensors.safe_open(str(path), framework="numpy")
+    except (safetensors.SafetensorError, OSError) as e:
+        raise files_lib.InputError(
+            f"{path} is not a readable safetensors file ({e}): it is truncated or damaged; download it again"
+        ) from None
+
+
 class _SafetensorsFolder(Mapping):
     """Lazy `{tensor name: np.ndarray}` over one or several safetensors files (read on access)."""
 
@@ -369,8 +379,13 @@ class _SafetensorsFolder(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         path = self._files[name]
         if path not in self._handles:
-            self._handles[path] = safetensors.safe_open(str(path), framework="numpy")
-        return self._handles[path].get_tensor(name)
+            self._handles[path] = _safe_open(path)
+        try:
+            return self._handles[path].get_tensor(name)
+        except (safetensors.SafetensorError, OSError) as e:
+            raise files_lib.InputError(
+                f"{path}: tensor {name!r} cannot be read ({e}); download the file again"
+            ) from None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._files)
@@ -391,13 +406,16 @@ def open_safetensors(folder: str | pathlib.Path) -> tuple[_SafetensorsFolder, st
     folder = pathlib.Path(folder)
     index = folder / INDEX_FILE
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = files_lib.read_json(index, "safetensors index", "download it again")
+        if not isinstance(weight_map, dict) or not isinstance(weight_map.get("weight_map"), dict):
+            raise files_lib.InputError(f'{index} has no "weight_map" object; download it again')
+        weight_map = weight_map["weight_map"]
         files = {}
         for shard in sorted(set(weight_map.values())):
             path = folder / shard
             if not path.is_file():
                 raise ValueError(f"{INDEX_FILE} lists shard {shard!r}, which is not in {folder}")
-            with safetensors.safe_open(str(path), framework="numpy") as f:
+            with _safe_open(path) as f:
                 stored = set(f.keys())
             listed = {n for n, s in weight_map.items() if s == shard}
             for n in sorted(listed - stored):
@@ -408,7 +426,7 @@ def open_safetensors(folder: str | pathlib.Path) -> tuple[_SafetensorsFolder, st
         return _SafetensorsFolder(files), f"the shards of {index}"
     single = folder / SINGLE_FILE
     if single.is_file():
-        with safetensors.safe_open(str(single), framework="numpy") as f:
+        with _safe_open(single) as f:
             names = list(f.keys())
         return _SafetensorsFolder({n: single for n in names}), str(single)
     present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
@@ -437,7 +455,7 @@ def load_hf(
     config_path = folder / CONFIG_FILE
     if not config_path.is_file():
         raise ValueError(f"no {CONFIG_FILE} in {folder}")
-    hf_config = json.loads(config_path.read_text())
+    hf_config = files_lib.read_json(config_path, "HF model config", "download it again")
     config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, max_len=max_len)  # refuse before reading weights
     tensors, source = open_safetensors(folder)
     return from_hf_state_dict(hf_config, tensors, dtype=dtype, param_dtype=param_dtype, max_len=max_len, source=source)

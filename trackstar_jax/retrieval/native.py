@@ -32,7 +32,6 @@ import pathlib
 import platform
 import shutil
 import subprocess
-import tempfile
 import threading
 from typing import Any
 
@@ -40,6 +39,8 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 from jaxtyping import Array, Float
+
+from trackstar_jax import files
 
 ENV_ENABLE = "TRACKSTAR_JAX_NATIVE"  # "0" forces the XLA fallback
 ENV_CACHE = "TRACKSTAR_JAX_CACHE"
@@ -104,17 +105,6 @@ def _is_valid(so: pathlib.Path) -> bool:
         return False
 
 
-def _replace_atomically(path: pathlib.Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def build(*, force: bool = False) -> pathlib.Path:
     """Compiles the kernel library into the cache unless a valid build is there; returns its path.
 
@@ -145,9 +135,9 @@ def build(*, force: bool = False) -> pathlib.Path:
             if res.returncode != 0:
                 raise RuntimeError(f"building {SOURCE.name} failed ({' '.join(cmd)}):\n{res.stderr[-4000:]}")
 
-        _replace_atomically(so, compile_to)
+        files.atomic_write_with(so, compile_to)
         digest = _sha256(so)
-        _replace_atomically(so.with_name(so.name + ".sha256"), lambda tmp: pathlib.Path(tmp).write_text(digest))
+        files.atomic_write(so.with_name(so.name + ".sha256"), digest)
     logging.info("built %s -> %s", SOURCE.name, so)
     return so
 

@@ -10,6 +10,7 @@ Outputs go to `workdir/retrieval/<name>.jsonl` (PAIR-code schema, `records.py`) 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import pathlib
@@ -53,21 +54,48 @@ class TextQuery:
     where: str = ""  # "file:line" of a query read from a file (for error messages)
 
 
+QUERY_KEYS = ("prompt", "target", "example_id")
+
+
 def load_text_queries(path: str | os.PathLike) -> list[TextQuery]:
     """Reads a jsonl of `{"prompt", "target"[, "example_id"]}` (example_id defaults to the line number).
 
+    Checked like a corpus: every line names its file:line when it is refused.
+
     Raises:
-      ValueError: a malformed line (names the file and line).
+      files.InputError / ValueError: a malformed line (bad UTF-8 or JSON, a missing, empty or
+        unknown field, a NUL character, a repeated example_id), or no query at all.
     """
-    out = []
+    out, seen = [], {}
     for where, rec in files.read_jsonl(path):
         if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("prompt", "target")):
             raise ValueError(f"{where}: expected an object with string fields 'prompt' and 'target'")
+        unknown = sorted(set(rec) - set(QUERY_KEYS))
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], QUERY_KEYS, n=1)
+            hint = f' (did you mean "{near[0]}"?)' if near else ""
+            raise files.InputError(
+                f"{where}: unknown field(s) {unknown}{hint}; a query has {list(QUERY_KEYS)} (example_id optional)"
+            )
         if not rec["prompt"].strip():
             raise ValueError(f"{where}: the prompt is empty (a query needs a prompt before its target)")
         if not rec["target"].strip():
             raise ValueError(f"{where}: the target is empty (the query's loss is on the target tokens)")
-        out.append(TextQuery(rec.get("example_id", len(out)), rec["prompt"], rec["target"], where=where))
+        files.check_text(rec["prompt"], where, "prompt")
+        files.check_text(rec["target"], where, "target")
+        eid = rec.get("example_id", len(out))
+        key = json.dumps(eid)
+        if key in seen:
+            raise files.InputError(
+                f"{where}: example_id {eid!r} is already used at line {seen[key].rsplit(':', 1)[1]}; "
+                "each query needs its own id (its output record is keyed by it)"
+            )
+        seen[key] = where
+        out.append(TextQuery(eid, rec["prompt"], rec["target"], where=where))
+    if not out:
+        raise files.InputError(
+            f'{path}: no queries (the file is empty or blank); give one {{"prompt", "target"}} object per line'
+        )
     return out
 
 
@@ -262,6 +290,7 @@ def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, p
     return out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
 
 
+@multihost.writes_workdir("retrieve")
 def retrieve(
     settings: config_lib.Settings,
     workdir: str | os.PathLike,

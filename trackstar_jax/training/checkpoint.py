@@ -77,7 +77,9 @@ def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, w
     - `seed`, `model`, `data` and the optimizer/batch keys of `train` define the run: a
       difference is refused, naming each field.
     - The resumable train keys (`config.RESUMABLE_TRAIN_KEYS`, e.g. a longer `num_steps`)
-      are recorded: only the `train` section is updated, and only when they changed.
+      are recorded: only the `train` section is updated, and only when they changed. While
+      no checkpoint is saved (e.g. a first attempt that diverged at once), every train key
+      is: nothing was trained with the old values.
     - Later stages' sections (vectors, index, eval, ...) are kept as first recorded: one
       trained run serves every table row, and each later stage takes its own settings from
       its flags. A difference is logged (naming the fields), never written.
@@ -94,7 +96,8 @@ def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, w
             files.create_once(path, json.dumps(new, indent=1, sort_keys=True))
         return
     saved = config_lib.read_json(path)
-    bad = config_lib.mismatches(saved, new)
+    trained = has_checkpoint(workdir)
+    bad = config_lib.mismatches(saved, new, **({} if trained else {"sections": config_lib.RUN_SECTIONS}))
     if bad:
         raise config_lib.ConfigError(
             f"{path} belongs to a different run; refusing to reuse the workdir. Differences: " + "; ".join(bad)
@@ -114,6 +117,26 @@ def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, w
     if resumed and write:
         logging.info("%s: recording the changed resumable train keys: %s", path, "; ".join(resumed))
         files.atomic_write(path, json.dumps({**saved, "train": new["train"]}, indent=1, sort_keys=True))
+
+
+def has_checkpoint(workdir: str | os.PathLike) -> bool:
+    """Whether the run directory holds a saved checkpoint step (orbax's `<step>` folders)."""
+    d = pathlib.Path(workdir) / CHECKPOINT_DIR
+    return d.is_dir() and any(p.name.isdigit() for p in d.iterdir())
+
+
+def diverged_advice(workdir: str | os.PathLike | None = None) -> str:
+    """What to do after training diverged, said so that the advice works when followed: a run's
+    optimizer keys are fixed once a checkpoint is saved with them."""
+    if workdir is not None and not has_checkpoint(workdir):
+        return (
+            "rerun with a lower --config.train.learning_rate (this workdir holds no checkpoint yet, so its train "
+            "settings may still change), or check the data"
+        )
+    return (
+        "to retry with a lower train.learning_rate, use a new --workdir (this run's checkpoints were trained with "
+        "the current value, so this workdir refuses another), or check the data"
+    )
 
 
 def state_shardings(abstract_state: Any, mesh: Mesh) -> Any:
@@ -183,7 +206,7 @@ class CheckpointManager:
             raise FloatingPointError(
                 f"refusing to save step {step} in {self.directory}: non-finite values in "
                 f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''} (training diverged; "
-                "lower train.learning_rate or resume from an earlier checkpoint)"
+                f"{diverged_advice(self.directory.parent)})"
             )
         latest = self.latest_step()
         if latest is not None and step <= latest:

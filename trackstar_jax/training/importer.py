@@ -30,6 +30,7 @@ from absl import logging
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import second_moment as sm_lib
 from trackstar_jax.models import lm as model_lib
@@ -116,6 +117,7 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
     return files.read_json(workdir / SUMMARY_FILE, "import summary")
 
 
+@multihost.writes_workdir("import_model")
 def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 1 for a released model: writes the run directory of `settings.model.source`.
 

@@ -230,7 +230,8 @@ class MetricsLog:
     checkpoint hook can save a NaN state.
     """
 
-    def __init__(self, path: pathlib.Path | None, tokens_per_step: int, bar: Any):
+    def __init__(self, path: pathlib.Path | None, tokens_per_step: int, bar: Any, workdir: Any = None):
+        self.workdir = workdir
         self.file = open(path, "a") if path is not None else None  # noqa: SIM115  (closed by close())
         self.tokens_per_step, self.bar = tokens_per_step, bar
         self.pending: list[Any] = []
@@ -251,7 +252,7 @@ class MetricsLog:
             bad = next(step - len(fetched) + 1 + i for i, x in enumerate(fetched) if not np.isfinite(float(x["loss"])))
             raise FloatingPointError(
                 f"training loss is {loss} at step {bad} (nothing after step "
-                f"{step - len(fetched)} was saved); lower train.learning_rate or check the data"
+                f"{step - len(fetched)} was saved): training diverged; {checkpoint_lib.diverged_advice(self.workdir)}"
             )
         self.train_loss = loss
         self._tokens += len(fetched) * self.tokens_per_step
@@ -401,6 +402,7 @@ def record_measured_opt_state(workdir: pathlib.Path, step: int) -> None:
     files.atomic_write_json(path, record)
 
 
+@multihost.writes_workdir("train")
 def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     """Stage 1: pretrain the run's model (resuming from its latest checkpoint).
 
@@ -477,7 +479,10 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         dynamic_ncols=True,
     )
     log = MetricsLog(
-        workdir / METRICS_FILE if multihost.is_primary() else None, t.global_batch_size * model_cfg.max_len, bar
+        workdir / METRICS_FILE if multihost.is_primary() else None,
+        t.global_batch_size * model_cfg.max_len,
+        bar,
+        workdir=workdir,
     )
     eval_loss: list[float | None] = [None]
 
