@@ -44,6 +44,7 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
@@ -221,7 +222,8 @@ def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query
         role="query",
     )
     q_raw = retrieval_stage.query_vectors(ctx.run, vec_fn, eq.encoded)
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
+    factor = trak_lib.row_factor(ctx.run, settings.vectors.output_fn, reader)  # TRAK's Q multiplies scores
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw, row_factor=factor)
     rows = reader.read_dequantized(0, reader.num_rows)
     return (scoring.finalize_queries(q_raw) @ np.asarray(rows, np.float32).T) * scoring.row_scale[None, :]
 

@@ -54,6 +54,8 @@ def index_manifest(
     del vec["estimate_v_examples"], vec["estimate_v_seed"]  # import-time keys: the run's own record is below
     if run.model_cfg.tie_embeddings:  # no output embedding of its own: manifests stay as before the field
         del vec["unembed"]
+    if vec_cfg.output_fn == "trak":  # rows hold plain margin gradients; Q multiplies scores (index/trak.py)
+        vec["trak_q"] = "scores"  # refuses a trak index built when Q was folded into the rows
     model_cfg = dataclasses.asdict(run.model_cfg)
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]
