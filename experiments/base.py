@@ -140,7 +140,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.max_per_bucket = 1000  # §A.4: facts sampled per frequency bucket
     c.eval.max_per_relation_target_per_bucket = 25  # §A.4: cap per (relation, target) within a bucket
     c.eval.max_per_relation_target = 100  # §A.4: cap per (relation, target) overall
-    c.eval.max_incorrect_per_bucket = 0  # §A.4: cap on facts the model gets wrong, per bucket (0 = no cap)
+    c.eval.max_incorrect_per_bucket = (
+        -1
+    )  # §A.4: facts the model gets wrong, per bucket (-1: max_per_bucket / 10, as the paper's 100 of 1000; 0 = no cap)
     c.eval.bucket_edges = (1, 10, 100, 1_000, 10_000, 100_000)  # fact-frequency bucket lower edges (§A.4)
     c.eval.include_unmentioned = False  # keep facts no passage mentions (frequency 0)
     c.eval.max_new_tokens = 8  # greedy completion length (correctness, prediction-mode targets)

@@ -55,6 +55,7 @@ RESUMABLE_TRAIN_KEYS = (
     "max_new_tokens",
 )
 QUERY_MODES = ("gold", "prediction")
+PAPER_INCORRECT_PER_BUCKET = 100 / 1000  # §A.4: at most 100 wrong facts among 1000 per bucket
 # Keys of the run sections that change how a step is computed, not what it computes: never
 # compared with a run's config.json (e.g. rematerialise to fit a larger batch when featurizing).
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
@@ -168,7 +169,7 @@ class EvalSettings:
     max_per_bucket: int = 1000
     max_per_relation_target_per_bucket: int = 25
     max_per_relation_target: int = 100
-    max_incorrect_per_bucket: int = 0
+    max_incorrect_per_bucket: int = -1  # §A.4: -1 = the paper's ratio (100 of 1000) of max_per_bucket; 0 = no cap
     bucket_edges: tuple[int, ...] = (1, 10, 100, 1_000, 10_000, 100_000)
     include_unmentioned: bool = False
     max_new_tokens: int = 8
@@ -191,10 +192,26 @@ class EvalSettings:
             raise ValueError(f"eval.bucket_edges must be increasing positive integers, got {edges}")
         if self.num_proponents < 1:
             raise ValueError(f"eval.num_proponents must be >= 1, got {self.num_proponents}")
+        if self.max_incorrect_per_bucket < -1:
+            raise ValueError(
+                f"eval.max_incorrect_per_bucket must be -1 (the paper's ratio), 0 (no cap) or a cap, "
+                f"got {self.max_incorrect_per_bucket}"
+            )
         if self.output_dir and (
             pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")
         ):
             raise ValueError(f"eval.output_dir must be a plain folder name inside the workdir, got {self.output_dir!r}")
+
+    @property
+    def incorrect_cap(self) -> int:
+        """The per-bucket cap on facts the model gets wrong (0 = none).
+
+        §A.4 samples up to 1000 facts per bucket and at most 100 of them wrong under all three
+        models; -1 keeps that ratio for any `max_per_bucket` (at least 1).
+        """
+        if self.max_incorrect_per_bucket >= 0:
+            return self.max_incorrect_per_bucket
+        return max(1, round(self.max_per_bucket * PAPER_INCORRECT_PER_BUCKET))
 
     @property
     def relation_list(self) -> tuple[str, ...]:
