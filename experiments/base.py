@@ -61,6 +61,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.data.pararel_dir = ""  # ParaRel patterns folder: variant 1 fallback and more statement phrasings
 
+    # --- candidates: the passages indexed and retrieved (data/candidates.py) ---
+    c.candidates = ml_collections.ConfigDict()
+    c.candidates.passages = "all"  # "all" corpus passages | "natural" (no templated statements: the paper's closed set)
+
     # --- mesh (sharding.py) ---
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
@@ -160,6 +164,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.tailpatch.top_ks = (1, 3, 5, 10)
     c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
     c.tailpatch.batch_size = 16  # (query, proponent) pairs per vmapped step (each holds a parameter copy)
+    c.tailpatch.max_queries = 0  # tail-patch a seeded subset of this many queries (0 = all); pairs are cached per run
+    c.tailpatch.methods = ()  # rows tail-patched (() = every row of eval.methods)
+    c.tailpatch.checkpoint_steps = ()  # also TrackStar's MRR / tail-patch@10 at these checkpoints (Fig. 2 right)
 
     # --- linear datamodeling score (launch.validate; TRAK, Park et al. 2023) ---
     c.validate = ml_collections.ConfigDict()

@@ -30,6 +30,7 @@ import typing
 from typing import Any, Mapping, Sequence
 
 from trackstar_jax import methods as methods_lib
+from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
@@ -226,12 +227,22 @@ class TailpatchSettings:
     top_ks: tuple[int, ...] = (1, 3, 5, 10)
     learning_rate: float = -1.0  # < 0: the schedule's value at the final step
     batch_size: int = 16
+    max_queries: int = 0  # tail-patch a seeded subset of this many queries (0 = every query)
+    methods: tuple[str, ...] = ()  # rows tail-patched (() = every row); the others get no tail-patch column
+    checkpoint_steps: tuple[int, ...] = ()  # also TrackStar's MRR and tail-patch@10 at these checkpoints (Fig. 2 right)
 
     def __post_init__(self):
         if not self.top_ks or min(self.top_ks) < 1:
             raise ValueError(f"tailpatch.top_ks must be positive integers, got {self.top_ks}")
         if self.batch_size < 1:
             raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_queries < 0:
+            raise ValueError(f"tailpatch.max_queries must be >= 0, got {self.max_queries}")
+        for name in self.methods:
+            if name not in methods_lib.METHODS:
+                raise ValueError(f"tailpatch.methods: unknown row {name!r} (known: {', '.join(methods_lib.METHODS)})")
+        if any(s < 0 for s in self.checkpoint_steps):
+            raise ValueError(f"tailpatch.checkpoint_steps must be checkpoint steps >= 0, got {self.checkpoint_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,6 +282,7 @@ class Settings:
     seed: int = 0
     model: model_lib.LMConfig = model_lib.LMConfig()
     data: data_lib.DataConfig = data_lib.DataConfig()
+    candidates: candidates_lib.CandidateConfig = candidates_lib.CandidateConfig()  # what is indexed / retrieved
     mesh: MeshSettings = MeshSettings()
     train: TrainSettings = TrainSettings()
     vectors: vectors_lib.VectorConfig = vectors_lib.VectorConfig()

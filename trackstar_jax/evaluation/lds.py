@@ -325,6 +325,11 @@ def validate(
     if not 0 <= pi < pc:
         raise ValueError(f"--process_index={pi} must be in [0, --process_count={pc})")
     config_lib.check_matches_run(settings, workdir, sections=config_lib.RUN_SECTIONS)
+    if settings.candidates.passages != "all":  # subsets are drawn over the training examples
+        raise config_lib.ConfigError(
+            f"config.candidates.passages={settings.candidates.passages!r}: the LDS retrains on subsets of the "
+            "training examples and scores those same examples; use candidates.passages='all'"
+        )
     v = settings.validate
     if v.num_queries:
         settings = settings.replace({"eval.max_queries": v.num_queries})
