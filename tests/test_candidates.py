@@ -1,41 +1,19 @@
 """config.candidates: the passages indexed and retrieved, apart from the training text (data/candidates.py)."""
 
 import pytest
+from _lama_util import write_lama
 
 from trackstar_jax import config as config_lib
 from trackstar_jax.data import candidates, corpus, templates
 
 
-def _lama_dir(tmp_path):
-    import json
-
-    root = tmp_path / "lama"
-    (root / "TREx").mkdir(parents=True)
-    (root / "relations.jsonl").write_text(json.dumps({"relation": "P19", "template": "[X] was born in [Y] ."}) + "\n")
-    lines = []
-    for i in range(12):
-        lines.append(
-            json.dumps(
-                {
-                    "uuid": f"u{i}",
-                    "predicate_id": "P19",
-                    "sub_label": f"Person{i}",
-                    "obj_label": f"City{i}",
-                    "sub_uri": f"Q{i}",
-                    "obj_uri": f"Q{100 + i}",
-                    "evidences": [
-                        {"masked_sentence": f"Person{i} was born in [MASK] in {1900 + i}.", "obj_surface": f"City{i}"}
-                    ],
-                }
-            )
-        )
-    (root / "TREx" / "P19.jsonl").write_text("\n".join(lines) + "\n")
-    return root
-
-
 def test_natural_candidates_drop_templated_statements_and_remap_gold(tmp_path):
     cfg = corpus.DataConfig(
-        source="lama", path=str(_lama_dir(tmp_path)), statements_per_fact=1, eval_fact_fraction=0.5, eval_fraction=0.0
+        source="lama",
+        path=str(write_lama(tmp_path / "lama")),
+        statements_per_fact=1,
+        eval_fact_fraction=0.5,
+        eval_fraction=0.0,
     )
     full = corpus.build_corpus(cfg)
     stmts = templates.statement_ids(full)

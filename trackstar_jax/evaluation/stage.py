@@ -321,8 +321,9 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     table_rows, records = [], {}
     for m in methods:
         r = retrieved[m.name]
+        row_deltas = deltas if not tp.methods or m.name in tp.methods else {}  # a row not tail-patched has none
         if multihost.is_primary():
-            report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
+            report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, row_deltas)
         extra = {
             "label": m.label,
             "kind": m.kind,
@@ -331,7 +332,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             "retrieval_seconds": seconds[m.name],
             **({"scoring": r.info} if r.info else {}),
         }
-        records[m.name] = report.query_records(eq, r, deltas, tp.top_ks, m, statements)
+        records[m.name] = report.query_records(eq, r, row_deltas, tp.top_ks, m, statements)
         table_rows.append(
             metrics_lib.method_row(
                 m.name,

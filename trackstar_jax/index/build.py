@@ -136,8 +136,11 @@ def build_index(
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
+    step: int | None = None,
 ) -> dict:
     """Stage 2: featurize every example of the run's corpus into the index (§3, §A.1.3).
+
+    `step` picks the checkpoint (default the latest; e.g. TrackStar over training, Fig. 2 right).
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
     differ); with `process_count > 1`, this call writes only its share of whole R_train
@@ -169,7 +172,7 @@ def build_index(
             f"data shards of mesh {dict(mesh.shape)}"
         )
     config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
+    run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=settings)
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
     )
