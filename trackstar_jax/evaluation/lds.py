@@ -35,6 +35,7 @@ from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import report as report_lib
@@ -372,10 +373,35 @@ def validate(
         logging.info(
             "validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries, res.num_constant_loss
         )
+    paired_to_reference(rows, seed=seed)
     out_dir = report_lib.eval_dir(settings, workdir)
     write_report(out_dir, rows, v, num_steps, len(eq.queries), seconds=time.perf_counter() - t0)
     out.update(rows=rows, report=str(out_dir / LDS_MD))
     return out
+
+
+PAIRED_REFERENCE = "trackstar"  # each row's LDS is compared with this row's, query by query
+
+
+def paired_to_reference(rows: Sequence[dict], reference: str = PAIRED_REFERENCE, *, seed: int = 0) -> None:
+    """Adds `vs_<reference>` to every other row: the mean over queries of (row LDS - reference
+    LDS) with a paired percentile-bootstrap interval (the same query resamples for both rows,
+    `claims.paired_difference`), over the queries where both correlations are defined.
+
+    Rows of one validation share their queries, so per-query noise common to both rows
+    cancels; two rows' separate intervals cannot show that. No-op without the reference row.
+    """
+    ref = next((r for r in rows if r["method"] == reference), None)
+    if ref is None:
+        return
+    for r in rows:
+        if r is ref:
+            continue
+        pairs = [(a, b) for a, b in zip(r["per_query"], ref["per_query"]) if a is not None and b is not None]
+        a = np.asarray([p[0] for p in pairs], np.float64)
+        b = np.asarray([p[1] for p in pairs], np.float64)
+        iv = claims_lib.paired_difference(a, b, seed=seed)
+        r[f"vs_{reference}"] = {"diff": iv.mean, "diff_ci": [iv.lo, iv.hi], "n": iv.n}
 
 
 def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
@@ -389,14 +415,21 @@ def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: in
         "",
         "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.",
         "",
-        "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
-        "|---|---|---|---|---|---|",
+        f"| Method | LDS [95% CI] | LDS - {PAIRED_REFERENCE} [95% CI, paired over queries] | M | alpha | queries "
+        "| constant loss / prediction |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = r["lds_ci"]
         val = "n/a" if r["lds"] is None else f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
+        p = r.get(f"vs_{PAIRED_REFERENCE}")
+        diff = (
+            "–"
+            if not p or p["diff"] is None
+            else f"{p['diff']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] (n={p['n']})"
+        )
         lines.append(
-            f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
+            f"| {r['label']} | {val} | {diff} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
             f"{r['num_constant_loss']} / {r['num_constant_prediction']} |"
         )
     counts = [b["m"] for b in rows[0].get("by_m", [])] if rows else []
