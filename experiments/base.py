@@ -61,6 +61,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.data.pararel_dir = ""  # ParaRel patterns folder: variant 1 fallback and more statement phrasings
 
+    # --- candidates: the passages indexed and retrieved (data/candidates.py) ---
+    c.candidates = ml_collections.ConfigDict()
+    c.candidates.passages = "all"  # "all" corpus passages | "natural" (no templated statements: the paper's closed set)
+
     # --- mesh (sharding.py) ---
     c.mesh = ml_collections.ConfigDict()
     c.mesh.shape = (-1, 1, 1)  # (data, fsdp, tensor); -1 = all remaining devices
@@ -140,7 +144,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.eval.max_per_bucket = 1000  # §A.4: facts sampled per frequency bucket
     c.eval.max_per_relation_target_per_bucket = 25  # §A.4: cap per (relation, target) within a bucket
     c.eval.max_per_relation_target = 100  # §A.4: cap per (relation, target) overall
-    c.eval.max_incorrect_per_bucket = 0  # §A.4: cap on facts the model gets wrong, per bucket (0 = no cap)
+    c.eval.max_incorrect_per_bucket = (
+        -1
+    )  # §A.4: facts the model gets wrong, per bucket (-1: max_per_bucket / 10, as the paper's 100 of 1000; 0 = no cap)
     c.eval.bucket_edges = (1, 10, 100, 1_000, 10_000, 100_000)  # fact-frequency bucket lower edges (§A.4)
     c.eval.include_unmentioned = False  # keep facts no passage mentions (frequency 0)
     c.eval.max_new_tokens = 8  # greedy completion length (correctness, prediction-mode targets)
@@ -158,6 +164,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.tailpatch.top_ks = (1, 3, 5, 10)
     c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
     c.tailpatch.batch_size = 16  # (query, proponent) pairs per vmapped step (each holds a parameter copy)
+    c.tailpatch.max_queries = 0  # tail-patch a seeded subset of this many queries (0 = all); pairs are cached per run
+    c.tailpatch.methods = ()  # rows tail-patched (() = every row of eval.methods)
+    c.tailpatch.checkpoint_steps = ()  # also TrackStar's MRR / tail-patch@10 at these checkpoints (Fig. 2 right)
 
     # --- linear datamodeling score (launch.validate; TRAK, Park et al. 2023) ---
     c.validate = ml_collections.ConfigDict()

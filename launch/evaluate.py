@@ -1,11 +1,14 @@
 """Stage 4, the fact-tracing table: `python -m launch.evaluate --config=experiments/trex_table1.py --workdir=runs/t1`.
 
 One command from nothing to the table: pretrains the model (or resumes / reuses the
-checkpoint in `--workdir`), builds (or reuses) every gradient index the chosen rows need, then
+checkpoint in `--workdir`) -- or, when `config.model.source` names a released model, imports it
+(a finished import is reused) --, builds (or reuses) every gradient index the chosen rows need, then
 evaluates every row of `config.eval.methods` and writes `workdir/eval/table.{json,md}`.
 The table and the top proponents of a few queries are printed at the end.
 Overrides: `--config.eval.methods='("bm25","trackstar")' --config.eval.query_mode=prediction`.
 """
+
+import time
 
 import jax
 from absl import app, flags, logging
@@ -14,6 +17,7 @@ from ml_collections import config_flags
 from launch import _config, _distributed
 from trackstar_jax import evaluation, training
 from trackstar_jax.evaluation import report
+from trackstar_jax.training import importer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; an existing run is reused).")
@@ -29,9 +33,14 @@ def main(argv):
     settings = _config.settings(_CONFIG)
 
     def stage():
-        if _TRAIN.value and settings.model.source:
+        if settings.model.source:  # a released model: import it (a finished import only reports)
+            t0 = time.perf_counter()
+            summary = importer.import_model(settings, _WORKDIR.value)
             logging.info(
-                "model.source is set: evaluating the imported run as it is (launch.train continues pretraining it)"
+                "stage import: %.1fs (%s, %d examples)",
+                time.perf_counter() - t0,
+                summary.get("path"),
+                summary.get("num_examples", 0),
             )
         elif _TRAIN.value:
             summary = training.train(settings, _WORKDIR.value)

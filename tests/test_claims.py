@@ -106,4 +106,19 @@ def test_paper_claims_cover_orderings_a_to_d():
     assert {c.group for c in cs} == {"a", "b", "c", "d"}
     assert {c.worse for c in cs if c.group == "b"} == {"exp1", "exp2", "exp3", "exp4", "exp5", "trak"}
     assert claims.Claim("c", "bm25", "trackstar", "mrr") in cs
-    assert claims.Claim("c", "trackstar", "trex_gold", "tailpatch_at_1") in cs
+    # Table 1's tail-patch column is k = 10 (§4.3, §A.3.2): (a) and (c) are judged there; k = 1 is
+    # still compared, but reported beside the verdicts, not as one.
+    judged = {(c.group, c.better, c.worse, c.metric) for c in cs if c.judged}
+    for key in (("a", "exp2", "exp1"), ("c", "trackstar", "bm25"), ("c", "trackstar", "trex_gold")):
+        assert (*key, "tailpatch_at_10") in judged
+        assert (*key, "tailpatch_at_1") not in judged
+        assert claims.Claim(*key, "tailpatch_at_1", judged=False) in cs
+    assert not any(c.metric == "tailpatch_at_1" for c in cs if c.judged)
+
+
+def test_unjudged_claims_are_marked_in_the_markdown():
+    recs = {"exp2": _records([1.0] * 20, "tailpatch_at_1"), "exp1": _records([0.0] * 20, "tailpatch_at_1")}
+    out = claims.compare(recs, [claims.Claim("a", "exp2", "exp1", "tailpatch_at_1", judged=False)])
+    assert out[0]["verdict"] == "holds" and out[0]["judged"] is False
+    md = claims.markdown(out)
+    assert "_holds (reported, not judged)_" in md and "**holds**" not in md

@@ -91,12 +91,9 @@ def test_output_function_gradients_match_closed_forms(output_fn, role):
         want = (p_all - onehot) * w[..., None]
     elif output_fn == "logit":  # (p - 1) d logit_y
         want = (p - 1)[..., None] * onehot * w[..., None]
-    else:  # trak: d/dz log(p/(1-p)) = onehot - p_others/(1-p), times (1 - pbar) for index rows
+    else:  # trak: d/dz log(p/(1-p)) = onehot - p_others/(1-p), no Q in the gradient for either role
         others = p_all * (1 - onehot) / (1 - p)[..., None]
         want = (onehot - others) * w[..., None]
-        if role == "index":
-            pbar = np.sum(w * p, -1) / np.sum(w, -1)
-            want = want * (1 - pbar)[:, None, None]
     np.testing.assert_allclose(g, want, rtol=1e-4, atol=1e-6)
 
 
@@ -138,16 +135,20 @@ def test_padding_and_prompt_masking(path):
     assert np.abs(d[: B - 1] - a[: B - 1]).max() > 1e-3 * scale
 
 
-def test_trak_index_rows_carry_example_level_q():
+def test_trak_rows_hold_plain_margin_gradients_and_q_is_the_mean_target_prob():
+    # TRAK's Q multiplies scores after R (index/trak.py), so index and query rows are the same
+    # margin gradients (the old code folded 1 - pbar into index rows: R became sum Q^2 phi phi^T).
     cfg, graphdef, params, plan = _model()
     batch = _batch(5, B, T, prompt=1)
     kw = dict(graphdef=graphdef, plan=plan, output_fn="trak")
     idx = np.asarray(factored.factored_vectors(params, None, batch, role="index", **kw))
     qry = np.asarray(factored.factored_vectors(params, None, batch, role="query", **kw))
+    np.testing.assert_array_equal(idx, qry)
     inputs, targets, w = model_lib.lm_targets(batch)
-    logp = model_lib.token_log_probs(model_lib.apply(graphdef, params, inputs), targets)
-    pbar = np.sum(np.exp(np.asarray(logp)) * np.asarray(w), -1) / np.sum(np.asarray(w), -1)
-    np.testing.assert_allclose(idx, qry * (1 - pbar)[:, None], rtol=1e-4, atol=1e-5 * np.abs(idx).max())
+    logits = model_lib.apply(graphdef, params, inputs)
+    p = np.exp(np.asarray(model_lib.token_log_probs(logits, targets), np.float64))
+    pbar = np.sum(p * np.asarray(w), -1) / np.sum(np.asarray(w), -1)
+    np.testing.assert_allclose(np.asarray(grads.mean_target_prob(logits, targets, w)), pbar, rtol=1e-5)
 
 
 def test_unknown_output_fn_and_role():

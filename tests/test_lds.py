@@ -88,6 +88,34 @@ def test_lds_by_m_is_the_lds_of_the_first_m_subsets():
         lds.lds_by_m(scores, masks, losses, [31])
 
 
+def test_paired_difference_to_trackstar_over_queries():
+    """Each row's LDS minus TrackStar's, query by query (both defined), bootstrapped on the same
+    resamples: a loop reference over the resampled indices, and a shared per-query effect that
+    two separate intervals cannot resolve."""
+    rng = np.random.default_rng(3)
+    base = rng.uniform(-0.5, 0.5, 40)
+    ts = list(base)
+    other = list(base - 0.02 + 0.005 * rng.standard_normal(40))
+    ts[3], other[7] = None, None  # undefined correlations: those queries leave the pair
+    rows = [
+        {"method": "trackstar", "per_query": ts},
+        {"method": "bm25", "per_query": other},
+    ]
+    lds.paired_to_reference(rows, seed=5)
+    assert "vs_trackstar" not in rows[0]
+    p = rows[1]["vs_trackstar"]
+    keep = [i for i in range(40) if i not in (3, 7)]
+    a = np.asarray([other[i] for i in keep])
+    b = np.asarray([ts[i] for i in keep])
+    idx = np.random.default_rng(5).integers(0, len(a), size=(1000, len(a)))
+    diffs = sorted(float(np.mean([a[j] - b[j] for j in row])) for row in idx)
+    assert p["n"] == 38 and p["diff"] == pytest.approx(float(np.mean(a - b)))
+    assert p["diff_ci"][1] < 0  # every query is ~0.02 lower: the paired interval excludes 0
+    assert p["diff_ci"][0] == pytest.approx(np.quantile(diffs, 0.025), abs=1e-9)
+    sep_a, sep_b = lds.metrics_lib.mean_ci(list(a), seed=5), lds.metrics_lib.mean_ci(list(b), seed=5)
+    assert sep_a.hi > sep_b.lo  # separately the rows' intervals overlap
+
+
 def test_draw_subset_is_a_function_of_seed_and_index():
     a = lds.draw_subset(101, 0.5, 3, 7)
     assert a.dtype == bool and a.sum() == 50

@@ -155,6 +155,23 @@ def test_select_facts_bucket_and_incorrect_caps():
     assert rep.num_facts == 20 == rep.num_selected + rep.dropped_incorrect_cap + rep.dropped_bucket_cap
 
 
+def test_the_default_incorrect_cap_is_the_papers_ratio():
+    """§A.4: up to 1000 facts per bucket, at most 100 of them wrong; the default keeps that ratio."""
+    from trackstar_jax import config as config_lib
+    from trackstar_jax.evaluation import query_set
+
+    assert config_lib.EvalSettings().incorrect_cap == 100
+    assert config_lib.EvalSettings(max_per_bucket=200).incorrect_cap == 20
+    assert config_lib.EvalSettings(max_incorrect_per_bucket=0).incorrect_cap == 0  # explicitly no cap
+    assert config_lib.EvalSettings(max_per_bucket=3).incorrect_cap == 1
+    from experiments import base
+
+    s = config_lib.from_configdict(base.get_config())
+    assert query_set.selection_config(s).max_incorrect_per_bucket == 100
+    with pytest.raises(ValueError, match="max_incorrect_per_bucket"):
+        config_lib.EvalSettings(max_incorrect_per_bucket=-2)
+
+
 # ---------------------------------------------------------------------------------------
 # templates, query building, bad input
 # ---------------------------------------------------------------------------------------

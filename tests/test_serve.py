@@ -76,9 +76,10 @@ def test_methods_lists_indexed_rows_and_text_baselines(served):
     _, workdir, engine, client = served
     d = client.get("/api/methods").json()
     names = [m["name"] for m in d["methods"]]
-    # TrackStar (automatic and fixed λ 0.90), Exp. 4 and Exp. 5 share the default (loss, corrected)
-    # index; the rest have none here.
-    assert names == ["exp4", "exp5", "trackstar", "trackstar_l090", "bm25"] and d["default"] == "trackstar"
+    # TrackStar (automatic and fixed λ 0.50 / 0.90 / 0.99), Exp. 4 and Exp. 5 share the default
+    # (loss, corrected) index; the rest have none here.
+    lam = ["trackstar_l050", "trackstar_l090", "trackstar_l099"]
+    assert names == ["exp4", "exp5", "trackstar", *lam, "bm25"] and d["default"] == "trackstar"
     assert "no index" in d["skipped"]["exp2"] and d["skipped"]["dense"] == "disabled"
     assert d["num_passages"] == len(engine.run.corpus.texts)
 

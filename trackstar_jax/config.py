@@ -31,6 +31,7 @@ import typing
 from typing import Any, Mapping, Sequence
 
 from trackstar_jax import methods as methods_lib
+from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
@@ -56,6 +57,7 @@ RESUMABLE_TRAIN_KEYS = (
     "max_new_tokens",
 )
 QUERY_MODES = ("gold", "prediction")
+PAPER_INCORRECT_PER_BUCKET = 100 / 1000  # §A.4: at most 100 wrong facts among 1000 per bucket
 # Keys of the run sections that change how a step is computed, not what it computes: never
 # compared with a run's config.json (e.g. rematerialise to fit a larger batch when featurizing).
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
@@ -169,7 +171,7 @@ class EvalSettings:
     max_per_bucket: int = 1000
     max_per_relation_target_per_bucket: int = 25
     max_per_relation_target: int = 100
-    max_incorrect_per_bucket: int = 0
+    max_incorrect_per_bucket: int = -1  # §A.4: -1 = the paper's ratio (100 of 1000) of max_per_bucket; 0 = no cap
     bucket_edges: tuple[int, ...] = (1, 10, 100, 1_000, 10_000, 100_000)
     include_unmentioned: bool = False
     max_new_tokens: int = 8
@@ -192,10 +194,26 @@ class EvalSettings:
             raise ValueError(f"eval.bucket_edges must be increasing positive integers, got {edges}")
         if self.num_proponents < 1:
             raise ValueError(f"eval.num_proponents must be >= 1, got {self.num_proponents}")
+        if self.max_incorrect_per_bucket < -1:
+            raise ValueError(
+                f"eval.max_incorrect_per_bucket must be -1 (the paper's ratio), 0 (no cap) or a cap, "
+                f"got {self.max_incorrect_per_bucket}"
+            )
         if self.output_dir and (
             pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")
         ):
             raise ValueError(f"eval.output_dir must be a plain folder name inside the workdir, got {self.output_dir!r}")
+
+    @property
+    def incorrect_cap(self) -> int:
+        """The per-bucket cap on facts the model gets wrong (0 = none).
+
+        §A.4 samples up to 1000 facts per bucket and at most 100 of them wrong under all three
+        models; -1 keeps that ratio for any `max_per_bucket` (at least 1).
+        """
+        if self.max_incorrect_per_bucket >= 0:
+            return self.max_incorrect_per_bucket
+        return max(1, round(self.max_per_bucket * PAPER_INCORRECT_PER_BUCKET))
 
     @property
     def relation_list(self) -> tuple[str, ...]:
@@ -210,12 +228,22 @@ class TailpatchSettings:
     top_ks: tuple[int, ...] = (1, 3, 5, 10)
     learning_rate: float = -1.0  # < 0: the schedule's value at the final step
     batch_size: int = 16
+    max_queries: int = 0  # tail-patch a seeded subset of this many queries (0 = every query)
+    methods: tuple[str, ...] = ()  # rows tail-patched (() = every row); the others get no tail-patch column
+    checkpoint_steps: tuple[int, ...] = ()  # also TrackStar's MRR and tail-patch@10 at these checkpoints (Fig. 2 right)
 
     def __post_init__(self):
         if not self.top_ks or min(self.top_ks) < 1:
             raise ValueError(f"tailpatch.top_ks must be positive integers, got {self.top_ks}")
         if self.batch_size < 1:
             raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
+        if self.max_queries < 0:
+            raise ValueError(f"tailpatch.max_queries must be >= 0, got {self.max_queries}")
+        for name in self.methods:
+            if name not in methods_lib.METHODS:
+                raise ValueError(f"tailpatch.methods: unknown row {name!r} (known: {', '.join(methods_lib.METHODS)})")
+        if any(s < 0 for s in self.checkpoint_steps):
+            raise ValueError(f"tailpatch.checkpoint_steps must be checkpoint steps >= 0, got {self.checkpoint_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,6 +283,7 @@ class Settings:
     seed: int = 0
     model: model_lib.LMConfig = model_lib.LMConfig()
     data: data_lib.DataConfig = data_lib.DataConfig()
+    candidates: candidates_lib.CandidateConfig = candidates_lib.CandidateConfig()  # what is indexed / retrieved
     mesh: MeshSettings = MeshSettings()
     train: TrainSettings = TrainSettings()
     vectors: vectors_lib.VectorConfig = vectors_lib.VectorConfig()

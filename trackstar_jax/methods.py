@@ -79,15 +79,19 @@ METHODS: dict[str, Method] = {
         Method("exp4", "gradient", "Exp. 4", correction=True, hessian="none", unit_norm=True),
         Method("exp5", "gradient", "Exp. 5", correction=True, hessian="train", unit_norm=True),
         Method("trackstar", "gradient", "TrackStar", correction=True, hessian="mixed", unit_norm=True),
-        # The paper's fixed λ = 0.90 for T-REx (§A.1.3), beside the automatic λ of "trackstar".
-        Method(
-            "trackstar_l090",
-            "gradient",
-            "TrackStar (λ = 0.90)",
-            correction=True,
-            hessian="mixed",
-            unit_norm=True,
-            mix_lambda=0.9,
+        # The paper's fixed λ = 0.90 for T-REx (§A.1.3), beside the automatic λ of "trackstar", and
+        # the other values the paper tried ({0.50, 0.90, 0.99, 0.999}): the λ sweep.
+        *(
+            Method(
+                f"trackstar_l{round(lam * 100):03d}",
+                "gradient",
+                f"TrackStar (λ = {lam:.2f})",
+                correction=True,
+                hessian="mixed",
+                unit_norm=True,
+                mix_lambda=lam,
+            )
+            for lam in (0.5, 0.9, 0.99)
         ),
     )
 }

@@ -36,6 +36,7 @@ from trackstar_jax import methods as methods_lib
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
+from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import report as report_lib
@@ -45,6 +46,7 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
@@ -222,7 +224,8 @@ def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query
         role="query",
     )
     q_raw = retrieval_stage.query_vectors(ctx.run, vec_fn, eq.encoded)
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw)
+    factor = trak_lib.row_factor(ctx.run, settings.vectors.output_fn, reader)  # TRAK's Q multiplies scores
+    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw, row_factor=factor)
     rows = reader.read_dequantized(0, reader.num_rows)
     return (scoring.finalize_queries(q_raw) @ np.asarray(rows, np.float32).T) * scoring.row_scale[None, :]
 
@@ -325,6 +328,11 @@ def validate(
     if not 0 <= pi < pc:
         raise ValueError(f"--process_index={pi} must be in [0, --process_count={pc})")
     config_lib.check_matches_run(settings, workdir, sections=config_lib.RUN_SECTIONS)
+    if settings.candidates.passages != "all":  # subsets are drawn over the training examples
+        raise config_lib.ConfigError(
+            f"config.candidates.passages={settings.candidates.passages!r}: the LDS retrains on subsets of the "
+            "training examples and scores those same examples; use candidates.passages='all'"
+        )
     v = settings.validate
     if v.num_queries:
         settings = settings.replace({"eval.max_queries": v.num_queries})
@@ -367,10 +375,35 @@ def validate(
         logging.info(
             "validate: %s LDS %s (%d queries, %d constant-loss)", name, res.mean, res.num_queries, res.num_constant_loss
         )
+    paired_to_reference(rows, seed=seed)
     out_dir = report_lib.eval_dir(settings, workdir)
     write_report(out_dir, rows, v, num_steps, len(eq.queries), seconds=time.perf_counter() - t0)
     out.update(rows=rows, report=str(out_dir / LDS_MD))
     return out
+
+
+PAIRED_REFERENCE = "trackstar"  # each row's LDS is compared with this row's, query by query
+
+
+def paired_to_reference(rows: Sequence[dict], reference: str = PAIRED_REFERENCE, *, seed: int = 0) -> None:
+    """Adds `vs_<reference>` to every other row: the mean over queries of (row LDS - reference
+    LDS) with a paired percentile-bootstrap interval (the same query resamples for both rows,
+    `claims.paired_difference`), over the queries where both correlations are defined.
+
+    Rows of one validation share their queries, so per-query noise common to both rows
+    cancels; two rows' separate intervals cannot show that. No-op without the reference row.
+    """
+    ref = next((r for r in rows if r["method"] == reference), None)
+    if ref is None:
+        return
+    for r in rows:
+        if r is ref:
+            continue
+        pairs = [(a, b) for a, b in zip(r["per_query"], ref["per_query"]) if a is not None and b is not None]
+        a = np.asarray([p[0] for p in pairs], np.float64)
+        b = np.asarray([p[1] for p in pairs], np.float64)
+        iv = claims_lib.paired_difference(a, b, seed=seed)
+        r[f"vs_{reference}"] = {"diff": iv.mean, "diff_ci": [iv.lo, iv.hi], "n": iv.n}
 
 
 def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
@@ -384,14 +417,21 @@ def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: in
         "",
         "Spearman(sum of the subset's scores, -retrained query loss), mean over queries.",
         "",
-        "| Method | LDS [95% CI] | M | alpha | queries | constant loss / prediction |",
-        "|---|---|---|---|---|---|",
+        f"| Method | LDS [95% CI] | LDS - {PAIRED_REFERENCE} [95% CI, paired over queries] | M | alpha | queries "
+        "| constant loss / prediction |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lo, hi = r["lds_ci"]
         val = "n/a" if r["lds"] is None else f"{r['lds']:.3f} [{lo:.3f}, {hi:.3f}]"
+        p = r.get(f"vs_{PAIRED_REFERENCE}")
+        diff = (
+            "–"
+            if not p or p["diff"] is None
+            else f"{p['diff']:+.3f} [{p['diff_ci'][0]:+.3f}, {p['diff_ci'][1]:+.3f}] (n={p['n']})"
+        )
         lines.append(
-            f"| {r['label']} | {val} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
+            f"| {r['label']} | {val} | {diff} | {v.num_subsets} | {v.fraction} | {r['num_queries']} | "
             f"{r['num_constant_loss']} / {r['num_constant_prediction']} |"
         )
     counts = [b["m"] for b in rows[0].get("by_m", [])] if rows else []

@@ -75,7 +75,7 @@ def selection_config(settings: config_lib.Settings) -> queries_lib.SelectionConf
         max_per_bucket=e.max_per_bucket,
         max_per_relation_target_per_bucket=e.max_per_relation_target_per_bucket,
         max_per_relation_target=e.max_per_relation_target,
-        max_incorrect_per_bucket=e.max_incorrect_per_bucket,
+        max_incorrect_per_bucket=e.incorrect_cap,
         bucket_edges=e.bucket_edges,
         include_unmentioned=e.include_unmentioned,
         seed=settings.seed,

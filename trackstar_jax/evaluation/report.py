@@ -66,7 +66,8 @@ def query_records(
         if m.kind != "gold":
             rec.update(metrics_lib.query_metrics(ids, q.entailing_ids))
             rec.update(metrics_lib.query_metrics(ids, q.mention_ids, prefix="mention_"))
-        rec.update(metrics_lib.tailpatch_at_k([deltas[(qi, int(p))] for p in ids[: max(top_ks)]], top_ks))
+        ds = [deltas.get((qi, int(p))) for p in ids[: max(top_ks)]]  # absent: query or row not tail-patched
+        rec.update(metrics_lib.tailpatch_at_k([] if None in ds else ds, top_ks))
         out.append(rec)
     return out
 

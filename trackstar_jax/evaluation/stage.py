@@ -31,8 +31,9 @@ from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.evaluation import pair_cache, query_set, report
+from trackstar_jax.evaluation import plots as plots_lib
 from trackstar_jax.evaluation import queries as queries_lib
-from trackstar_jax.evaluation import query_set, report
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
 from trackstar_jax.features import vectors as vectors_lib
@@ -70,53 +71,80 @@ def accuracy_by_relation(eq: query_set.EvalQueries) -> dict[str, dict]:
     return {k: {**v, "accuracy": v["correct"] / v["n"]} for k, v in sorted(out.items())}
 
 
+def tailpatch_queries(settings: config_lib.Settings, num_queries: int) -> list[int]:
+    """Indices of the tail-patched queries: all, or a seeded subset of `tailpatch.max_queries`
+    (sorted; the same for every row, so rows stay paired)."""
+    n = settings.tailpatch.max_queries
+    if not n or n >= num_queries:
+        return list(range(num_queries))
+    rng = np.random.default_rng(settings.eval.bootstrap_seed + 17)
+    return sorted(int(i) for i in rng.choice(num_queries, size=n, replace=False))
+
+
 def tailpatch_all(
     run: checkpoint_lib.Run,
     eq: query_set.EvalQueries,
     retrieved: dict[str, rows_lib.Retrieved],
     settings: config_lib.Settings,
     mesh: jax.sharding.Mesh,
+    workdir: pathlib.Path | None = None,
 ) -> dict[tuple[int, int], float]:
     """Tail-patch delta p for every distinct (query, proponent) pair among the rows' top-k (§4.3).
 
-    Pairs shared by several rows (BM25 and TrackStar often agree) are computed once.
+    Only the rows of `tailpatch.methods` (default all) and the queries of `tailpatch_queries`
+    are tail-patched. Pairs shared by several rows (BM25 and TrackStar often agree) are
+    computed once; with `workdir`, finished pairs are cached there (`pair_cache`), so an
+    interrupted evaluation resumes and a later one reuses the pairs it shares.
     """
     tp = settings.tailpatch
     kmax = max(tp.top_ks)
-    pairs = sorted(
-        {(qi, int(p)) for r in retrieved.values() for qi, ids in enumerate(r.proponent_ids) for p in ids[:kmax]}
-    )
+    rows = [r for name, r in retrieved.items() if not tp.methods or name in tp.methods]
+    queries = tailpatch_queries(settings, len(eq.queries))
+    pairs = sorted({(qi, int(p)) for r in rows for qi in queries for p in r.proponent_ids[qi][:kmax]})
     if not pairs:
         return {}
-    props = sorted({p for _, p in pairs})
-    row_of = {p: i for i, p in enumerate(props)}
-    enc_props, _ = data_lib.encode_passages(run.tokenizer, [run.corpus.texts[p] for p in props], run.model_cfg.max_len)
-    prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
-    query_rows = data_lib.pad_batch(
-        eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
-    )
     opt_cfg = run.settings.train.optimizer
     lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, tp.learning_rate)
-    bs = pair_batch_size(settings, mesh)
-    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
-    idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
-    bar = tqdm.tqdm(
-        total=len(pairs), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True
+    texts = run.corpus.texts
+    keys = {(q, p): pair_cache.pair_key(eq.queries[q].prompt, eq.queries[q].target, texts[p]) for q, p in pairs}
+    cache = (
+        pair_cache.PairCache(workdir, pair_cache.identity(run, lr_scale), write=multihost.is_primary())
+        if workdir is not None
+        else None
     )
-    res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the pairs split over every process's devices
-        fn,
-        run.params,
-        run.opt_state,
-        prop_rows,
-        query_rows,
-        idx,
-        batch_size=bs,
-        lr_scale=lr_scale,
-        progress=lambda n: bar.update(n - bar.n),
-        mesh=mesh,
+    have = cache.values if cache is not None else {}
+    todo = [pq for pq in pairs if keys[pq] not in have]
+    logging.info(
+        "eval: %d distinct tail-patch pairs, %d cached, %d to compute", len(pairs), len(pairs) - len(todo), len(todo)
     )
-    bar.close()
-    return {pair: float(d) for pair, d in zip(pairs, res["delta_prob"])}
+    out = {pq: have[keys[pq]] for pq in pairs if keys[pq] in have}
+    if todo:
+        props = sorted({p for _, p in todo})
+        row_of = {p: i for i, p in enumerate(props)}
+        enc_props, _ = data_lib.encode_passages(run.tokenizer, [texts[p] for p in props], run.model_cfg.max_len)
+        prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
+        query_rows = data_lib.pad_batch(
+            eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
+        )
+        bs = pair_batch_size(settings, mesh)
+        fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
+        bar = tqdm.tqdm(
+            total=len(todo), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True
+        )
+        slice_pairs = bs * 8  # results reach the cache every 8 batches
+        for lo in range(0, len(todo), slice_pairs):
+            part = todo[lo : lo + slice_pairs]
+            idx = np.asarray([(q, row_of[p]) for q, p in part], np.int64)
+            res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the pairs split over every process's devices
+                fn, run.params, run.opt_state, prop_rows, query_rows, idx, batch_size=bs, lr_scale=lr_scale, mesh=mesh
+            )
+            got = {pq: float(d) for pq, d in zip(part, res["delta_prob"])}
+            out.update(got)
+            if cache is not None:
+                cache.add({keys[pq]: d for pq, d in got.items()})
+            bar.update(len(part))
+        bar.close()
+    return out
 
 
 # Written (by process 0) before any retrieval file: the settings of the evaluation under way,
@@ -286,20 +314,26 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         done = _finished(settings, report.eval_dir(settings, workdir))
     if done is not None:
         return done
-    ctx, out_dir = _prepare(settings, workdir, methods)
+    stage_seconds: dict[str, float] = {}  # wall time of each stage (logged as it ends)
+
+    def timed(name, fn, *args):
+        t1 = time.perf_counter()
+        out = fn(*args)
+        stage_seconds[name] = time.perf_counter() - t1
+        logging.info("stage %s: %.1fs", name, stage_seconds[name])
+        return out
+
+    ctx, out_dir = timed("load", _prepare, settings, workdir, methods)
     run = ctx.run
-    eq = _queries(ctx, out_dir)
+    eq = timed("queries", _queries, ctx, out_dir)
 
     retrievers = rows_lib.make_retrievers(methods, ctx)
     retrieved, seconds = {}, {}
-    for m in methods:
-        t1 = time.perf_counter()
-        retrieved[m.name] = retrievers[m.name].retrieve(eq, ev.num_proponents)
-        seconds[m.name] = time.perf_counter() - t1
-        logging.info("eval: retrieved for %s in %.1fs", m.label, seconds[m.name])
-    t1 = time.perf_counter()
-    deltas = tailpatch_all(run, eq, retrieved, settings, ctx.mesh)
-    tailpatch_seconds = time.perf_counter() - t1
+    for m in methods:  # a gradient row's time includes building (or reusing) its index
+        retrieved[m.name] = timed(f"retrieve:{m.name}", retrievers[m.name].retrieve, eq, ev.num_proponents)
+        seconds[m.name] = stage_seconds[f"retrieve:{m.name}"]
+    deltas = timed("tailpatch", tailpatch_all, run, eq, retrieved, settings, ctx.mesh, workdir)
+    tailpatch_seconds = stage_seconds["tailpatch"]
     logging.info("eval: tail-patched %d distinct (query, proponent) pairs in %.1fs", len(deltas), tailpatch_seconds)
 
     statements = templates_lib.statement_ids(run.corpus)
@@ -312,8 +346,9 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     table_rows, records = [], {}
     for m in methods:
         r = retrieved[m.name]
+        row_deltas = deltas if not tp.methods or m.name in tp.methods else {}  # a row not tail-patched has none
         if multihost.is_primary():
-            report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, deltas)
+            report.write_retrievals(out_dir / "retrievals" / f"{m.name}.jsonl", run.corpus.texts, eq, r, m, row_deltas)
         extra = {
             "label": m.label,
             "kind": m.kind,
@@ -322,7 +357,7 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             "retrieval_seconds": seconds[m.name],
             **({"scoring": r.info} if r.info else {}),
         }
-        records[m.name] = report.query_records(eq, r, deltas, tp.top_ks, m, statements)
+        records[m.name] = report.query_records(eq, r, row_deltas, tp.top_ks, m, statements)
         table_rows.append(
             metrics_lib.method_row(
                 m.name,
@@ -356,25 +391,77 @@ def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
             "learning_rate": tp.learning_rate,
             "top_ks": list(tp.top_ks),
             "num_pairs": len(deltas),
+            "num_queries": len(tailpatch_queries(settings, len(eq.queries))),
+            "methods": list(tp.methods) or [m.name for m in methods],
             "seconds": tailpatch_seconds,
         },
         "ci": f"{int(metrics_lib.CONFIDENCE * 100)}% percentile bootstrap over queries, {metrics_lib.NUM_RESAMPLES} resamples",
+        "stage_seconds": stage_seconds,
         "seconds": time.perf_counter() - t0,
         "settings": _settings_record(settings),
     }
+    if tp.checkpoint_steps:  # Fig. 2 right: TrackStar over training (Run B)
+        table["checkpoints"] = timed("checkpoints", checkpoint_curve, settings, workdir, eq)
     # Process 0 writes; table.json last but one, table.md last (a table.json marks a finished
     # evaluation). The others wait for it, so a failed write fails the job.
     with multihost.step("evaluate:written"):
         if multihost.is_primary():
+            table["plots"] = plots_lib.write_plots(table, out_dir)
             files.atomic_write_json(out_dir / "table.json", table)
             files.atomic_write(
                 out_dir / "table.md",
                 report.table_markdown(table, eq, retrieved, run.corpus.texts, tp.top_ks, ev.num_examples_shown)
                 + "\n"
-                + claims_lib.markdown(table["comparisons"], {m.name: m.label for m in methods}),
+                + claims_lib.markdown(table["comparisons"], {m.name: m.label for m in methods})
+                + "".join(f"\n![{p}]({p})\n" for p in table["plots"]),
             )
     logging.info("eval: wrote %s and table.md in %.1fs", out_dir / "table.json", table["seconds"])
     return table
+
+
+def checkpoint_curve(settings: config_lib.Settings, workdir: pathlib.Path, eq: query_set.EvalQueries) -> list[dict]:
+    """TrackStar's MRR, recall@10 and tail-patch@10 at each of `tailpatch.checkpoint_steps` (Fig. 2 right).
+
+    The queries are the evaluation's (chosen with the final model); each checkpoint gets its
+    own TrackStar index (`<index.dir>_step<N>`; the final step reuses the main one) and its
+    tail-patch steps start from that checkpoint, on the same tail-patched queries.
+
+    Raises:
+      FileNotFoundError: a listed step has no checkpoint (names `train.checkpoint_every_steps`
+        and `train.max_checkpoints_to_keep`, which decide what training keeps).
+    """
+    tp = settings.tailpatch
+    mesh = sharding_lib.make_mesh(settings.mesh.shape)
+    saved = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, max_to_keep=None)
+    try:
+        steps, last = saved.all_steps(), saved.latest_step()
+    finally:
+        saved.close()
+    missing = [s for s in tp.checkpoint_steps if s not in steps]
+    if missing:
+        raise FileNotFoundError(
+            f"config.tailpatch.checkpoint_steps {missing} have no checkpoint in {workdir} (kept: {steps}); "
+            "training keeps every train.checkpoint_every_steps, the last train.max_checkpoints_to_keep of them"
+        )
+    m = baselines_lib.method("trackstar")
+    names = ["mrr", "recall_at_10", "tailpatch_at_10"]
+    out = []
+    for step in sorted(tp.checkpoint_steps):
+        s = settings if step == last else settings.replace({"index.dir": f"{settings.index.dir}_step{step}"})
+        run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=s)
+        ctx = rows_lib.Context(s, workdir, run, mesh)
+        r = rows_lib.GradientRetriever(ctx, m).retrieve(eq, settings.eval.num_proponents)
+        deltas = tailpatch_all(run, eq, {m.name: r}, s.replace({"tailpatch.methods": ()}), mesh, workdir)
+        recs = report.query_records(eq, r, deltas, tp.top_ks, m)
+        summary = metrics_lib.summarize(recs, names, seed=settings.eval.bootstrap_seed)
+        out.append({"step": int(step), **summary, "mix_lambda": r.info.get("whitening", {}).get("mix_lambda")})
+        logging.info(
+            "eval: checkpoint %d: TrackStar MRR %.3f, tail-patch@10 %s",
+            step,
+            summary["mrr"] or 0,
+            summary["tailpatch_at_10"],
+        )
+    return out
 
 
 @multihost.writes_workdir("retrieve")

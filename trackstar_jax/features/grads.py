@@ -11,14 +11,16 @@ so that `grad obj = sum_t c_t grad f_t` (the per-token Q of §A.1.1 applied insi
 | `loss`    | -log p_t                       | w_t                       |
 | `margin`  | log(p_t / (1 - p_t))           | w_t (p_t - 1)             |
 | `logit`   | logit of the target token      | w_t (p_t - 1)             |
-| `trak`    | log(p_t / (1 - p_t))           | w_t (1 - pbar), index rows |
+| `trak`    | log(p_t / (1 - p_t))           | w_t                       |
 
 `loss` is TrackStar's choice. With per-token Q, `margin` equals `loss` exactly in exact
 arithmetic (-log p = softplus(-f), so (p-1) grad f = grad(-log p)); we keep it because the
 paper does, and it is a useful cross-check. `trak` is TRAK's variant: margin gradients summed
-over tokens, and the example-level Q = 1 - pbar (pbar = mean p over target tokens) applied to
-index (candidate) rows only (`role="index"`); a query (`role="query"`) gets no Q, since an
-example-level factor on the query does not change its ranking (§A.1.1).
+over tokens with no per-token Q. TRAK's example-level Q = 1 - pbar (pbar = mean p over target
+tokens, `mean_target_prob`) multiplies the candidate's *score*, after R (TRAK; §4.4 footnote,
+§A.1.1): it is never folded into the stored vectors, so R_train stays Σ φφᵀ, not Σ Q²φφᵀ
+(`index/trak.py` computes Q per candidate; retrieval multiplies the scores by it). A query
+gets no Q: an example-level factor on the query does not change its ranking.
 
 The reference path (`reference_vectors`) materialises per-example gradients with
 `vmap(grad)`, multiplies them by the correction element-wise and projects every matrix with
@@ -56,7 +58,8 @@ def token_objective(
       targets: next tokens.
       weights: loss mask (1 on target tokens, 0 on prompt, BOS and padding).
       output_fn: one of `OUTPUT_FNS` (table in the module docstring).
-      role: "index" (candidate rows) or "query"; only matters for `trak`.
+      role: "index" (candidate rows) or "query"; kept for callers, it no longer changes the
+        objective (TRAK's Q multiplies scores instead, `index/trak.py`).
 
     Returns:
       `[B]`: sum_t stopgrad(c_t) f_t per example.
@@ -79,14 +82,21 @@ def token_objective(
         # margin log(p/(1-p)) = logit_y - logsumexp_{v != y} logit_v, stable as p -> 1.
         onehot = jax.nn.one_hot(targets, logits.shape[-1], dtype=bool)
         f = target_logit - jax.nn.logsumexp(jnp.where(onehot, -jnp.inf, logits), axis=-1)
-        if output_fn == "margin":
-            c = w * (p - 1.0)
-        else:  # trak
-            c = w
-            if role == "index":
-                pbar = jnp.sum(w * p, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
-                c = c * (1.0 - pbar)[:, None]
+        # trak: no per-token Q; its example-level Q multiplies scores (index/trak.py)
+        c = w * (p - 1.0) if output_fn == "margin" else w
     return jnp.sum(jax.lax.stop_gradient(c) * f, axis=-1)
+
+
+def mean_target_prob(
+    logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"]
+) -> Float[Array, " b"]:
+    """pbar: the mean over target tokens of p(target_t) (TRAK's Q = 1 - pbar, §4.4 footnote).
+
+    A row without target tokens gets 0 (Q = 1).
+    """
+    logp = model_lib.token_log_probs(logits, targets)
+    w = weights.astype(jnp.float32)
+    return jnp.sum(w * jnp.exp(logp), axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
 
 
 def pure_params(params: Any) -> dict:

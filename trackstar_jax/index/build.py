@@ -54,6 +54,8 @@ def index_manifest(
     del vec["estimate_v_examples"], vec["estimate_v_seed"]  # import-time keys: the run's own record is below
     if run.model_cfg.tie_embeddings:  # no output embedding of its own: manifests stay as before the field
         del vec["unembed"]
+    if vec_cfg.output_fn == "trak":  # rows hold plain margin gradients; Q multiplies scores (index/trak.py)
+        vec["trak_q"] = "scores"  # refuses a trak index built when Q was folded into the rows
     model_cfg = dataclasses.asdict(run.model_cfg)
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]
@@ -135,8 +137,11 @@ def build_index(
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
+    step: int | None = None,
 ) -> dict:
     """Stage 2: featurize every example of the run's corpus into the index (§3, §A.1.3).
+
+    `step` picks the checkpoint (default the latest; e.g. TrackStar over training, Fig. 2 right).
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
     differ); with `process_count > 1`, this call writes only its share of whole R_train
@@ -168,7 +173,7 @@ def build_index(
             f"data shards of mesh {dict(mesh.shape)}"
         )
     config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
+    run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=settings)
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
     )

@@ -102,6 +102,9 @@ class Scoring:
     """Everything retrieval needs to score raw rows as TrackStar (Eq. 1-3).
 
     score(query, row m) = (stored_row_m (dequantised) · finalize_queries(q)) * row_scale[m]
+
+    `row_scale` is `1/||W g_m||` (unit norm; 1 without) times a per-row factor applied after R
+    when the row has one (TRAK's Q = 1 - p̄, `index/trak.py`).
     """
 
     whitening: hessian.Whitening
@@ -120,6 +123,7 @@ def prepare_scoring(
     *,
     cache: bool = True,
     rows: tuple[int, int] | None = None,
+    row_factor: np.ndarray | None = None,
 ) -> Scoring:
     """Resolves R (none / train / mixed with automatic λ), R^{-1/2} and the per-row scales.
 
@@ -129,6 +133,8 @@ def prepare_scoring(
       query_vectors: raw query vectors (R_eval for mode "mixed").
       cache: cache the per-row scales under the index.
       rows: only these rows get their scales (`compute_row_scale`); default all.
+      row_factor: `[num_rows]` factor multiplying each row's score after R and the unit norm
+        (TRAK's Q, `trak.row_factor`); None = 1.
 
     Returns:
       Scoring.
@@ -141,7 +147,13 @@ def prepare_scoring(
         )
     r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
     whit = hessian.make_whitening(cfg, r_train, r_ev)
-    return Scoring(whit, compute_row_scale(reader, whit, cache=cache, rows=rows))
+    scale = compute_row_scale(reader, whit, cache=cache, rows=rows)
+    if row_factor is not None:
+        factor = np.asarray(row_factor, np.float32)
+        if factor.shape != scale.shape:
+            raise ValueError(f"row_factor has shape {factor.shape}, the index {reader.path} has {scale.shape[0]} rows")
+        scale = scale * factor
+    return Scoring(whit, scale)
 
 
 def write_finalized(

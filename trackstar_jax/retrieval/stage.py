@@ -30,6 +30,7 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.retrieval import records, topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
@@ -245,7 +246,10 @@ def retrieve_queries(
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
     rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, r_eval_raw, rows=rows if pod else None)
+    factor = trak_lib.row_factor(run, settings.vectors.output_fn, reader)  # TRAK's Q multiplies scores, after R
+    scoring = scoring_lib.prepare_scoring(
+        reader, settings.hessian, r_eval_raw, rows=rows if pod else None, row_factor=factor
+    )
     q_prime = scoring.finalize_queries(q_raw)
     t2 = time.perf_counter()
     res = (topk.process_stream_topk if pod else topk.stream_topk)(

@@ -51,6 +51,7 @@ from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
+from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.models import generate as generate_lib
 from trackstar_jax.retrieval import records, topk
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -159,7 +160,8 @@ class Engine:
                         time.perf_counter() - t0,
                     )
                 r_eval_raw = self._r_eval_raw[key]
-            scoring = scoring_lib.prepare_scoring(reader, ms.hessian, r_eval_raw)
+            factor = trak_lib.row_factor(self.run, ms.vectors.output_fn, reader)  # TRAK's Q multiplies scores
+            scoring = scoring_lib.prepare_scoring(reader, ms.hessian, r_eval_raw, row_factor=factor)
         except _REvalUnavailable as e:
             self.skipped[name] = str(e)
             logging.warning("serve: method %s not offered: %s", name, self.skipped[name])

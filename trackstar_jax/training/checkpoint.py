@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
@@ -302,7 +303,7 @@ class Run:
     opt_state: Any  # optax Adafactor chain state (v_row / v_col / v); None: imported without an estimate
     step: int
     tokenizer: data_lib.Tokenizer  # or data.hf_tokenizer.HFTokenizer (same interface)
-    corpus: data_lib.Corpus
+    corpus: data_lib.Corpus  # the candidates: the passages indexed and retrieved (`config.candidates`)
     workdir: pathlib.Path | None = None
     opt_state_info: dict | None = None  # imported runs: how V was estimated (opt_state.json)
 
@@ -322,7 +323,8 @@ def load_run(
         has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
         any mesh restores into any other.
       runtime: the stage's settings, whose `config.RUNTIME_KEYS` (e.g. `model.remat`) replace the
-        run's own (None: the run's values).
+        run's own (None: the run's values), and whose `config.candidates` makes `Run.corpus` the
+        candidate view (`data.candidates.select`; None: every corpus passage).
 
     Raises:
       FileNotFoundError: a missing piece of the run (names the path).
@@ -362,7 +364,10 @@ def load_run(
         opt_state=opt_state,
         step=int(step),
         tokenizer=load_run_tokenizer(workdir),
-        corpus=data_lib.load_corpus(workdir / CORPUS_DIR),
+        corpus=candidates_lib.select(
+            data_lib.load_corpus(workdir / CORPUS_DIR),
+            runtime.candidates if runtime is not None else settings.candidates,
+        ),
         workdir=workdir,
         opt_state_info=info,
     )
