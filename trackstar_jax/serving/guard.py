@@ -40,22 +40,16 @@ class _BodyTooLarge(Exception):
 
 
 def split_host(host: str) -> tuple[str, str]:
-    """`(name, port)` of a Host / netloc value: `"[::1]:8765"` -> `("::1", "8765")`; the name
-    lowercased without a trailing dot; port "" when absent. ValueError when malformed."""
-    host = host.strip().lower()
-    m = re.fullmatch(r"\[([0-9a-f:.]+)\](?::([0-9]{1,5}))?|([^:\[\]/@\s]+)(?::([0-9]{1,5}))?", host)
-    if not m:
-        raise ValueError(f"malformed host {host!r}")
-    name = (m.group(1) or m.group(3)).rstrip(".")
-    return name, m.group(2) or m.group(4) or ""
-
-
-def host_name(host: str) -> str:
-    """The name of a Host header / netloc (`split_host`); a bare IPv6 address is its own name."""
+    """`(name, port)` of a Host header / netloc: `"[::1]:8765"` -> `("::1", "8765")`, the name
+    lowercased without a trailing dot, port "" when absent; a bare IPv6 address (`"::1"`) is
+    all name. ValueError when malformed (spaces, userinfo, a path, an empty name)."""
     host = host.strip().lower()
     if host.count(":") > 1 and not host.startswith("["):
-        return host
-    return split_host(host)[0]
+        host = f"[{host}]"
+    m = re.fullmatch(r"\[([0-9a-f:.]+)\](?::([0-9]{1,5}))?|([^:\[\]/@\s]+)(?::([0-9]{1,5}))?", host)
+    if not m or not (m.group(1) or m.group(3)).rstrip("."):
+        raise ValueError(f"malformed host {host!r}")
+    return (m.group(1) or m.group(3)).rstrip("."), m.group(2) or m.group(4) or ""
 
 
 def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
@@ -65,16 +59,18 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
     Raises:
       ValueError: an `extra` entry that is not a bare host name or address (names it).
     """
-    names = list(LOOPBACK_HOSTS) + ([bind_host] if bind_host not in ("0.0.0.0", "::", "") else [])
+    names = [
+        split_host(h)[0] for h in LOOPBACK_HOSTS + ((bind_host,) if bind_host not in ("0.0.0.0", "::", "") else ())
+    ]
     for h in extra:
         try:
-            name = host_name(h)
+            name, port = split_host(h)
         except ValueError:
-            name = ""
-        if not name or (h.count(":") <= 1 and split_host(h)[1]):
+            name, port = "", ""
+        if not name or port:
             raise ValueError(f"allowed host {h!r}: give a host name or address without a port")
         names.append(name)
-    return tuple(dict.fromkeys(host_name(h) for h in names))
+    return tuple(dict.fromkeys(names))
 
 
 def page_csp(html: bytes) -> str:
