@@ -937,3 +937,53 @@ def test_hostile_retrieval_file_renders_as_text_in_headless_chromium(served, tmp
         driver.execute_script("document.getElementById('pane1').replaceChildren()")
         driver.find_element(By.ID, "localfile").send_keys(str(tmp_path / "hostile.jsonl"))
         check("local file")
+
+
+def test_hostile_evaluation_renders_as_text_in_headless_chromium(evaluated):
+    """The browse view over an evaluation whose relation, bucket, prompt, target, model
+    completion, method label and query count and proponent texts hold markup: no handler
+    runs, the markup is the cells' and headings' literal text."""
+    _browser_or_skip()
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    workdir, engine, _ = evaluated
+    queries, recs, table = _eval_files(workdir)
+    payload = '<img src=x onerror="window.__pwned=1">'
+    for q in queries:
+        q.update(relation=payload, bucket=payload, target=payload, prompt=payload + q["prompt"])
+    for row in table["rows"]:
+        row.update(label=payload, num_queries=payload)  # the old page escaped the label, not the count
+    evil = workdir / "evil"
+    (evil / "retrievals").mkdir(parents=True)
+    dump = lambda rows: "".join(json.dumps(x) + "\n" for x in rows)  # noqa: E731
+    (evil / "queries.jsonl").write_text(dump(queries))
+    (evil / "table.json").write_text(json.dumps(table))
+    for m, recs_m in recs.items():
+        for x in recs_m:
+            x.update(model_completion=payload, proponents=[payload + t for t in x["proponents"]])
+        (evil / "retrievals" / f"{m}.jsonl").write_text(dump(recs_m))
+    try:
+        with _page_in_chromium(engine) as driver:
+            wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
+            driver.find_element(By.ID, "browse").click()
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evalname option[value=evil]"))
+            Select(driver.find_element(By.ID, "evalname")).select_by_value("evil")
+            cells = lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q td:nth-child(2)")]  # noqa: E731
+            wait.until(lambda d: cells(d) == [payload] * len(queries))
+            driver.find_element(By.CSS_SELECTOR, "#evalqueries tr.q").click()
+            items = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evaldetail .item"))
+            time.sleep(0.3)  # let an <img> that slipped in fail to load and fire its handler
+            assert driver.execute_script("return window.__pwned") is None
+            assert driver.find_elements(By.CSS_SELECTOR, "img, [onerror]") == []
+            assert driver.find_element(By.CSS_SELECTOR, "#evaldetail h3").text.startswith(payload)
+            assert [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#metrics td")[:2]] == [payload, payload]
+            assert {o.text for o in driver.find_elements(By.CSS_SELECTOR, "#f-relation option, #f-bucket option")} == {
+                "(all)",
+                payload,
+            }
+            assert any(payload in i.text for i in items)
+            assert driver.find_element(By.ID, "error").text == ""
+    finally:
+        shutil.rmtree(evil)
