@@ -21,6 +21,7 @@ pytest.importorskip("starlette", reason="the serve extra (starlette, httpx) is n
 pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
 
 from starlette.testclient import TestClient  # noqa: E402
+from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import (
@@ -359,6 +360,10 @@ def test_only_allowed_host_names_are_answered(engine_calls):
     assert other.get("/api/methods", headers={"Host": "evil.example.com"}).status_code == 400
     with pytest.raises(ValueError, match="without a port"):
         guard.allowed_hosts("127.0.0.1", ["gpu7.lan:8765"])
+    for host in ("evil.example.com", "127.0.0.1:8765"):  # no websocket route: every handshake refused
+        with pytest.raises(WebSocketDisconnect) as e, client.websocket_connect("/", headers={"Host": host}):
+            pass
+        assert e.value.code == 1008, host
 
 
 def test_cross_origin_and_non_json_requests_are_refused(engine_calls):

@@ -12,7 +12,8 @@ runs):
 - a state-changing request (not GET / HEAD / OPTIONS) whose body is not `application/json`
   (415): a cross-origin `text/plain` form or fetch needs no CORS preflight, JSON does;
 - a body over `max_body_bytes` (413): `Content-Length` is checked before reading, and the
-  bytes are counted as they arrive (chunked bodies), so no more than the limit is held.
+  bytes are counted as they arrive (chunked bodies), so no more than the limit is held;
+- any websocket handshake (the explorer has no websocket route).
 
 Every response gets `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer` and a
 Content-Security-Policy (`page_csp`: only the page's own inline script runs, no inline
@@ -144,7 +145,9 @@ class Guard:
         return None
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        if scope["type"] == "websocket":  # the explorer has none: refuse the handshake (uvicorn answers 403)
+            return await send({"type": "websocket.close", "code": 1008})
+        if scope["type"] != "http":  # lifespan
             return await self.app(scope, receive, send)
         started = False
 
