@@ -65,7 +65,7 @@ def main(argv):
     t_start = time.perf_counter()
     engine = engine_lib.Engine(settings, workdir, dense=False)
     start_s = time.perf_counter() - t_start  # load run + indices + scoring (incl. R_eval of mixed rows)
-    client = TestClient(app_lib.make_app(engine))
+    client = TestClient(app_lib.make_app(engine), base_url="http://127.0.0.1")  # a loopback Host (the guard)
     texts = engine.run.corpus.texts
     queries = []
     for t in texts:

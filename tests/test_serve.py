@@ -2,9 +2,13 @@
 and keeps serving, never serves files outside the workdir; and the page works in headless
 Chromium (skipped when chromium / chromedriver / selenium are not installed)."""
 
+import asyncio
+import base64
 import contextlib
+import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import threading
@@ -17,6 +21,7 @@ pytest.importorskip("starlette", reason="the serve extra (starlette, httpx) is n
 pytest.importorskip("httpx", reason="the serve extra (httpx) is not installed")
 
 from starlette.testclient import TestClient  # noqa: E402
+from starlette.websockets import WebSocketDisconnect  # noqa: E402
 
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import (
@@ -30,10 +35,15 @@ from trackstar_jax.index import hessian as hessian_lib  # noqa: E402
 from trackstar_jax.index import scoring as scoring_lib  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
 from trackstar_jax.serving import app as app_lib  # noqa: E402
-from trackstar_jax.serving import browse  # noqa: E402
+from trackstar_jax.serving import (
+    browse,  # noqa: E402
+    guard,  # noqa: E402
+)
 from trackstar_jax.serving import engine as engine_lib  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
+
+LOCAL = "http://127.0.0.1:8765"  # the TestClients' base URL: a loopback Host, as a browser on the machine sends
 
 
 def _config():
@@ -63,7 +73,7 @@ def served(tmp_path_factory, fast_compile):
     training.train(settings, workdir)
     build.build_index(settings, workdir)
     engine = engine_lib.Engine(settings, workdir, dense=False)
-    return settings, workdir, engine, TestClient(app_lib.make_app(engine))
+    return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
 
 def _fact(engine, i=0):
@@ -159,7 +169,7 @@ def test_mixed_rows_without_an_r_eval_set_are_not_offered(served, monkeypatch):
     assert engine2.methods == ["exp4", "exp5", "bm25"]
     for name in ("trackstar", "trackstar_l090"):
         assert "has no facts to query" in engine2.skipped[name] and "retrieval.queries" in engine2.skipped[name]
-    client2 = TestClient(app_lib.make_app(engine2))
+    client2 = TestClient(app_lib.make_app(engine2), base_url=LOCAL)
     assert client2.get("/api/methods").json()["default"] == "exp4"
     prompt, target = _fact(engine, 1)
     r = client2.post("/api/query", json={"prompt": prompt, "target": target, "k": 3, "method": "trackstar"})
@@ -223,7 +233,9 @@ def test_bad_input_is_refused_and_the_server_keeps_serving(served):
     for body, match in bad:
         r = client.post("/api/query", json=body)
         assert r.status_code == 400 and match in r.json()["error"], (body, r.status_code, r.text)
-    assert client.post("/api/query", content=b"{not json").status_code == 400
+    assert (
+        client.post("/api/query", content=b"{not json", headers={"Content-Type": "application/json"}).status_code == 400
+    )
     assert client.post("/api/query", json=[1]).status_code == 400
     assert client.get("/api/query").status_code == 405
     r = client.post("/api/query", json=good)
@@ -313,6 +325,230 @@ def test_page_is_served(served):
 
 
 # ------------------------------------------------------------------------------------------
+# Hostile requests (issue 38): each refused with a 4xx before it reaches the engine
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def engine_calls(served, monkeypatch):
+    """The served client, with `Engine.query` counting its calls (a refused request makes none)."""
+    _, _, engine, client = served
+    calls, original = [], engine.query
+    monkeypatch.setattr(engine, "query", lambda *a, **kw: calls.append(a) or original(*a, **kw))
+    return engine, client, calls
+
+
+def test_only_allowed_host_names_are_answered(engine_calls):
+    """DNS rebinding: a page at evil.example.com whose name now resolves to 127.0.0.1 sends its
+    own name as Host; it reads nothing and runs nothing. Loopback names, any port, are answered;
+    a server bound elsewhere answers the names it is given."""
+    engine, client, calls = engine_calls
+    prompt, target = _fact(engine, 1)
+    body = {"prompt": prompt, "target": target, "k": 2, "method": "bm25"}
+    for host in ("evil.example.com:8765", "evil.example.com", "127.0.0.1.evil.example.com", "", "[::2]:8765"):
+        h = {"Host": host}
+        for r in (client.get("/api/methods", headers=h), client.get("/", headers=h)):
+            assert r.status_code == 400 and "is not served" in r.json()["error"], (host, r.status_code, r.text)
+        assert client.post("/api/query", json=body, headers=h).status_code == 400
+        assert client.get("/api/file", params={"path": "x.jsonl"}, headers=h).status_code == 400
+    assert calls == []
+    for host in ("127.0.0.1:8765", "localhost:1234", "LOCALHOST", "[::1]:8765", "localhost."):
+        assert client.get("/api/methods", headers={"Host": host}).status_code == 200, host
+    app = app_lib.make_app(engine, hosts=guard.allowed_hosts("0.0.0.0", ["gpu7.lan", "10.0.0.7"]))
+    other = TestClient(app, base_url="http://gpu7.lan:8765")
+    assert other.get("/api/methods").status_code == 200
+    assert other.get("/api/methods", headers={"Host": "10.0.0.7:8765"}).status_code == 200
+    assert other.get("/api/methods", headers={"Host": "evil.example.com"}).status_code == 400
+    with pytest.raises(ValueError, match="without a port"):
+        guard.allowed_hosts("127.0.0.1", ["gpu7.lan:8765"])
+    for host in ("evil.example.com", "127.0.0.1:8765"):  # no websocket route: every handshake refused
+        with pytest.raises(WebSocketDisconnect) as e, client.websocket_connect("/", headers={"Host": host}):
+            pass
+        assert e.value.code == 1008, host
+
+
+def test_cross_origin_and_non_json_requests_are_refused(engine_calls):
+    """CSRF: a cross-origin page may POST text/plain without a preflight, and a browser marks
+    other sites' requests (Origin, Sec-Fetch-Site); none reaches the engine. The page's own
+    requests (same Origin, same-origin fetch) and a plain client (no Origin) are served."""
+    engine, client, calls = engine_calls
+    prompt, target = _fact(engine, 1)
+    body = {"prompt": prompt, "target": target, "k": 2, "method": "bm25"}
+    raw = json.dumps(body)
+    refused = [
+        ({"Content-Type": "text/plain"}, 415),
+        ({"Content-Type": "application/x-www-form-urlencoded"}, 415),
+        ({"Content-Type": "multipart/form-data; boundary=x"}, 415),
+        ({}, 415),
+        ({"Content-Type": "application/json", "Origin": "http://evil.example.com"}, 403),
+        ({"Content-Type": "application/json", "Origin": "http://127.0.0.1:9999"}, 403),
+        ({"Content-Type": "application/json", "Origin": "null"}, 403),
+        ({"Content-Type": "application/json", "Sec-Fetch-Site": "cross-site"}, 403),
+        ({"Content-Type": "application/json", "Sec-Fetch-Site": "same-site"}, 403),
+    ]
+    for headers, status in refused:
+        r = client.post("/api/query", content=raw, headers=headers)
+        assert r.status_code == status and r.json()["error"], (headers, r.status_code, r.text)
+    for headers in ({"Origin": "http://evil.example.com"}, {"Sec-Fetch-Site": "cross-site"}):
+        assert client.get("/api/methods", headers=headers).status_code == 403, headers
+    assert calls == []
+    same = {"Content-Type": "application/json; charset=utf-8", "Origin": LOCAL, "Sec-Fetch-Site": "same-origin"}
+    assert client.post("/api/query", content=raw, headers=same).status_code == 200
+    assert client.post("/api/query", json=body).status_code == 200
+    assert client.get("/", headers={"Sec-Fetch-Site": "cross-site"}).status_code == 200  # a link to the page
+    assert len(calls) == 2
+
+
+def _asgi(app, method, path, headers, chunks):
+    """Drives `app` directly with a request body arriving in `chunks`; returns (status, body,
+    bytes the app pulled from the client)."""
+    pulled, out = [0], {"body": b""}
+    it = iter(chunks)
+
+    async def receive():
+        chunk = next(it, None)
+        if chunk is None:
+            return {"type": "http.request", "body": b"", "more_body": False}
+        pulled[0] += len(chunk)
+        return {"type": "http.request", "body": chunk, "more_body": True}
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            out["status"] = message["status"]
+        else:
+            out["body"] += message.get("body", b"")
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"host", b"127.0.0.1:8765")] + [(k.encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8765),
+    }
+    asyncio.run(app(scope, receive, send))
+    return out["status"], json.loads(out["body"]), pulled[0]
+
+
+def test_oversized_bodies_are_refused_without_reading_them(served):
+    """A 64 MiB body is refused with 413 after at most the limit and one chunk are read (chunked,
+    no Content-Length), or before any is read (Content-Length); the server keeps serving."""
+    _, _, engine, client = served
+    app = app_lib.make_app(engine)
+    chunk = b" " * (1 << 16)
+    chunks = (chunk for _ in range(1024))  # 64 MiB, lazily
+    status, body, pulled = _asgi(app, "POST", "/api/query", {"content-type": "application/json"}, chunks)
+    assert status == 413 and "exceeds" in body["error"]
+    assert pulled <= app_lib.MAX_BODY_BYTES + len(chunk), pulled
+    headers = {"content-type": "application/json", "content-length": str(1 << 26)}
+    status, body, pulled = _asgi(app, "POST", "/api/query", headers, (chunk for _ in range(1024)))
+    assert status == 413 and pulled == 0 and str(1 << 26) in body["error"]
+    prompt, target = _fact(engine, 1)
+    ok = json.dumps({"prompt": prompt, "target": target, "k": 2, "method": "bm25"}).encode()
+    status, body, _ = _asgi(app, "POST", "/api/query", {"content-type": "application/json"}, [ok])
+    assert status == 200 and len(body["proponents"]) == 2
+
+
+def test_malformed_numbers_and_text_are_400s(served):
+    """Digits only ASCII ones (`"²".isdigit()` holds, `int("²")` fails: was a 500; `int("٣")` is 3),
+    prompts / targets without lone surrogates or control characters, JSON that Python's parser
+    refuses beyond syntax (an integer of 5000 digits, deep nesting): each a 400 naming it."""
+    _, _, engine, client = served
+    for k in ("²", "٣", "³", " 3", "+3", "3_0", "1" * 30, ""):
+        r = client.get("/api/eval/query", params={"query_id": "0", "k": k})
+        assert r.status_code == 400 and r.json()["error"].startswith("k:"), (k, r.status_code, r.text)
+    prompt, target = _fact(engine, 1)
+    good = {"prompt": prompt, "target": target, "k": 2, "method": "bm25"}
+    post = lambda raw: client.post("/api/query", content=raw, headers={"Content-Type": "application/json"})  # noqa: E731
+    for field, bad in [
+        ("prompt", "Paris \ud800 is"),
+        ("prompt", "a\u0000b"),
+        ("prompt", "\udfff"),
+        ("target", " x\ud83d"),
+        ("target", " \u001b[31m"),
+    ]:
+        r = post(json.dumps({**good, field: bad}).encode())  # ASCII JSON: "\\ud800" escapes
+        assert r.status_code == 400 and r.json()["error"].startswith(f"{field}: character"), (bad, r.text)
+    for raw in (b'{"prompt": "a", "k": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000):
+        r = post(raw)
+        assert r.status_code == 400 and r.json()["error"], (raw[:20], r.status_code, r.text)
+    assert post(json.dumps({**good, "prompt": prompt + "\t\n"}).encode()).status_code == 200
+    assert post(json.dumps(good, ensure_ascii=False).encode()).status_code == 200
+
+
+def test_file_records_fields_are_type_checked(served):
+    """`/api/file` serves only records whose shown fields have their types (naming the line and
+    field), and turns NaN scores (the released files have some) into null instead of a 500."""
+    _, workdir, _, client = served
+    rec = {
+        "example_id": "trex-1",
+        "inputs_plaintext": "Paris is the capital of",
+        "targets_plaintext": " France",
+        "proponents": ["a", "b"],
+        "proponent_ids": [4, "c4-7"],
+        "proponent_scores": [1.5, float("nan")],
+    }
+    (workdir / "retrieval").mkdir(exist_ok=True)
+
+    def load(*recs):
+        (workdir / "retrieval" / "typed.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+        return client.get("/api/file", params={"path": "retrieval/typed.jsonl"})
+
+    r = load(rec)
+    assert r.status_code == 200 and r.json()[0]["proponent_scores"] == [1.5, None], r.text
+    bad = [
+        ({"example_id": {"x": 1}}, "example_id"),
+        ({"example_id": True}, "example_id"),
+        ({"inputs_plaintext": ["<b>"]}, "inputs_plaintext"),
+        ({"targets_plaintext": 3}, "targets_plaintext"),
+        ({"proponents": ["a", {"html": "<img>"}]}, "proponents"),
+        ({"proponent_ids": [4, [5]]}, "proponent_ids"),
+        ({"proponent_scores": [1.5, "9"]}, "proponent_scores"),
+        ({"proponent_ids": [4]}, "unequal lengths"),
+        ({"opponent_ids": [1], "opponents": ["x"]}, "unequal lengths"),
+        ({"model_correct": "yes"}, "model_correct"),
+    ]
+    for change, match in bad:
+        r = load(rec, {**rec, **change})
+        assert r.status_code == 400 and "retrieval/typed.jsonl:2" in r.json()["error"], (change, r.text)
+        assert match in r.json()["error"], (change, r.text)
+
+
+def test_page_builds_its_dom_without_html_strings_and_is_served_with_a_csp(served):
+    """No HTML parsing of data anywhere in the page (every value goes through `el` / `fill`);
+    the page's CSP allows exactly its own inline script, so injected markup could not run any."""
+    client = served[3]
+    r = client.get("/")
+    page = r.text
+    for sink in (
+        "innerHTML",
+        "outerHTML",
+        "insertAdjacentHTML",
+        "document.write",
+        "DOMParser",
+        "createContextualFragment",
+    ):
+        assert sink not in page, sink
+    csp = r.headers["content-security-policy"]
+    (script,) = re.findall(r"<script>(.*?)</script>", page, re.S)
+    digest = base64.b64encode(hashlib.sha256(script.encode()).digest()).decode()
+    assert (
+        f"script-src 'sha256-{digest}';" in csp
+        and "default-src 'none'" in csp
+        and "unsafe-inline' " not in csp.split("style-src")[0]
+    )
+    for url in ("/", "/api/methods", "/api/file?path=none.jsonl"):
+        h = client.get(url).headers
+        assert h["x-content-type-options"] == "nosniff" and h["content-security-policy"] == csp, url
+
+
+# ------------------------------------------------------------------------------------------
 # Browse an evaluation: /api/eval and /api/eval/query against the files evaluate wrote
 # ------------------------------------------------------------------------------------------
 
@@ -337,7 +573,7 @@ def evaluated(tiny_run):
     workdir = tiny_run(_eval_config())
     evaluation.evaluate(settings, workdir)
     engine = engine_lib.Engine(settings, workdir, dense=False)
-    return workdir, engine, TestClient(app_lib.make_app(engine))
+    return workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
 
 def _eval_files(workdir):
@@ -654,3 +890,106 @@ def test_browse_view_in_headless_chromium(evaluated, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "browse.png"))
         assert (tmp_path / "browse.png").stat().st_size > 0
+
+
+def test_hostile_retrieval_file_renders_as_text_in_headless_chromium(served, tmp_path):
+    """Stored XSS: a retrieval jsonl whose every shown field holds markup with an onerror
+    handler, loaded by workdir path and as a local file: the handler never runs (a global it
+    would set stays unset), no element of it exists, and the markup shows as literal text."""
+    _browser_or_skip()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, workdir, engine, _ = served
+    payload = '<img src=x onerror="window.__pwned=(window.__pwned||0)+1">'
+    quote = '" onmouseover="window.__pwned=1" x="'  # breaks out of a quoted attribute
+    rec = {
+        "example_id": payload,
+        "query_set": payload,
+        "inputs_plaintext": payload + " capital",
+        "targets_plaintext": payload,
+        "proponents": [payload + " capital text", "plain <b>bold</b> passage"],
+        "proponent_ids": [payload, quote],
+        "proponent_scores": [1.0, 0.5],
+        "opponents": [payload],
+        "opponent_ids": [3],
+        "opponent_scores": [-1.0],
+    }
+    line = json.dumps(rec) + "\n"
+    (workdir / "retrieval").mkdir(exist_ok=True)
+    (workdir / "retrieval" / "hostile.jsonl").write_text(line)
+    (tmp_path / "hostile.jsonl").write_text(line)
+    with _page_in_chromium(engine) as driver:
+        wait = WebDriverWait(driver, 60)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#method option"))
+
+        def check(how):
+            items = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pane1 .item"))
+            time.sleep(0.3)  # let an <img> that slipped in fail to load and fire its handler
+            assert driver.execute_script("return window.__pwned") is None, how
+            assert driver.find_elements(By.CSS_SELECTOR, "#pane1 img, #filequeries img, [onerror], [onmouseover]") == []
+            assert driver.find_element(By.CSS_SELECTOR, "#pane1 h3").text == payload, how
+            assert [i.get_attribute("data-id") for i in items] == [payload, quote, "3"], how
+            assert f"id={payload} score=1.000" in items[0].text and "plain <b>bold</b> passage" in items[1].text
+            assert (
+                driver.find_element(By.CSS_SELECTOR, "#filequeries option").text
+                == f"{payload}: {payload} capital{payload}"
+            )
+            assert driver.find_element(By.ID, "error").text == "", how
+
+        driver.find_element(By.ID, "filepath").send_keys("retrieval/hostile.jsonl")
+        driver.find_element(By.ID, "loadpath").click()
+        check("load path")
+        driver.execute_script("document.getElementById('pane1').replaceChildren()")
+        driver.find_element(By.ID, "localfile").send_keys(str(tmp_path / "hostile.jsonl"))
+        check("local file")
+
+
+def test_hostile_evaluation_renders_as_text_in_headless_chromium(evaluated):
+    """The browse view over an evaluation whose relation, bucket, prompt, target, model
+    completion, method label and query count and proponent texts hold markup: no handler
+    runs, the markup is the cells' and headings' literal text."""
+    _browser_or_skip()
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    workdir, engine, _ = evaluated
+    queries, recs, table = _eval_files(workdir)
+    payload = '<img src=x onerror="window.__pwned=1">'
+    for q in queries:
+        q.update(relation=payload, bucket=payload, target=payload, prompt=payload + q["prompt"])
+    for row in table["rows"]:
+        row.update(label=payload, num_queries=payload)  # the old page escaped the label, not the count
+    evil = workdir / "evil"
+    (evil / "retrievals").mkdir(parents=True)
+    dump = lambda rows: "".join(json.dumps(x) + "\n" for x in rows)  # noqa: E731
+    (evil / "queries.jsonl").write_text(dump(queries))
+    (evil / "table.json").write_text(json.dumps(table))
+    for m, recs_m in recs.items():
+        for x in recs_m:
+            x.update(model_completion=payload, proponents=[payload + t for t in x["proponents"]])
+        (evil / "retrievals" / f"{m}.jsonl").write_text(dump(recs_m))
+    try:
+        with _page_in_chromium(engine) as driver:
+            wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
+            driver.find_element(By.ID, "browse").click()
+            wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evalname option[value=evil]"))
+            Select(driver.find_element(By.ID, "evalname")).select_by_value("evil")
+            cells = lambda d: [c.text for c in d.find_elements(By.CSS_SELECTOR, "#evalqueries tr.q td:nth-child(2)")]  # noqa: E731
+            wait.until(lambda d: cells(d) == [payload] * len(queries))
+            driver.find_element(By.CSS_SELECTOR, "#evalqueries tr.q").click()
+            items = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evaldetail .item"))
+            time.sleep(0.3)  # let an <img> that slipped in fail to load and fire its handler
+            assert driver.execute_script("return window.__pwned") is None
+            assert driver.find_elements(By.CSS_SELECTOR, "img, [onerror]") == []
+            assert driver.find_element(By.CSS_SELECTOR, "#evaldetail h3").text.startswith(payload)
+            assert [c.text for c in driver.find_elements(By.CSS_SELECTOR, "#metrics td")[:2]] == [payload, payload]
+            assert {o.text for o in driver.find_elements(By.CSS_SELECTOR, "#f-relation option, #f-bucket option")} == {
+                "(all)",
+                payload,
+            }
+            assert any(payload in i.text for i in items)
+            assert driver.find_element(By.ID, "error").text == ""
+    finally:
+        shutil.rmtree(evil)

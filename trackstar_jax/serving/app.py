@@ -3,12 +3,16 @@
 Routes (JSON in and out; every refusal is a 4xx with `{"error": message}`, and the server
 keeps serving):
 
+Every request passes `guard.Guard` first (Host allow-list, same-origin / JSON-only POSTs,
+streamed body limit, CSP): see `trackstar_jax.serving.guard`.
+
 - `GET /` : the page (`static/index.html`, plain JS).
 - `GET /api/methods` : the methods on offer (`Engine.describe`).
 - `POST /api/query` : `{"prompt", "target"?, "k", "method"}` -> `{"completion", "target",
   "proponents": [{"example_id", "score", "text"}], "opponents", "method", "seconds", "record"}`.
   No target: the model's greedy completion is the target ("debugging incorrect predictions").
-- `GET /api/file?path=<relative to the workdir>` : a retrieval jsonl as a JSON list.
+- `GET /api/file?path=<relative to the workdir>` : a retrieval jsonl as a JSON list (each
+  record's known fields type-checked, `RECORD_FIELDS`; NaN scores become null).
 - `GET /api/eval?name=eval&relation=&bucket=&correct=` : an evaluation's metrics table, its
   filter values and the queries that pass the filters, each with its gold passages, the
   model's completion / correctness, and per method the 1-based rank of the first gold passage
@@ -22,17 +26,70 @@ from __future__ import annotations
 
 import json
 import pathlib
+from typing import Any, Callable, Sequence
 
-from starlette import applications, concurrency, requests, responses, routing
+from starlette import applications, concurrency, middleware, requests, responses, routing
 from starlette.staticfiles import StaticFiles
 
 from trackstar_jax import files
 from trackstar_jax.evaluation import results as results_lib
 from trackstar_jax.serving import browse as browse_lib
 from trackstar_jax.serving import engine as engine_lib
+from trackstar_jax.serving import guard as guard_lib
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 MAX_BODY_BYTES = 1 << 20  # a query is a few hundred bytes; refuse anything silly before parsing
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
+
+
+def _is_score(x: Any) -> bool:
+    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
+
+
+def _list_of(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda x: isinstance(x, list) and all(ok(v) for v in x)
+
+
+# The fields of a retrieval record (PAIR-code schema, `retrieval.records`) the page shows or
+# uses, each optional: field -> (check, what it must be). Other fields pass through unread.
+RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "example_id": (_is_id, "an integer or a string"),
+    "query_set": (lambda x: isinstance(x, str), "a string"),
+    "inputs_plaintext": (lambda x: isinstance(x, str), "a string"),
+    "targets_plaintext": (lambda x: isinstance(x, str), "a string"),
+    "model_completion": (lambda x: x is None or isinstance(x, str), "a string or null"),
+    "model_correct": (lambda x: x is None or isinstance(x, bool), "true, false or null"),
+    "proponent_correct": (_list_of(lambda x: isinstance(x, bool)), "a list of true / false"),
+    "proponent_tailpatch": (_list_of(_is_score), "a list of numbers / null"),
+    **{
+        f: check
+        for kind in ("proponent", "opponent")
+        for f, check in (
+            (f"{kind}_ids", (_list_of(_is_id), "a list of integers / strings")),
+            (f"{kind}s", (_list_of(lambda x: isinstance(x, str)), "a list of strings")),
+            (f"{kind}_scores", (_list_of(_is_score), "a list of numbers / null")),
+        )
+    },
+}
+
+
+def check_record(rec: Any) -> str | None:
+    """Why `rec` is not a retrieval record the page can show (None: it is): not an object, a
+    `RECORD_FIELDS` field of another type, or ids / texts / scores lists of unequal lengths."""
+    if not isinstance(rec, dict):
+        return "not a retrieval record (a JSON object)"
+    for field, (ok, what) in RECORD_FIELDS.items():
+        if field in rec and not ok(rec[field]):
+            return f"{field} must be {what}"
+    for kind in ("proponent", "opponent"):
+        if f"{kind}_ids" in rec:
+            lengths = {f: len(rec.get(f, ())) for f in (f"{kind}_ids", f"{kind}s", f"{kind}_scores")}
+            if len(set(lengths.values())) > 1:
+                return f"{kind} lists of unequal lengths {lengths}"
+    return None
 
 
 def _error(status: int, message: str) -> responses.JSONResponse:
@@ -57,22 +114,25 @@ def resolve_inside(root: pathlib.Path, rel: str) -> pathlib.Path:
 
 
 def read_jsonl(path: pathlib.Path, rel: str) -> list[dict]:
-    """A retrieval jsonl's records; ValueError naming the first malformed line as `rel:line`
-    (the one reading path, `files.read_jsonl`; the server's own paths stay out of messages)."""
+    """A retrieval jsonl's records (`check_record`; non-finite numbers become None); ValueError
+    naming the first malformed line as `rel:line` (the one reading path, `files.read_jsonl`; the
+    server's own paths stay out of messages)."""
     out = []
     try:
         for where, rec in files.read_jsonl(path):
-            if not isinstance(rec, dict) or not isinstance(rec.get("proponent_ids", []), list):
-                line = where.rsplit(":", 1)[1]
-                raise ValueError(f"{rel}:{line}: not a retrieval record (an object with a proponent_ids list)")
-            out.append(rec)
+            why = check_record(rec)
+            if why is not None:
+                raise ValueError(f"{rel}:{where.rsplit(':', 1)[1]}: {why}")
+            out.append(browse_lib.finite(rec))
     except files.InputError as e:
         raise ValueError(str(e).replace(str(path), rel)) from None
     return out
 
 
-def make_app(engine: engine_lib.Engine) -> applications.Starlette:
-    """The Starlette app over a loaded engine."""
+def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOPBACK_HOSTS) -> applications.Starlette:
+    """The Starlette app over a loaded engine, answering requests whose Host is in `hosts`
+    (`guard.allowed_hosts`: loopback, the bound address, names given by the user)."""
+    page = (STATIC_DIR / "index.html").read_bytes()  # served from memory: its CSP hash stays its own
 
     async def methods(request: requests.Request) -> responses.Response:
         return responses.JSONResponse(engine.describe())
@@ -83,13 +143,11 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
         )
 
     async def query(request: requests.Request) -> responses.Response:
-        raw = await request.body()
-        if len(raw) > MAX_BODY_BYTES:
-            return _error(413, f"request body of {len(raw)} bytes exceeds {MAX_BODY_BYTES}")
+        raw = await request.body()  # at most MAX_BODY_BYTES: the guard counts them as they arrive
         try:
             body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"request body is not JSON: {e}")
+        except (ValueError, RecursionError) as e:  # not JSON / UTF-8, an int of >4300 digits, deep nesting
+            return _error(400, f"request body is not JSON: {type(e).__name__}: {str(e)[:200]}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object {prompt, target?, k, method}")
         unknown = sorted(set(body) - {"prompt", "target", "k", "method"})
@@ -146,18 +204,16 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
         return await _browse(browser.summary, request, ("name",) + browse_lib.FILTERS)
 
     def _detail(name: str, params: dict) -> dict:
-        k = params.get("k", "10")
-        if not k.isdigit() or not 1 <= int(k) <= engine.max_k:
-            raise browse_lib.BrowseError(f"k: must be an integer in [1, {engine.max_k}], got {k!r}")
+        k = browse_lib.parse_int("k", params.get("k", "10"), 1, engine.max_k)
         if "query_id" not in params:
             raise browse_lib.BrowseError("query_id: missing")
-        return browser.query_detail(name, params["query_id"], int(k))
+        return browser.query_detail(name, params["query_id"], k)
 
     async def eval_query(request: requests.Request) -> responses.Response:
         return await _browse(_detail, request, ("name", "query_id", "k"))
 
     async def index(request: requests.Request) -> responses.Response:
-        return responses.FileResponse(STATIC_DIR / "index.html")
+        return responses.Response(page, media_type="text/html")
 
     return applications.Starlette(
         routes=[
@@ -168,5 +224,10 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
             routing.Route("/api/eval", evaluation),
             routing.Route("/api/eval/query", eval_query),
             routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
-        ]
+        ],
+        middleware=[
+            middleware.Middleware(
+                guard_lib.Guard, hosts=hosts, max_body_bytes=MAX_BODY_BYTES, csp=guard_lib.page_csp(page)
+            )
+        ],
     )

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import re
 import threading
 from typing import Any, Mapping, Sequence
 
@@ -31,6 +32,14 @@ CORRECT_VALUES = {"true": True, "false": False}
 
 class BrowseError(ValueError):
     """A browse request the server refuses (unknown evaluation name / filter / value)."""
+
+
+def parse_int(name: str, text: str, lo: int, hi: int) -> int:
+    """The integer a URL parameter `name` spells in ASCII digits (no sign, space, `_` or other
+    scripts' digits, which `str.isdigit` / `int` accept) within [lo, hi]; BrowseError otherwise."""
+    if not (isinstance(text, str) and re.fullmatch(r"[0-9]{1,18}", text) and lo <= int(text) <= hi):
+        raise BrowseError(f"{name}: must be an integer in [{lo}, {hi}], got {text!r}")
+    return int(text)
 
 
 def finite(x: Any) -> Any:
@@ -205,12 +214,7 @@ class Browser:
           FileNotFoundError: no such evaluation.
         """
         res = self.results(name)
-        try:
-            qi = int(query_id)
-        except (TypeError, ValueError):
-            qi = -1
-        if not 0 <= qi < len(res.queries) or str(qi) != str(query_id).strip():
-            raise BrowseError(f"query_id: {query_id!r} is not in [0, {len(res.queries) - 1}]")
+        qi = parse_int("query_id", str(query_id), 0, len(res.queries) - 1)
         return finite(
             {
                 "name": name,

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import re
 import threading
 import time
 from typing import Any
@@ -62,6 +63,21 @@ MAX_K = 1000  # the API's largest k (also bounded by the index size)
 
 class QueryError(ValueError):
     """A query the server refuses (bad prompt / target / method / k); the message says why."""
+
+
+# Characters no prompt needs and tokenizers choke on: lone surrogates (not encodable as
+# UTF-8), NUL and the other C0 / C1 controls except tab, newline and carriage return.
+_BAD_CHARS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def check_text(field: str, text: str) -> None:
+    """Raises QueryError naming `field` and the position of the first `_BAD_CHARS` character."""
+    m = _BAD_CHARS.search(text)
+    if m:
+        raise QueryError(
+            f"{field}: character {m.group()!r} at position {m.start()} is not allowed "
+            "(lone surrogates and control characters other than tab / newline)"
+        )
 
 
 class _REvalUnavailable(RuntimeError):
@@ -295,6 +311,9 @@ class Engine:
             raise QueryError("prompt: must be a non-empty string")
         if target is not None and not isinstance(target, str):
             raise QueryError("target: must be a string (or absent for the model's own completion)")
+        check_text("prompt", prompt)
+        if target is not None:
+            check_text("target", target)
         if method not in self.methods:
             why = f" ({self.skipped[method]})" if isinstance(method, str) and method in self.skipped else ""
             raise QueryError(f"method: {method!r} is not available{why}; available: {self.methods}")
