@@ -84,9 +84,22 @@ def token_objective(
         else:  # trak
             c = w
             if role == "index":
-                pbar = jnp.sum(w * p, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
-                c = c * (1.0 - pbar)[:, None]
+                c = c * _trak_q(p, w)[:, None]
     return jnp.sum(jax.lax.stop_gradient(c) * f, axis=-1)
+
+
+def _trak_q(p: Float[Array, "b t"], w: Float[Array, "b t"]) -> Float[Array, " b"]:
+    """TRAK's example-level Q = 1 - pbar, pbar the mean target probability over the masked tokens."""
+    return 1.0 - jnp.sum(w * p, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
+
+
+def trak_q(logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"]) -> Float[Array, " b"]:
+    """The `trak` objective's example-level factor on index rows (`token_objective`), on its own:
+    one scalar per example, so the example's gradient is Q times the sum of its tokens' margin
+    gradients (token attribution splits that sum, `retrieval.attribution`)."""
+    logits = logits.astype(jnp.float32)
+    logp = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0] - jax.nn.logsumexp(logits, axis=-1)
+    return _trak_q(jnp.exp(logp), weights.astype(jnp.float32))
 
 
 def pure_params(params: Any) -> dict:
