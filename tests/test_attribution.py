@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import skip_if_not_enough_devices, tiny_run_config, update_compiler_config
+from conftest import covering, skip_if_not_enough_devices, tiny_run_config, update_compiler_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import methods as methods_lib
@@ -41,6 +41,10 @@ def run_dir(tiny_run):
     try:
         c = tiny_run_config(num_facts=6, num_distractors=6, num_steps=2, chunk_rows=16)
         c.vectors.batch_size = 16
+        # float32 rows and a well-conditioned R: 24 rows give R_train rank < d = 256, and with the
+        # default floor (1e-6) R^{-1/2} amplifies float32 round-off of a row ~1000x in its score
+        c.index.dtype = "float32"
+        c.hessian.damping = 1e-2
         yield c, tiny_run(c)
     finally:
         update_compiler_config(old)
@@ -54,8 +58,8 @@ def _settings(c, name, **retrieval):
     return s.replace({f"retrieval.{k}": v for k, v in retrieval.items()})
 
 
-@pytest.mark.parametrize("num_devices", [1, 8])
-@pytest.mark.parametrize("name", GRADIENT_ROWS)
+# every row on 1 and 8 devices; CI runs a covering (each row, each device count), `-m slow` the rest
+@pytest.mark.parametrize("name, num_devices", covering(GRADIENT_ROWS, [1, 8], strength=1))
 def test_token_scores_sum_to_the_retrieval_score(run_dir, name, num_devices):
     skip_if_not_enough_devices(num_devices)
     c, workdir = run_dir
@@ -78,10 +82,8 @@ def test_token_scores_sum_to_the_retrieval_score(run_dir, name, num_devices):
             assert len(p["tokens"]) == len(p["scores"])
             assert p["tokens"][-1] == attribution.EOS_TEXT
             assert "".join(p["tokens"][:-1]) == run.corpus.texts[pid]
-        assert (
-            "".join(r["target_tokens"]).strip()
-            == next(q.target for q in QUERIES if q.example_id == r["example_id"]).strip()
-        )
+        target = next(q.target for q in QUERIES if q.example_id == r["example_id"])  # " P" is unknown here
+        assert "".join(r["target_tokens"]).strip() == run.tokenizer.decode(run.tokenizer.encode(target)).strip()
         # the split is not trivial: tokens differ in their share
         assert np.ptp(r["proponent_token_scores"][0]["scores"]) > 0
 

@@ -93,7 +93,9 @@ def _trak_q(p: Float[Array, "b t"], w: Float[Array, "b t"]) -> Float[Array, " b"
     return 1.0 - jnp.sum(w * p, axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
 
 
-def trak_q(logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"]) -> Float[Array, " b"]:
+def trak_q(
+    logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"]
+) -> Float[Array, " b"]:
     """The `trak` objective's example-level factor on index rows (`token_objective`), on its own:
     one scalar per example, so the example's gradient is Q times the sum of its tokens' margin
     gradients (token attribution splits that sum, `retrieval.attribution`)."""

@@ -73,25 +73,31 @@ class ExactScorer:
             b = data_lib.pad_batch(part, list(range(len(part))), bs, seq)
             yield len(part), {"tokens": b["tokens"], "loss_mask": b["loss_mask"]}
 
-    def query_grads(self, query: tuple[np.ndarray, np.ndarray]) -> dict[str, jax.Array]:
-        """One query's corrected gradient `{path: [*shape]}` (role "query")."""
-        _, batch = next(self._batches([query]))
-        return {p: g[0] for p, g in self._grads["query"](self.params, self.correction, batch).items()}
+    def query_grads(self, queries: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, jax.Array]:
+        """The queries' corrected gradients `{path: [Q, *shape]}` (role "query")."""
+        parts = [(n, self._grads["query"](self.params, self.correction, b)) for n, b in self._batches(list(queries))]
+        return {p: jnp.concatenate([g[p][:n] for n, g in parts]) for p in parts[0][1]}
 
-    def scores(self, query: tuple[np.ndarray, np.ndarray], rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
-        """The exact score of each of `rows` (index role) with `query`. float64 `[len(rows)]`."""
-        qg = self.query_grads(query)
-        qn = float(sum(jnp.vdot(g, g) for g in qg.values()))
+    def score_matrix(
+        self, queries: Sequence[tuple[np.ndarray, np.ndarray]], rows: Sequence[tuple[np.ndarray, np.ndarray]]
+    ) -> np.ndarray:
+        """The exact score of every row (index role) with every query. float64 `[Q, len(rows)]`."""
+        qg = self.query_grads(queries)
+        qn = np.asarray(sum(jnp.einsum("q...,q...->q", g, g) for g in qg.values()), np.float64)
         dots, norms = [], []
         for n, batch in self._batches(list(rows)):
             d, s = self._dots(self.params, self.correction, batch, qg)
             dots.append(np.asarray(d, np.float64)[:n])
             norms.append(np.asarray(s, np.float64)[:n])
-        dot, nrm = np.concatenate(dots), np.concatenate(norms)
+        dot, nrm = np.concatenate(dots).T, np.concatenate(norms)
         if not self.unit_norm:
             return dot
-        den = np.sqrt(nrm * qn)
+        den = np.sqrt(qn[:, None] * nrm[None, :])
         return np.where(den > 0, dot / np.where(den > 0, den, 1.0), 0.0)
+
+    def scores(self, query: tuple[np.ndarray, np.ndarray], rows: Sequence[tuple[np.ndarray, np.ndarray]]) -> np.ndarray:
+        """`score_matrix` of one query. float64 `[len(rows)]`."""
+        return self.score_matrix([query], rows)[0]
 
 
 def _corrected_grads(params, correction, batch, *, graphdef, plan, output_fn, role) -> dict[str, jax.Array]:
@@ -100,10 +106,10 @@ def _corrected_grads(params, correction, batch, *, graphdef, plan, output_fn, ro
 
 
 def _dots(params, correction, batch, qg, *, graphdef, plan, output_fn, role):
-    """`(g_b · g_q [B], ||g_b||² [B])` over every attributed parameter, g corrected."""
+    """`(g_b · g_q [B, Q], ||g_b||² [B])` over every attributed parameter, g corrected."""
     g = _corrected_grads(params, correction, batch, graphdef=graphdef, plan=plan, output_fn=output_fn, role=role)
     hp = jax.lax.Precision.HIGHEST
-    dots = sum(jnp.einsum("b...,...->b", x, qg[p], precision=hp) for p, x in g.items())
+    dots = sum(jnp.einsum("b...,q...->bq", x, qg[p], precision=hp) for p, x in g.items())
     sq = sum(jnp.einsum("b...,b...->b", x, x, precision=hp) for x in g.values())
     return dots, sq
 
