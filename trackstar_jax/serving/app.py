@@ -79,7 +79,11 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
 
     def run_query(body: dict) -> dict:
         return engine.query(
-            body.get("prompt"), body.get("target"), body.get("k", 10), body.get("method", engine.describe()["default"])
+            body.get("prompt"),
+            body.get("target"),
+            body.get("k", 10),
+            body.get("method", engine.describe()["default"]),
+            token_scores=body.get("token_scores", False),
         )
 
     async def query(request: requests.Request) -> responses.Response:
@@ -92,9 +96,11 @@ def make_app(engine: engine_lib.Engine) -> applications.Starlette:
             return _error(400, f"request body is not JSON: {e}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object {prompt, target?, k, method}")
-        unknown = sorted(set(body) - {"prompt", "target", "k", "method"})
+        unknown = sorted(set(body) - {"prompt", "target", "k", "method", "token_scores"})
         if unknown:
-            return _error(400, f"unknown fields {unknown}; expected prompt, target (optional), k, method")
+            return _error(
+                400, f"unknown fields {unknown}; expected prompt, target (optional), k, method, token_scores (optional)"
+            )
         try:
             # Runs in a worker thread (the device work blocks); the engine's lock serializes queries.
             out = await concurrency.run_in_threadpool(run_query, body)
