@@ -231,3 +231,46 @@ def test_rerank_of_every_row_is_the_exact_ranking(run_dir):
 def test_rerank_k_is_checked():
     with pytest.raises(ValueError, match="retrieval.rerank_k must be >= 0"):
         config_lib.RetrievalSettings(rerank_k=-1)
+
+
+# ------------------------------------------------------------------------------------------
+# The released files' schema (github.com/PAIR-code/pretraining-tda, "TDA method results")
+# ------------------------------------------------------------------------------------------
+
+
+def test_retrieval_files_follow_the_released_schema_and_pair_by_row(run_dir, tmp_path):
+    """launch.retrieve's jsonl: the released files' fields first, in their order, `example_id` a
+    string (the authors' viewer calls `example_id.startsWith`), and two methods' files list the
+    same queries line by line (the viewer's side-by-side mode pairs rows by index)."""
+    import json
+
+    from trackstar_jax.retrieval import records
+
+    c, workdir = run_dir
+    qfile = tmp_path / "q.jsonl"
+    qfile.write_text("".join(json.dumps({"prompt": q.prompt, "target": q.target}) + "\n" for q in QUERIES))
+    files = {}
+    for name in ("exp2", "trackstar_l090"):
+        s = _settings(c, name, queries=str(qfile), output=f"schema_{name}", overwrite=True, top_k=3)
+        build.build_index(s, workdir)
+        man = retrieval_stage.retrieve(s, workdir)
+        files[name] = [json.loads(line) for line in open(man["output"])]
+    assert records.PAIR_FIELDS == (
+        "example_id",
+        "query_set",
+        "inputs_plaintext",
+        "targets_plaintext",
+        "proponents",
+        "proponent_ids",
+        "proponent_scores",
+        "opponents",
+        "opponent_ids",
+        "opponent_scores",
+    )
+    for name, recs in files.items():
+        for r in recs:
+            assert tuple(r)[: len(records.PAIR_FIELDS)] == records.PAIR_FIELDS
+            assert isinstance(r["example_id"], str) and r["query_set"] == f"schema_{name}"
+    key = lambda r: (r["example_id"], r["inputs_plaintext"], r["targets_plaintext"])  # noqa: E731
+    assert [key(r) for r in files["exp2"]] == [key(r) for r in files["trackstar_l090"]]
+    assert [key(r) for r in files["exp2"]] == [(str(i), q.prompt, q.target) for i, q in enumerate(QUERIES)]

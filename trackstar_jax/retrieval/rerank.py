@@ -50,6 +50,7 @@ class ExactScorer:
 
     def __init__(self, graphdef, model_cfg, params, opt_state, vec_cfg: vectors_lib.VectorConfig, unit_norm: bool):
         self.vec_cfg, self.unit_norm, self.params = vec_cfg, unit_norm, params
+        self.max_len = model_cfg.max_len
         self.plan = vectors_lib.make_block_plan(params, model_cfg, vec_cfg)
         ref = dataclasses.replace(vec_cfg, path="reference")  # the exact element-wise 1/sqrt(V)
         self.correction = vectors_lib.make_precond(params, opt_state, ref, self.plan)
@@ -65,17 +66,20 @@ class ExactScorer:
             functools.partial(_dots, graphdef=graphdef, plan=self.plan, output_fn=vec_cfg.output_fn, role="index")
         )
 
-    def _batches(self, items: Sequence[tuple[np.ndarray, np.ndarray]]):
-        bs = self.vec_cfg.batch_size
+    def _batches(self, items: Sequence[tuple[np.ndarray, np.ndarray]], bs: int | None = None):
+        """Padded batches of `bs` rows (default `vectors.batch_size`), lengths bucketed as the
+        index build's (`data.bucket_len`): a handful of shapes, each compiled once."""
+        bs = bs or self.vec_cfg.batch_size
         for lo in range(0, len(items), bs):
             part = items[lo : lo + bs]
-            seq = max(len(t) for t, _ in part)
+            seq = data_lib.bucket_len(max(len(t) for t, _ in part), self.max_len)
             b = data_lib.pad_batch(part, list(range(len(part))), bs, seq)
             yield len(part), {"tokens": b["tokens"], "loss_mask": b["loss_mask"]}
 
     def query_grads(self, queries: Sequence[tuple[np.ndarray, np.ndarray]]) -> dict[str, jax.Array]:
         """The queries' corrected gradients `{path: [Q, *shape]}` (role "query")."""
-        parts = [(n, self._grads["query"](self.params, self.correction, b)) for n, b in self._batches(list(queries))]
+        bs = 1 if len(queries) == 1 else None  # one query (reranking): no padding rows
+        parts = [(n, self._grads["query"](self.params, self.correction, b)) for n, b in self._batches(queries, bs)]
         return {p: jnp.concatenate([g[p][:n] for n, g in parts]) for p in parts[0][1]}
 
     def score_matrix(

@@ -400,7 +400,9 @@ def retrieve(
     # failed write fails the job. The jsonl first, the manifest last: it marks the output done.
     with multihost.step("retrieve:written"):
         if multihost.is_primary():
-            body = "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs)
+            body = "".join(
+                json.dumps(records.ordered({**r, "query_set": name}), ensure_ascii=False) + "\n" for r in recs
+            )
             files.atomic_write(out, body)
             files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
     logging.info(
