@@ -130,6 +130,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.retrieval.queries = ""  # jsonl of {"prompt", "target"[, "example_id"]}; "" = the evaluation's fact queries
     c.retrieval.output = ""  # output name: workdir/retrieval/<output>.jsonl ("" = from the query source)
     c.retrieval.overwrite = False  # replace an existing output of the same name (refused otherwise)
+    # per proponent, each token's share of its score (and each query target token's): `retrieval.attribution`
+    c.retrieval.token_scores = False
+    # two-stage retrieval: rescore the index's top rerank_k with the exact unprojected corrected-gradient
+    # score (`retrieval.rerank`; 0 = off); the records keep both scores
+    c.retrieval.rerank_k = 0
 
     # --- evaluation (§4, §A.4) ---
     c.eval = ml_collections.ConfigDict()

@@ -10,6 +10,11 @@ Queries: by default the evaluation's fact queries (`config.eval`); or your own j
 `{"prompt": ..., "target": " ..."}` lines: `--config.retrieval.queries=my_queries.jsonl`.
 Other overrides: `--config.retrieval.top_k=100`, `--config.retrieval.output=name`,
 `--config.retrieval.overwrite=True` (existing output is refused otherwise).
+`--config.retrieval.token_scores=True` adds, per proponent, each token's share of its score
+(`proponent_token_scores`: tokens and scores) and each query target token's (`target_tokens`,
+`target_token_scores`), `retrieval.attribution`; `--config.retrieval.rerank_k=K` rescores the
+index's top K with the exact unprojected corrected-gradient cosine (`retrieval.rerank`), keeping
+the index's score as `proponent_index_scores`.
 On a pod add `--distributed` on every host: each streams its own rows of the index, process 0 writes.
 """
 

@@ -96,7 +96,7 @@ def test_retrieval_file_is_the_pair_code_schema(eq, retrieved, tmp_path):
     lines = [json.loads(x) for x in path.read_text().splitlines()]
     assert len(lines) == 3
     first = lines[0]
-    assert first["example_id"] == 0 and first["query_set"] == "trackstar"
+    assert first["example_id"] == "0" and first["query_set"] == "trackstar"
     assert first["inputs_plaintext"] == "Ana was born in" and first["targets_plaintext"] == " Paris"
     assert first["proponent_ids"] == [1, 0, 4] and first["proponents"] == [TEXTS[1], TEXTS[0], TEXTS[4]]
     assert first["proponent_scores"] == [0.9, 0.8, 0.1] and first["proponent_correct"] == [False, True, False]

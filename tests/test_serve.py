@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 
+import numpy as np
 import pytest
 from conftest import tiny_run_config
 
@@ -852,6 +853,87 @@ def test_page_in_headless_chromium(served, tmp_path):
         assert driver.find_element(By.ID, "error").text == ""
         driver.save_screenshot(str(tmp_path / "explorer.png"))
         assert (tmp_path / "explorer.png").stat().st_size > 0
+
+
+def test_query_token_scores_sum_to_each_proponents_score(served):
+    """`token_scores`: each proponent's token shares (and the target's) sum to its score, and the
+    record carries `retrieve_queries`' token fields; text rows and non-booleans are refused."""
+    settings, workdir, engine, client = served
+    prompt, target = _fact(engine, 3)
+    body = {"prompt": prompt, "target": target, "k": 3, "method": "exp4", "token_scores": True}
+    r = client.post("/api/query", json=body)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    for p in got["proponents"]:
+        ts = p["token_scores"]
+        assert len(ts["tokens"]) == len(ts["scores"]) and len(ts["target_tokens"]) == len(ts["target_scores"])
+        np.testing.assert_allclose(
+            sum(ts["scores"]), p["score"], rtol=2e-2
+        )  # recomputed from the tokens; the index row is bf16
+        np.testing.assert_allclose(sum(ts["target_scores"]), p["score"], rtol=1e-3)
+    ms = rows.method_settings(settings, methods_lib.METHODS["exp4"]).replace({"retrieval.token_scores": True})
+    want, _ = retrieval_stage.retrieve_queries(
+        engine.run, ms, workdir, [retrieval_stage.TextQuery(0, prompt, target)], k=3
+    )
+    assert got["record"] == want[0]
+    for bad, why in (
+        (dict(body, method="bm25"), "only gradient rows"),
+        (dict(body, token_scores="yes"), "true or false"),
+    ):
+        r = client.post("/api/query", json=bad)
+        assert r.status_code == 400 and why in r.json()["error"]
+
+
+def test_token_heatmap_in_headless_chromium(served):
+    """The heat-map over each proponent's text: one span per token, spelled as the passage, and
+    token strings from a file are shown as text, never parsed as markup."""
+    _browser_or_skip()
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    _, workdir, engine, client = served
+    prompt, target = _fact(engine, 4)
+    want = client.post(
+        "/api/query", json={"prompt": prompt, "target": target, "k": 3, "method": "trackstar", "token_scores": True}
+    ).json()
+    hostile = '<img src=x onerror="document.title=1">'
+    rec = dict(want["record"])
+    rec["proponent_token_scores"] = [{"tokens": [hostile, " & <b>x</b>"], "scores": [1.0, -0.5]}]
+    (workdir / "retrieval").mkdir(exist_ok=True)
+    (workdir / "retrieval" / "hostile.jsonl").write_text(json.dumps(rec) + "\n")
+    with _page_in_chromium(engine) as driver:
+        wait = WebDriverWait(driver, 120)
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#method option"))
+        driver.find_element(By.ID, "prompt").send_keys(prompt)
+        driver.find_element(By.ID, "target").send_keys(target)
+        k = driver.find_element(By.ID, "k")
+        k.clear()
+        k.send_keys("3")
+        Select(driver.find_element(By.ID, "method")).select_by_value("trackstar")
+        driver.find_element(By.ID, "tokscores").click()
+        driver.find_element(By.ID, "go").click()
+        wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#pane1 .item .heat")) >= 6)
+        items = driver.find_elements(By.CSS_SELECTOR, "#pane1 .item")
+        for item, p in zip(items, want["proponents"]):
+            tokens_row, target_row = item.find_elements(By.CSS_SELECTOR, ".heat")
+            spans = tokens_row.find_elements(By.CSS_SELECTOR, ".tok")
+            texts = [driver.execute_script("return arguments[0].textContent", sp) for sp in spans]
+            assert texts == p["token_scores"]["tokens"] and "".join(texts[:-1]) == p["text"]
+            scores = [float(sp.get_attribute("data-score")) for sp in spans]
+            np.testing.assert_allclose(scores, p["token_scores"]["scores"])
+            assert len(target_row.find_elements(By.CSS_SELECTOR, ".tok")) == len(p["token_scores"]["target_tokens"])
+        assert driver.find_element(By.ID, "error").text == ""
+        # a file's token strings are data
+        driver.find_element(By.ID, "filepath").send_keys("retrieval/hostile.jsonl")
+        driver.find_element(By.ID, "loadpath").click()
+        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pane1 .item .heat .tok"))
+        spans = driver.find_elements(By.CSS_SELECTOR, "#pane1 .item .heat .tok")
+        assert [driver.execute_script("return arguments[0].textContent", sp) for sp in spans[:2]] == [
+            hostile,
+            " & <b>x</b>",
+        ]
+        assert not driver.find_elements(By.CSS_SELECTOR, "#pane1 img, #pane1 .heat b")
+        assert driver.title != "1"
 
 
 def test_browse_view_in_headless_chromium(evaluated, tmp_path):

@@ -147,11 +147,15 @@ class RetrievalSettings:
     queries: str = ""
     output: str = ""
     overwrite: bool = False
+    token_scores: bool = False
+    rerank_k: int = 0
 
     def __post_init__(self):
         for key in ("top_k", "query_batch_size", "read_chunk_rows"):
             if getattr(self, key) < 1:
                 raise ValueError(f"retrieval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rerank_k < 0:
+            raise ValueError(f"retrieval.rerank_k must be >= 0 (0 = no reranking), got {self.rerank_k}")
         if self.output and (pathlib.Path(self.output).name != self.output or self.output.startswith(".")):
             raise ValueError(f"retrieval.output must be a plain file name stem, got {self.output!r}")
 

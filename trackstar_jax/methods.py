@@ -37,6 +37,7 @@ class Method:
     hessian: str = "none"
     unit_norm: bool = False
     mix_lambda: float | None = None  # a fixed λ for the mixed R (None: config.hessian.mix_lambda)
+    rerank_k: int = 0  # two-stage retrieval: rescore the index's top rerank_k exactly (`retrieval.rerank`)
 
     def overrides(self, index_dir: str = "index") -> dict[str, Any]:
         """Config overrides (dotted keys) that select this row's index and scoring.
@@ -56,6 +57,8 @@ class Method:
         }
         if self.mix_lambda is not None:
             out["hessian.mix_lambda"] = self.mix_lambda
+        if self.rerank_k:
+            out["retrieval.rerank_k"] = self.rerank_k
         if (self.output_fn, self.correction) != ("loss", True):
             out["index.dir"] = f"{index_dir}_{self.output_fn}_{'corr' if self.correction else 'nocorr'}"
         return out
@@ -92,6 +95,17 @@ METHODS: dict[str, Method] = {
                 mix_lambda=lam,
             )
             for lam in (0.5, 0.9, 0.99)
+        ),
+        # Beyond the paper (issue 39): TrackStar's top 100, reranked by the exact unprojected
+        # corrected-gradient cosine (no R: `retrieval.rerank`); shares TrackStar's index.
+        Method(
+            "trackstar_rerank",
+            "gradient",
+            "TrackStar + exact rerank of top 100",
+            correction=True,
+            hessian="mixed",
+            unit_norm=True,
+            rerank_k=100,
         ),
     )
 }

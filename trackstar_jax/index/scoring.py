@@ -109,6 +109,7 @@ class Scoring:
 
     whitening: hessian.Whitening
     row_scale: np.ndarray  # [num_rows] float32
+    row_factor: np.ndarray | None = None  # [num_rows] the factor inside row_scale (TRAK's Q); None = 1
 
     def finalize_queries(self, q_raw: Float[Array, "q d"]) -> np.ndarray:
         """Raw query vectors -> q' = W normalise(W q) (float32)."""
@@ -148,12 +149,13 @@ def prepare_scoring(
     r_ev = hessian.r_eval(query_vectors, reader.num_blocks_total) if cfg.mode == "mixed" else None
     whit = hessian.make_whitening(cfg, r_train, r_ev)
     scale = compute_row_scale(reader, whit, cache=cache, rows=rows)
+    factor = None
     if row_factor is not None:
         factor = np.asarray(row_factor, np.float32)
         if factor.shape != scale.shape:
             raise ValueError(f"row_factor has shape {factor.shape}, the index {reader.path} has {scale.shape[0]} rows")
         scale = scale * factor
-    return Scoring(whit, scale)
+    return Scoring(whit, scale, factor)
 
 
 def write_finalized(

@@ -1,14 +1,39 @@
 """Retrieval output records in the PAIR-code/pretraining-tda schema (one query per jsonl line).
 
-The paper's released files (`trex_retrievals_*.jsonl`) and their viewer use these fields:
-`example_id, query_set, inputs_plaintext, targets_plaintext, proponents, proponent_ids,
-proponent_scores, opponents*`, and for fact queries `proponent_correct`. `retrieve` and the
-evaluation's per-method files both build their lines here.
+The paper's released files (`trex_retrievals_*.jsonl`, github.com/PAIR-code/pretraining-tda
+README "TDA method results") and their viewer (`demo/`, pair-code.github.io/pretraining-tda/demo)
+use these fields, in this order: `PAIR_FIELDS` (`example_id, query_set, inputs_plaintext,
+targets_plaintext, proponents, proponent_ids, proponent_scores, opponents, opponent_ids,
+opponent_scores`), then for fact queries `fact_id, relation, ..., proponent_correct`. Our lines
+put those first, in that order, and our own fields after them (fact fields, tail-patch deltas,
+token scores, rerank scores), which the viewer ignores. `example_id` is a string, as in the
+released files: the viewer calls `example_id.startsWith("trex")` on every query it shows (a
+number there stops its page). Its side-by-side mode pairs two files' rows by line number, so
+every retrieval output of a query set lists the queries in the query set's order.
+`retrieve` and the evaluation's per-method files both build their lines here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
+
+PAIR_FIELDS = (
+    "example_id",
+    "query_set",
+    "inputs_plaintext",
+    "targets_plaintext",
+    "proponents",
+    "proponent_ids",
+    "proponent_scores",
+    "opponents",
+    "opponent_ids",
+    "opponent_scores",
+)
+
+
+def ordered(rec: dict) -> dict:
+    """`rec` with the `PAIR_FIELDS` it has first, in the released files' order, then the rest as they were."""
+    return {**{k: rec[k] for k in PAIR_FIELDS if k in rec}, **{k: v for k, v in rec.items() if k not in PAIR_FIELDS}}
 
 
 def pair_record(
@@ -30,12 +55,13 @@ def pair_record(
       texts: the corpus passages by example id (proponents are shown as text).
       top_ids, top_scores: ranked proponents; bottom_*: opponents (gradient methods).
       gold: the fact's entailing passage ids -> `proponent_correct` (fact queries only).
-      extra: further fields placed first (fact_id, relation, model_completion, ...).
+      extra: further fields (query_set, fact_id, relation, model_completion, ...), after
+        the schema's own (`ordered`).
     """
     ids = [int(i) for i in top_ids]
     rec = {
         **extra,
-        "example_id": example_id,
+        "example_id": str(example_id),
         "inputs_plaintext": prompt,
         "targets_plaintext": target,
         "proponents": [texts[i] for i in ids],
@@ -54,4 +80,4 @@ def pair_record(
                 "opponent_scores": [float(s) for s in bottom_scores],
             }
         )
-    return rec
+    return ordered(rec)

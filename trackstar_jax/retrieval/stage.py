@@ -31,7 +31,8 @@ from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
-from trackstar_jax.retrieval import records, topk
+from trackstar_jax.retrieval import attribution, records, topk
+from trackstar_jax.retrieval import rerank as rerank_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 
@@ -214,6 +215,12 @@ def retrieve_queries(
         raise ValueError(
             f"config.retrieval.top_k={k} must be in [1, {reader.num_rows}] (the index has {reader.num_rows} rows)"
         )
+    # the second stage's candidates: the index's top rerank_k (at least k, at most every row)
+    k_index = min(max(k, st.rerank_k), reader.num_rows) if st.rerank_k else k
+    if (st.rerank_k or st.token_scores) and multihost.is_multiprocess():
+        raise config_lib.ConfigError(
+            "config.retrieval.rerank_k / token_scores run on one process only; retrieve without --distributed"
+        )
     info = {"index": str(reader.path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k}
     if not queries:
         return [], info
@@ -235,7 +242,7 @@ def retrieve_queries(
         len(queries),
         reader.dim,
         reader.dtype,
-        k,
+        k_index,
         st.read_chunk_rows,
         score_mesh,
         num_rows=reader.num_rows,
@@ -255,7 +262,7 @@ def retrieve_queries(
     res = (topk.process_stream_topk if pod else topk.stream_topk)(
         q_prime,
         reader,
-        k,
+        k_index,
         st.read_chunk_rows,
         mesh=score_mesh,
         row_scale=scoring.row_scale,
@@ -270,22 +277,76 @@ def retrieve_queries(
         retrieval_seconds=t3 - t2,
         dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9),
     )
+    top_ids = [list(map(int, x[:k])) for x in res.top_ids]
+    top_scores = [list(map(float, x[:k])) for x in res.top_scores]
+    index_scores = None
+    if st.rerank_k:
+        t4 = time.perf_counter()
+        scorer = rerank_lib.ExactScorer(
+            run.graphdef, run.model_cfg, run.params, run.opt_state, settings.vectors, settings.hessian.unit_norm
+        )
+        top_ids, top_scores, index_scores = map(
+            list,
+            zip(
+                *(
+                    rerank_lib.rerank(scorer, encoded_pairs, cand, scores, rerank_lib.encode_rows(run, cand), k)
+                    for encoded_pairs, cand, scores in zip(_pairs(encoded), res.top_ids, res.top_scores)
+                )
+            ),
+        )
+        info.update(rerank_k=k_index, rerank_seconds=time.perf_counter() - t4)
     out = [
         records.pair_record(
             q.example_id,
             q.prompt,
             q.target,
             run.corpus.texts,
-            res.top_ids[qi],
-            res.top_scores[qi],
-            res.bottom_ids[qi],
-            res.bottom_scores[qi],
+            top_ids[qi],
+            top_scores[qi],
+            res.bottom_ids[qi][:k],
+            res.bottom_scores[qi][:k],
             gold=q.gold,
             **dict(q.extra),
         )
         for qi, q in enumerate(queries)
     ]
+    if index_scores is not None:
+        for rec, s in zip(out, index_scores):
+            rec["proponent_index_scores"] = s
+    if st.token_scores:
+        t5 = time.perf_counter()
+        for qi, rec in enumerate(out):
+            rec.update(token_scores(run, vec_fn, scoring, reader, q_prime[qi], _pairs(encoded)[qi], top_ids[qi]))
+        info["token_scores_seconds"] = time.perf_counter() - t5
     return out, info
+
+
+def token_scores(
+    run: checkpoint_lib.Run,
+    vec_fn: vectors_lib.VectorFn,
+    scoring: scoring_lib.Scoring,
+    reader: store_lib.IndexReader,
+    q_prime: np.ndarray,
+    query: tuple[np.ndarray, np.ndarray],
+    ids: Sequence[int],
+) -> dict:
+    """One query's token attribution against its proponents `ids` (`attribution.attribute`):
+    the record fields `proponent_token_scores`, `target_tokens`, `target_token_scores`.
+
+    `vec_fn` is the query featurizer; it serves the index rows too, since the role changes no
+    row's objective (TRAK's Q is a factor on scores: `Scoring.row_factor`, `index.trak`)."""
+    featurize = lambda pairs: query_vectors(run, vec_fn, pairs)  # noqa: E731
+    return attribution.attribute(
+        whitening=scoring.whitening,
+        q_prime=q_prime,
+        query=query,
+        query_token_vecs=attribution.token_vectors(featurize, *query),
+        rows=np.concatenate([reader.read_dequantized(int(i), int(i) + 1) for i in ids]),
+        proponents=rerank_lib.encode_rows(run, ids),
+        featurize_index=featurize,
+        tokenizer=run.tokenizer,
+        row_factors=None if scoring.row_factor is None else [float(scoring.row_factor[int(i)]) for i in ids],
+    )
 
 
 def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, pathlib.Path]:
@@ -368,7 +429,9 @@ def retrieve(
     # failed write fails the job. The jsonl first, the manifest last: it marks the output done.
     with multihost.step("retrieve:written"):
         if multihost.is_primary():
-            body = "".join(json.dumps({**r, "query_set": name}, ensure_ascii=False) + "\n" for r in recs)
+            body = "".join(
+                json.dumps(records.ordered({**r, "query_set": name}), ensure_ascii=False) + "\n" for r in recs
+            )
             files.atomic_write(out, body)
             files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
     logging.info(

@@ -64,6 +64,20 @@ RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "model_correct": (lambda x: x is None or isinstance(x, bool), "true, false or null"),
     "proponent_correct": (_list_of(lambda x: isinstance(x, bool)), "a list of true / false"),
     "proponent_tailpatch": (_list_of(_is_score), "a list of numbers / null"),
+    # token attribution (`retrieval.attribution`): the page's heat-maps
+    "proponent_token_scores": (
+        _list_of(
+            lambda p: (
+                isinstance(p, dict)
+                and _list_of(lambda x: isinstance(x, str))(p.get("tokens"))
+                and _list_of(_is_score)(p.get("scores"))
+                and len(p["tokens"]) == len(p["scores"])
+            )
+        ),
+        'a list of {"tokens": [strings], "scores": [numbers]} of equal lengths',
+    ),
+    "target_tokens": (_list_of(lambda x: isinstance(x, str)), "a list of strings"),
+    "target_token_scores": (_list_of(_list_of(_is_score)), "a list of lists of numbers / null"),
     **{
         f: check
         for kind in ("proponent", "opponent")
@@ -139,7 +153,11 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
 
     def run_query(body: dict) -> dict:
         return engine.query(
-            body.get("prompt"), body.get("target"), body.get("k", 10), body.get("method", engine.describe()["default"])
+            body.get("prompt"),
+            body.get("target"),
+            body.get("k", 10),
+            body.get("method", engine.describe()["default"]),
+            token_scores=body.get("token_scores", False),
         )
 
     async def query(request: requests.Request) -> responses.Response:
@@ -150,9 +168,11 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
             return _error(400, f"request body is not JSON: {type(e).__name__}: {str(e)[:200]}")
         if not isinstance(body, dict):
             return _error(400, "request body must be a JSON object {prompt, target?, k, method}")
-        unknown = sorted(set(body) - {"prompt", "target", "k", "method"})
+        unknown = sorted(set(body) - {"prompt", "target", "k", "method", "token_scores"})
         if unknown:
-            return _error(400, f"unknown fields {unknown}; expected prompt, target (optional), k, method")
+            return _error(
+                400, f"unknown fields {unknown}; expected prompt, target (optional), k, method, token_scores (optional)"
+            )
         try:
             # Runs in a worker thread (the device work blocks); the engine's lock serializes queries.
             out = await concurrency.run_in_threadpool(run_query, body)

@@ -133,7 +133,9 @@ class Engine:
         self._r_eval_raw: dict[tuple, Any] = {}  # featurizer key -> R_eval's raw vectors [n, d]
         self.skipped: dict[str, str] = {}  # method -> why it is not offered
         for name, m in methods_lib.METHODS.items():
-            if m.kind == "gradient":
+            if m.kind == "gradient" and m.rerank_k:  # K exact gradients per query: an offline stage
+                self.skipped[name] = "two-stage reranking is not served (launch.retrieve with retrieval.rerank_k)"
+            elif m.kind == "gradient":
                 self._open_gradient_row(name, m)
         self._text: dict[str, Any] = {}
         self._text_kinds = ["bm25"] + (["dense"] if dense and embedding_lib.is_available() else [])
@@ -333,16 +335,29 @@ class Engine:
         return prompt, target, k, method
 
     def query(
-        self, prompt: Any, target: Any = None, k: Any = 10, method: Any = "trackstar", example_id: Any = 0
+        self,
+        prompt: Any,
+        target: Any = None,
+        k: Any = 10,
+        method: Any = "trackstar",
+        example_id: Any = 0,
+        token_scores: Any = False,
     ) -> dict:
         """One query: `{"completion", "target", "proponents", "opponents", "method", "seconds", "record"}`.
 
-        `record` is the query's PAIR-code-schema line (as `retrieve_queries` writes it).
+        `record` is the query's PAIR-code-schema line (as `retrieve_queries` writes it). With
+        `token_scores` (gradient rows only: `retrieval.attribution`), each proponent item has
+        `token_scores` `{"tokens", "scores", "target_tokens", "target_scores"}` and the record
+        the fields `retrieve_queries` writes with `retrieval.token_scores`.
 
         Raises:
           QueryError: bad input (the message names the field).
         """
         prompt, target, k, method = self.check(prompt, target, k, method)
+        if not isinstance(token_scores, bool):
+            raise QueryError(f"token_scores: must be true or false, got {token_scores!r}")
+        if token_scores and method not in self._rows:
+            raise QueryError(f"token_scores: only gradient rows split their score over tokens, not {method!r}")
         with self._lock:  # one query on the device at a time
             t0 = time.perf_counter()
             completion = None
@@ -353,7 +368,7 @@ class Engine:
                 target = completion
                 self.check(prompt, target, k, method)
             q = retrieval_stage.TextQuery(example_id, prompt, target)
-            rec = self._gradient(q, k, method) if method in self._rows else self._text_query(q, k, method)
+            rec = self._gradient(q, k, method, token_scores) if method in self._rows else self._text_query(q, k, method)
             seconds = time.perf_counter() - t0
 
         def items(kind):
@@ -362,17 +377,25 @@ class Engine:
                 for i, s, t in zip(rec.get(f"{kind}_ids", []), rec.get(f"{kind}_scores", []), rec.get(f"{kind}s", []))
             ]
 
+        proponents = items("proponent")
+        for i, (p, t) in enumerate(zip(rec.get("proponent_token_scores", []), rec.get("target_token_scores", []))):
+            proponents[i]["token_scores"] = {
+                "tokens": p["tokens"],
+                "scores": p["scores"],
+                "target_tokens": rec["target_tokens"],
+                "target_scores": t,
+            }
         return {
             "completion": completion,
             "target": target,
-            "proponents": items("proponent"),
+            "proponents": proponents,
             "opponents": items("opponent"),
             "method": method,
             "seconds": seconds,
             "record": rec,
         }
 
-    def _gradient(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
+    def _gradient(self, q: retrieval_stage.TextQuery, k: int, method: str, token_scores: bool = False) -> dict:
         """`retrieve_queries` for one query, on the loaded index / featurizer / scoring."""
         row, run = self._rows[method], self.run
         try:
@@ -380,8 +403,9 @@ class Engine:
         except ValueError as e:
             raise QueryError(str(e)) from e
         q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
+        q_prime = row.scoring.finalize_queries(q_raw)
         res = topk.stream_topk(
-            row.scoring.finalize_queries(q_raw),
+            q_prime,
             row.reader,
             k,
             row.settings.retrieval.read_chunk_rows,
@@ -389,7 +413,7 @@ class Engine:
             row_scale=row.scoring.row_scale,
             query_batch_size=row.settings.retrieval.query_batch_size,
         )
-        return records.pair_record(
+        rec = records.pair_record(
             q.example_id,
             q.prompt,
             q.target,
@@ -399,6 +423,12 @@ class Engine:
             res.bottom_ids[0],
             res.bottom_scores[0],
         )
+        if token_scores:
+            pair = (enc["tokens"], enc["loss_mask"])
+            rec.update(
+                retrieval_stage.token_scores(run, row.vec_fn, row.scoring, row.reader, q_prime[0], pair, res.top_ids[0])
+            )
+        return rec
 
     def _text_query(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
         """BM25 / dense ranking of prompt + target (the evaluation's `TextRetriever` query text)."""
