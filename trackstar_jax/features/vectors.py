@@ -60,7 +60,7 @@ class VectorConfig:
         (`lm.UNEMBED`). No effect on tied models.
       batch_size: examples per featurize step (global; used by the pipeline).
       estimate_v_examples: corpus examples whose per-example gradients estimate V for an
-        imported model, which ships no optimizer state (`features.second_moment`; 0 = none).
+        imported model, which ships no optimizer state (`training.second_moment`; 0 = none).
       estimate_v_seed: seed of that sample.
     """
 

@@ -12,7 +12,7 @@ The run directory it writes is the one `launch.train` writes, so build_index, re
 evaluate run on it unchanged: `config.json` (the settings with the model section filled
 from the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in
 `tokenizer/` (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer
-state holds V estimated from per-example gradients (`features.second_moment`;
+state holds V estimated from per-example gradients (`training.second_moment`;
 `vectors.estimate_v_examples`, `vectors.estimate_v_seed`), described by `opt_state.json`.
 A finished import (its checkpoint exists) only reports.
 """
@@ -31,11 +31,11 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.features import second_moment as sm_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
 SUMMARY_FILE = "import_summary.json"
@@ -94,7 +94,7 @@ def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: floa
     return {
         "kind": "estimated",
         "method": "mean of squared per-example gradients of training.step.loss_fn, "
-        "factored as optax.adafactor (features.second_moment)",
+        "factored as optax.adafactor (training.second_moment)",
         "estimate_v_examples": v.estimate_v_examples,
         "estimate_v_seed": v.estimate_v_seed,
         "num_examples": n,
