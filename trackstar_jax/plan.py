@@ -108,11 +108,10 @@ def retrieval_step_memory(
 ) -> dict:
     """`topk.stream_memory` of `retrieve` over `num_examples` stored rows: one read chunk of
     `retrieval.read_chunk_rows` rows, the next (prefetched) one, a query batch and the candidates."""
-    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
     st = settings.retrieval
     return topk_lib.stream_memory(
         num_queries,
-        num_blocks_total * block_dim,
+        settings.vectors.dim,
         store_lib.NP_DTYPES[settings.index.dtype],
         min(st.top_k, num_examples),
         st.read_chunk_rows,
@@ -242,9 +241,7 @@ def plan(
     """
     devices = int(mesh.devices.size)
     st = state_bytes(settings, mesh)
-    d = settings.vectors.dim if hasattr(settings.vectors, "dim") else None
-    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
-    d = num_blocks_total * block_dim
+    d = settings.vectors.dim
     idx = index_bytes(num_examples, d)
     stored = idx[settings.index.dtype]
     qbs = settings.retrieval.query_batch_size
