@@ -60,6 +60,49 @@ QUERY_MODES = ("gold", "prediction")
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
 
 
+# How each key of the sections an index is featurized with (`model`, `vectors`) enters the
+# index's manifest (index/build.py `index_manifest`): IDENTITY keys are its identity (a reader
+# and a resume must match them), FEATURIZER keys are recorded for a resume only (under
+# `featurizer`), OTHER keys never. The other sections reach an index only through the run or
+# apply after it (`INDEX_SECTIONS`). tests/test_index_identity.py fails on an unclassified key, so a new knob cannot change (or miss) the identity silently.
+IDENTITY, FEATURIZER, OTHER = "identity", "featurizer", "other"
+_MODEL_SHAPE = (
+    "vocab_size", "num_layers", "embed_dim", "num_heads", "head_dim", "mlp_dim", "max_len", "tie_embeddings",
+    "norm", "rope_base", "dtype", "param_dtype", "arch", "num_kv_heads", "norm_eps", "norm_bias", "rotary_pct",
+    "qkv_bias", "out_bias", "mlp_bias", "parallel_residual", "activation",
+)  # fmt: skip
+INDEX_KEYS = {
+    **{f"model.{k}": IDENTITY for k in _MODEL_SHAPE},
+    "model.source": IDENTITY,  # where the weights came from (left out when "": pretrained runs' manifests predate it)
+    "model.matmul_dtype": FEATURIZER,  # changes the rows' bits, not what they are (recorded when set)
+    "model.remat": OTHER,  # the same results, recomputed
+    "vectors.output_fn": IDENTITY,
+    "vectors.num_blocks": IDENTITY,
+    "vectors.proj_dim": IDENTITY,
+    "vectors.proj_seed": IDENTITY,
+    "vectors.correction": IDENTITY,
+    "vectors.path": IDENTITY,
+    "vectors.exact_v": IDENTITY,
+    "vectors.unembed": IDENTITY,  # (left out for tied models: no output embedding of their own)
+    "vectors.batch_size": FEATURIZER,
+    "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
+    "vectors.estimate_v_seed": OTHER,
+}
+# Sections whose keys never enter an index's manifest, and why.
+INDEX_SECTIONS = {
+    "seed": "the run's: reaches an index through the checkpoint's fingerprint",
+    "data": "the corpus's fingerprint is recorded instead",
+    "train": "the run's: reaches an index through the checkpoint's fingerprint",
+    "mesh": "how the work is split, not what it computes",
+    "hessian": "applied at scoring time (one index serves every R and unit-norm setting)",
+    "index": "storage: checked against the stored dtype, not part of the identity",
+    "retrieval": "after the index",
+    "eval": "after the index",
+    "tailpatch": "after the index",
+    "validate": "after the index",
+}
+
+
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names `config.<section>.<key>` and the file."""
 
