@@ -82,7 +82,8 @@ def query_vectors(
     bs = vec_fn.vec_cfg.batch_size
     seq_len = max(len(t) for t, _ in encoded)
     out = []
-    for lo in range(0, len(encoded), bs):
+    starts = range(0, len(encoded), bs)
+    for lo in logs.progress(starts, total=len(starts), desc="featurize queries", unit="batch"):
         items = encoded[lo : lo + bs]
         batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
         if vec_fn.mesh.is_multi_process:

@@ -206,6 +206,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if v.estimate_v_examples:
             ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
             batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
+            batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
             opt_state, n = sm_lib.estimate_opt_state(graphdef, params, opt, settings.train.optimizer, batches)
             est_s = time.time() - t1
             logging.info("estimated V from %d per-example gradients (seed %d) in %.1f s", n, v.estimate_v_seed, est_s)

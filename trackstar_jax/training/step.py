@@ -83,7 +83,7 @@ def train_step(
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, graphdef, batch)
     updates, opt_state = opt.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = {"loss": loss, "num_tokens": aux["num_tokens"], "grad_norm": optax.global_norm(grads)}
+    metrics = {"loss": loss, "num_tokens": aux["num_tokens"], "grad_norm": optax.tree.norm(grads)}
     return TrainState(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
 
