@@ -23,8 +23,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     """absl's flag parsing, with a config-override typo (`--config.vectors.proj_sed=5`) reported
     in one line instead of three chained tracebacks (`app.run(main, flags_parser=parse_flags)`).
     Every launcher parses with it, so it also turns on the persistent compilation cache
-    (`distributed.runtime`; `TRACKSTAR_COMPILATION_CACHE=off` disables it)."""
+    (`distributed.runtime`; `TRACKSTAR_COMPILATION_CACHE=off` disables it) and filters library
+    chatter out of the log (`runtime.quiet_library_logs`)."""
     runtime.enable_compilation_cache()
+    runtime.quiet_library_logs()
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

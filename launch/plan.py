@@ -26,6 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 # importing jax does not start its backend: `--fake_devices` below still takes effect
+from trackstar_jax.distributed import runtime as runtime_lib
 from trackstar_jax.distributed.runtime import PLATFORMS
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
@@ -51,6 +52,7 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    runtime_lib.quiet_library_logs()
     if _FAKE.value:  # must precede JAX's backend start
         os.environ["XLA_FLAGS"] = (
             f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={_FAKE.value}"
@@ -88,6 +90,7 @@ def main(argv):
     out["num_examples"] = n
     out["target_platform"] = runtime.target_platform()
     print(json.dumps(out, indent=1))
+    print("\n".join(plan.summary(out)), file=sys.stderr)  # the same figures in GiB and hours
     for step, peak in plan.peaks(out).items():
         try:
             plan.check_fits(step, peak)

@@ -8,7 +8,6 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax.models import lm as model_lib
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +317,7 @@ def test_save_load_roundtrip_and_refusals(embedded, tmp_path):
 
 
 def test_tokenizer_ids_and_roundtrip(tok, embedded, tmp_path):
-    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (model_lib.PAD_ID, 2, 3)
+    assert (tok.pad_id, tok.bos_id, tok.eos_id) == (data.PAD_ID, 2, 3)
     assert 8 < tok.vocab_size <= 512
     for t in embedded.texts[:50]:
         ids = tok.encode(t)

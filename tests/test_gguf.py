@@ -15,6 +15,7 @@ import pytest
 gguf = pytest.importorskip("gguf", reason="the `gguf` package is not installed (pip install gguf)")
 
 from trackstar_jax.models import gguf as gguf_lib
+from trackstar_jax.models import lm
 
 # ---------------------------------------------------------------------------------------
 # SmolLM2 against transformers
@@ -168,8 +169,9 @@ def _write_tiny(
     if skip_key != f"{arch}.attention.layer_norm_rms_epsilon":
         w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)
     w.add_float32(f"{arch}.rope.freq_base", 5000.0)
-    back = {v: k for k, v in gguf_lib._GLOBAL_NAMES.items()}
-    back.update({v: k for k, v in gguf_lib._LAYER_NAMES.items()})
+    names = lm.architecture("llama").gguf  # the names llama.py registers
+    back = {v: k for k, v in names.global_names.items()}
+    back.update({v: k for k, v in names.layer_names.items()})
     for name, t in hf.items():
         if name.startswith("model.layers."):
             i, rest = name[len("model.layers.") :].split(".", 1)

@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 
 # The same model and batch shapes as test_factored.py, so that eager primitive compiles are shared.
+from trackstar_jax import data as data_lib
 from trackstar_jax.features import factored, grads, vectors
 from trackstar_jax.features import projection as proj
 from trackstar_jax.models import lm as model_lib
@@ -44,7 +45,7 @@ def _batch(seed, b, t, prompt=0, pad=0):
     mask = np.ones((b, t), np.float32)
     mask[:, : 1 + prompt] = 0
     if pad:
-        tokens[:, t - pad :] = model_lib.PAD_ID
+        tokens[:, t - pad :] = data_lib.PAD_ID
         mask[:, t - pad :] = 0
     return {"tokens": tokens, "loss_mask": mask}
 
@@ -115,7 +116,7 @@ def test_padding_and_prompt_masking(path):
         factored.factored_vectors if path == "fast" else grads.reference_vectors, graphdef=graphdef, plan=plan
     )
     base = _batch(3, B, T, prompt=2, pad=4)
-    base["tokens"][B - 1], base["loss_mask"][B - 1] = model_lib.PAD_ID, 0  # a padding row
+    base["tokens"][B - 1], base["loss_mask"][B - 1] = data_lib.PAD_ID, 0  # a padding row
     # Arbitrary token ids under a zero mask at the end of the rows change nothing (causal
     # attention: no earlier position sees them); a real row in place of the padding row leaves
     # the other rows alone.

@@ -1,12 +1,14 @@
 """The planner's figures against hand arithmetic (tiny config), and the refusal, at each
 stage's start, of a step that does not fit a forced device-memory limit."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import tiny_run_config
+from conftest import skip_if_not_enough_devices, tiny_run_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import evaluation, index, plan, training
@@ -272,3 +274,84 @@ def test_the_flattened_dense_layers_hold_more_of_a_sharded_train_step(monkeypatc
         temp[flatten] = plan.train_step_memory(settings, mesh)["temp_bytes"]
     jax.clear_caches()
     assert temp[False] < 0.95 * temp[True], temp
+
+
+def test_an_import_config_plans_the_imported_model_from_its_header(tiny_config, tmp_path):
+    """`model.source` set: the planner's model is the source's (its config.json alone; no weights
+    exist in the folder), not base.py's shapes."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hf_cfg = {
+        "model_type": "llama",
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_attention_heads": 3,
+        "num_key_value_heads": 1,
+        "num_hidden_layers": 3,
+        "vocab_size": 300,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+    }
+    (folder / "config.json").write_text(json.dumps(hf_cfg))
+    # As experiments/smollm2.py: the model section at base.py's defaults but source and max_len.
+    settings = config_lib.from_configdict(tiny_config).replace(
+        {f"model.{k}": v for k, v in config_lib.to_dict(model_lib.LMConfig(source=str(folder), max_len=64)).items()}
+    )
+    mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
+    rates = plan.Rates(flops_per_s=1e12, bytes_per_s=1e11, source="stated")
+    out = plan.plan(settings, mesh, num_examples=100, tokens_per_example=50, rates=rates, compile_steps=False)
+    m = plan.with_imported_model(settings).model
+    assert (m.arch, m.num_layers, m.embed_dim, m.kv_heads, m.max_len) == ("llama", 3, 48, 1, 64)
+    assert out["num_params"] == _hand_params(m) != _hand_params(settings.model)
+    assert out["model"] == {"arch": "llama", "source": str(folder), "num_layers": 3}
+
+
+def test_a_batch_the_mesh_cannot_split_names_the_knob_and_the_nearest_size(tiny_config):
+    skip_if_not_enough_devices(8)
+    mesh = sharding.make_mesh((8, 1, 1), devices=jax.devices()[:8])
+    assert sharding.batch_split_error(16, mesh, "k") is None
+    assert "the nearest is 8)" in sharding.batch_split_error(4, mesh, "config.vectors.batch_size")
+    assert "the nearest is 8)" in sharding.batch_split_error(11, mesh, "k")
+    assert "the nearest is 16)" in sharding.batch_split_error(13, mesh, "k")
+    settings = config_lib.from_configdict(tiny_config).replace(
+        {"vectors.batch_size": 12, "train.global_batch_size": 20, "tailpatch.batch_size": 8}
+    )
+    rates = plan.Rates(flops_per_s=1e12, bytes_per_s=1e11, source="stated")
+    out = plan.plan(settings, mesh, num_examples=1000, tokens_per_example=50, rates=rates)
+    errs = plan.errors(out)
+    assert errs == sorted(
+        [
+            "config.train.global_batch_size=20 is not divisible by the 8 data-parallel shards of mesh "
+            "{'data': 8, 'fsdp': 1, 'tensor': 1}: set it to a multiple of 8 (the nearest is 24), or shrink the "
+            "data axes (config.mesh.shape)",
+            "config.vectors.batch_size=12 is not divisible by the 8 data-parallel shards of mesh "
+            "{'data': 8, 'fsdp': 1, 'tensor': 1}: set it to a multiple of 8 (the nearest is 16), or shrink the "
+            "data axes (config.mesh.shape)",
+        ]
+    )
+    assert set(plan.peaks(out)) == {"tailpatch", "retrieve"}
+    text = "\n".join(plan.summary(out))
+    assert "cannot run as configured: config.vectors.batch_size=12" in text
+    assert "MiB" in text and "0.2M parameters" in text
+
+
+def test_the_summary_reads_in_human_units():
+    out = {
+        "model": {"arch": "llama", "source": "smollm2", "num_layers": 30},
+        "num_params": 134_515_008,
+        "mesh": {"data": 256},
+        "devices": 256,
+        "params": {"total_bytes": 538 * 2**20, "per_device_bytes": 3 * 2**30},
+        "opt_state": {"total_bytes": 2**20, "per_device_bytes": 2**10},
+        "dim": 65536,
+        "index_bytes": {"bfloat16": 5 * 2**40},
+        "index_dtype": "bfloat16",
+        "r_bytes": 2**30,
+        "featurize_seconds": 9000.0,
+        "retrieval_seconds_per_1k_queries": 200.0,
+        "rates": {"source": "stated"},
+    }
+    text = "\n".join(plan.summary(out))
+    assert "llama imported from smollm2, 134.5M parameters, 30 layers" in text
+    assert "538.000 MiB, 3.000 GiB per device" in text and "bfloat16 5120.000 GiB" in text
+    assert "about 2.5 hours on the mesh" in text and "about 3.3 min per 1000 queries" in text

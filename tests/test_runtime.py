@@ -1,7 +1,10 @@
 """distributed.runtime: the persistent compilation cache every launcher turns on."""
 
+import logging
+
 import jax
 import pytest
+from absl import logging as absl_logging
 
 from trackstar_jax.distributed import runtime
 
@@ -116,3 +119,23 @@ def _exact_v_backward_loops() -> bool:
         return jax.vjp(lambda z: factored._capture_dense_exact(y, x, p0, p1, f, z), z)[1](y)[0]
 
     return "scan" in str(jax.make_jaxpr(dz)(jnp.zeros((b, k, k))))
+
+
+def test_library_chatter_is_filtered_and_warnings_pass():
+    """orbax's INFO lines and JAX's "Unable to initialize backend 'tpu'" (libtpu absent) are
+    dropped from absl's handler; their warnings and every other INFO line pass."""
+    runtime.quiet_library_logs()
+    runtime.quiet_library_logs()  # idempotent
+    handler = absl_logging.get_absl_handler()
+    assert sum(f is runtime._CHATTER for f in handler.filters) == 1
+
+    def rec(level, path, msg):
+        return logging.LogRecord("x", level, path, 1, msg, None, None)
+
+    orbax = "/venv/site-packages/orbax/checkpoint/checkpoint_manager.py"
+    tpu = "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so: no such file"
+    assert not handler.filter(rec(logging.INFO, orbax, "Saving checkpoint at step 10"))
+    assert handler.filter(rec(logging.WARNING, orbax, "a real orbax warning"))
+    assert not handler.filter(rec(logging.INFO, "/jax/_src/xla_bridge.py", tpu))
+    assert handler.filter(rec(logging.INFO, "/jax/_src/xla_bridge.py", "Unable to initialize backend 'cuda': x"))
+    assert handler.filter(rec(logging.INFO, "/trackstar_jax/training/loop.py", "step 10: loss 3.2"))

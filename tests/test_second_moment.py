@@ -1,4 +1,4 @@
-"""features.second_moment: the estimated V equals optax Adafactor's own accumulation.
+"""training.second_moment: the estimated V equals optax Adafactor's own accumulation.
 
 Reference: `optax.adafactor(decay_rate=1.0, ...)` fed the same per-example gradients, one
 `update` per example. With exponent 1, optax's decay at count t is `1 - (t+1)^-1 = t/(t+1)`,
@@ -18,8 +18,8 @@ import optax
 import pytest
 
 from trackstar_jax.features import preconditioner as pc
-from trackstar_jax.features import second_moment as sm
 from trackstar_jax.models import lm
+from trackstar_jax.training import second_moment as sm
 from trackstar_jax.training import step as step_lib
 
 pytestmark = pytest.mark.usefixtures("fast_compile")

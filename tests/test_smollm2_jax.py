@@ -18,8 +18,7 @@ if not hasattr(hf_lib, "from_hf_state_dict"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from trackstar_jax.data import hf_tokenizer  # noqa: E402
-from trackstar_jax.models import lm  # noqa: E402
+from trackstar_jax.models import gguf, lm  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -36,7 +35,7 @@ LOGIT_ATOL = 2e-3  # float32 round-off over 30 layers, logits up to ~30 in magni
 
 @pytest.fixture(scope="module")
 def tok(smollm2_path):
-    return hf_tokenizer.HFTokenizer.from_gguf(smollm2_path)
+    return gguf.load_tokenizer(smollm2_path)
 
 
 @pytest.fixture(scope="module")

@@ -8,13 +8,16 @@ config came from:
 
     settings = config.from_configdict(get_config(), source="experiments/tiny.py")
     settings.model          # models.lm.LMConfig (hashable: a jit static argument)
-    settings.train.optimizer  # training.step.OptimizerConfig
+    settings.train.optimizer  # OptimizerConfig (also training.step.OptimizerConfig)
 
-Each role owns the type of its own section (`LMConfig` in models, `DataConfig` in data,
-`OptimizerConfig` in training, `VectorConfig` in features, `HessianConfig` / `StorageConfig`
-in index); the sections that only a stage reads (train loop, mesh, index location,
-retrieval, eval, tail-patch) are defined here. `to_dict(settings)` gives back the nested
-dict a ConfigDict would, so run directories written before the typed config still load.
+The roles below config (models, data, features) own the type of their section (`LMConfig`,
+`DataConfig`, `VectorConfig`); the roles whose packages also hold stages (training, index)
+import config, so their section types live here (`OptimizerConfig`, `HessianConfig`,
+`StorageConfig`; each re-exported under its old name in its role). A section that extends a
+role's type (`TrainSettings` the optimizer's, `IndexSettings` the storage's) inherits its
+fields: one list of keys. The sections that only a stage reads (mesh, retrieval, eval,
+tail-patch, validate) are defined here. `to_dict(settings)` gives back the nested dict a
+ConfigDict would, so run directories written before the typed config still load.
 """
 
 from __future__ import annotations
@@ -34,10 +37,7 @@ from trackstar_jax import methods as methods_lib
 from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.index import hessian as hessian_lib
-from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.training import step as step_lib
 
 CONFIG_FILE = "config.json"  # the run directory's resolved config
 
@@ -63,8 +63,158 @@ PAPER_INCORRECT_PER_BUCKET = 100 / 1000  # §A.4: at most 100 wrong facts among 
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
 
 
+# How each key of the sections an index is featurized with (`model`, `vectors`) enters the
+# index's manifest (index/build.py `index_manifest`): IDENTITY keys are its identity (a reader
+# and a resume must match them), FEATURIZER keys are recorded for a resume only (under
+# `featurizer`), OTHER keys never. The other sections reach an index only through the run or
+# apply after it (`INDEX_SECTIONS`). tests/test_index_identity.py fails on an unclassified key, so a new knob cannot change (or miss) the identity silently.
+IDENTITY, FEATURIZER, OTHER = "identity", "featurizer", "other"
+_MODEL_SHAPE = (
+    "vocab_size", "num_layers", "embed_dim", "num_heads", "head_dim", "mlp_dim", "max_len", "tie_embeddings",
+    "norm", "rope_base", "dtype", "param_dtype", "arch", "num_kv_heads", "norm_eps", "norm_bias", "rotary_pct",
+    "qkv_bias", "out_bias", "mlp_bias", "parallel_residual", "activation",
+)  # fmt: skip
+INDEX_KEYS = {
+    **{f"model.{k}": IDENTITY for k in _MODEL_SHAPE},
+    "model.source": IDENTITY,  # where the weights came from (left out when "": pretrained runs' manifests predate it)
+    "model.matmul_dtype": FEATURIZER,  # changes the rows' bits, not what they are (recorded when set)
+    "model.remat": OTHER,  # the same results, recomputed
+    "vectors.output_fn": IDENTITY,
+    "vectors.num_blocks": IDENTITY,
+    "vectors.proj_dim": IDENTITY,
+    "vectors.proj_seed": IDENTITY,
+    "vectors.correction": IDENTITY,
+    "vectors.path": IDENTITY,
+    "vectors.exact_v": IDENTITY,
+    "vectors.unembed": IDENTITY,  # (left out for tied models: no output embedding of their own)
+    "vectors.batch_size": FEATURIZER,
+    "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
+    "vectors.estimate_v_seed": OTHER,
+}
+# Sections whose keys never enter an index's manifest, and why.
+INDEX_SECTIONS = {
+    "seed": "the run's: reaches an index through the checkpoint's fingerprint",
+    "data": "the corpus's fingerprint is recorded instead",
+    "train": "the run's: reaches an index through the checkpoint's fingerprint",
+    "mesh": "how the work is split, not what it computes",
+    "hessian": "applied at scoring time (one index serves every R and unit-norm setting)",
+    "index": "storage: checked against the stored dtype, not part of the identity",
+    "retrieval": "after the index",
+    "eval": "after the index",
+    "tailpatch": "after the index",
+    "validate": "after the index",
+}
+
+
 class ConfigError(ValueError):
     """A config value or key is wrong; the message names `config.<section>.<key>` and the file."""
+
+
+# ---------------------------------------------------------------------------------------
+# Section types the role packages take (they live here, at the bottom of the roles, so that
+# the stages inside training/ and index/ can import config without a package cycle)
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adafactor + schedule hyperparameters (hashable; the optimizer keys of `config.train`)."""
+
+    learning_rate: float = 0.01
+    warmup_steps: int = 10_000
+    decay_rate: float = 0.8  # Adafactor second-moment decay exponent (optax default)
+    min_dim_size_to_factor: int = 128  # optax default; smaller dims keep a full v
+    clipping_threshold: float | None = 1.0
+    multiply_by_parameter_scale: bool = True
+    weight_decay_rate: float | None = None
+
+
+HESSIAN_MODES = ("none", "train", "mixed")
+R_EVAL_SOURCES = ("queries", "task_prompts")
+
+
+@dataclasses.dataclass(frozen=True)
+class HessianConfig:
+    """How R and the unit norm are applied at scoring time (config section `hessian`).
+
+    Attributes:
+      mode: "none" (R = I), "train" (R_train), "mixed" (λ R_eval + (1-λ) R_train).
+      mix_lambda: λ in [0, 1]; a negative value chooses λ automatically (§A.1.3).
+      lambda_component_fraction: the crossing component as a fraction of d (paper: 1000/65536).
+      damping: relative eigenvalue floor of R^{-1/2}: eigenvalues below `damping * max eig`
+        (over all blocks) are raised to that floor, so directions with (almost) no variance are
+        amplified at most `1/sqrt(damping)` times more than the strongest one.
+      unit_norm: unit-normalise R^{-1/2}Φ (TrackStar); False for the un-normalised ablations.
+      r_eval_source: where R_eval's gradients come from: "queries" (the evaluated queries) or
+        "task_prompts" (§A.1.3 "any set of examples": the queries plus prompts of other facts
+        of the same relations, rendered with the same template, up to `r_eval_prompts` in all).
+      r_eval_prompts: size of the task-prompt set (source "task_prompts"; > 0).
+    """
+
+    mode: str = "mixed"
+    mix_lambda: float = -1.0
+    lambda_component_fraction: float = 1000 / 65536
+    damping: float = 1e-6
+    unit_norm: bool = True
+    r_eval_source: str = "queries"
+    r_eval_prompts: int = 0
+
+    def __post_init__(self):
+        if self.mode not in HESSIAN_MODES:
+            raise ValueError(f"hessian.mode must be one of {HESSIAN_MODES}, got {self.mode!r}")
+        if self.mix_lambda > 1.0:
+            raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
+        if not 0.0 < self.lambda_component_fraction <= 1.0:
+            raise ValueError(
+                f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}"
+            )
+        if not 0.0 <= self.damping < 1.0:
+            raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
+        if self.r_eval_source not in R_EVAL_SOURCES:
+            raise ValueError(f"hessian.r_eval_source must be one of {R_EVAL_SOURCES}, got {self.r_eval_source!r}")
+        if self.r_eval_source == "task_prompts" and self.r_eval_prompts <= 0:
+            raise ValueError(
+                f"hessian.r_eval_source='task_prompts' needs hessian.r_eval_prompts > 0, got {self.r_eval_prompts}"
+            )
+
+
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """Storage part of the manifest (config section `index`).
+
+    Attributes:
+      dtype: "float32" | "bfloat16" | "float16" | "int8" (per-row absmax scale).
+      chunk_rows: rows per zarr chunk: the unit of reads, writes and resumable progress.
+      r_every_chunks: chunks per R_train segment (the running sum is saved once per segment);
+        0 = automatic (saving R costs <= 2% of the segment's vector bytes).
+    """
+
+    dtype: str = "bfloat16"
+    chunk_rows: int = 1024
+    r_every_chunks: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"index.dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
+        if self.chunk_rows <= 0:
+            raise ValueError(f"index.chunk_rows must be positive, got {self.chunk_rows}")
+        if self.r_every_chunks < 0:
+            raise ValueError(f"index.r_every_chunks must be >= 0, got {self.r_every_chunks}")
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b.c": value}."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -80,17 +230,11 @@ class MeshSettings:
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainSettings:
-    """`config.train`: the optimizer (§A.3) and the training loop's cadences."""
+class TrainSettings(OptimizerConfig):
+    """`config.train`: the optimizer's keys (`OptimizerConfig`, §A.3) and the training loop's cadences."""
 
     num_steps: int = 187_000
     global_batch_size: int = 1024
-    learning_rate: float = 0.01
-    warmup_steps: int = 10_000
-    decay_rate: float = 0.8
-    min_dim_size_to_factor: int = 128
-    clipping_threshold: float | None = 1.0
-    multiply_by_parameter_scale: bool = True
     log_every_steps: int = 50
     eval_every_steps: int = 500
     num_eval_batches: int = 4
@@ -106,35 +250,31 @@ class TrainSettings:
                 raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
 
     @property
-    def optimizer(self) -> step_lib.OptimizerConfig:
-        """The optimizer's keys as `OptimizerConfig`."""
-        return step_lib.OptimizerConfig(
-            learning_rate=float(self.learning_rate),
-            warmup_steps=int(self.warmup_steps),
-            decay_rate=float(self.decay_rate),
-            min_dim_size_to_factor=int(self.min_dim_size_to_factor),
-            clipping_threshold=None if self.clipping_threshold is None else float(self.clipping_threshold),
-            multiply_by_parameter_scale=bool(self.multiply_by_parameter_scale),
-        )
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer's keys alone (a jit static argument that ignores the cadences)."""
+        return _project(self, OptimizerConfig)
 
 
 @dataclasses.dataclass(frozen=True)
-class IndexSettings:
+class IndexSettings(StorageConfig):
     """`config.index`: storage (`StorageConfig`) plus `dir`, the index's folder in the workdir."""
 
-    dtype: str = "bfloat16"
-    chunk_rows: int = 1024
-    r_every_chunks: int = 0
     dir: str = "index"
 
     def __post_init__(self):
-        self.storage  # validates dtype / chunk_rows / r_every_chunks  # noqa: B018
+        super().__post_init__()  # dtype / chunk_rows / r_every_chunks
         if not self.dir or pathlib.Path(self.dir).name != self.dir or self.dir.startswith("."):
             raise ValueError(f"index.dir must be a plain folder name inside the workdir, got {self.dir!r}")
 
     @property
-    def storage(self) -> store_lib.StorageConfig:
-        return store_lib.StorageConfig(dtype=self.dtype, chunk_rows=self.chunk_rows, r_every_chunks=self.r_every_chunks)
+    def storage(self) -> StorageConfig:
+        """The storage keys alone (what an index's manifest records)."""
+        return _project(self, StorageConfig)
+
+
+def _project(settings: Any, cls: type) -> Any:
+    """`cls` (a base class of `settings`' type) with `settings`' values of its fields."""
+    return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +431,7 @@ class Settings:
     mesh: MeshSettings = MeshSettings()
     train: TrainSettings = TrainSettings()
     vectors: vectors_lib.VectorConfig = vectors_lib.VectorConfig()
-    hessian: hessian_lib.HessianConfig = hessian_lib.HessianConfig()
+    hessian: HessianConfig = HessianConfig()
     index: IndexSettings = IndexSettings()
     retrieval: RetrievalSettings = RetrievalSettings()
     eval: EvalSettings = EvalSettings()
@@ -469,8 +609,8 @@ def mismatches(
     Returns:
       e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
     """
-    defaults = store_lib.flatten(to_dict(Settings()))
-    a, b = store_lib.flatten(to_dict(saved)), store_lib.flatten(to_dict(current))
+    defaults = flatten(to_dict(Settings()))
+    a, b = flatten(to_dict(saved)), flatten(to_dict(current))
     out = []
     for key in sorted(set(a) | set(b)):
         if key.split(".")[0] not in sections or key in ignore or key in RUNTIME_KEYS:

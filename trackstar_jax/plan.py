@@ -34,12 +34,24 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.retrieval import topk as topk_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import importer as importer_lib
 from trackstar_jax.training import step as step_lib
 
 MEMORY_ENV, KNOBS, DoesNotFitError = memory.MEMORY_ENV, memory.KNOBS, memory.DoesNotFitError
 check_fits, device_memory_limit = memory.check_fits, memory.device_memory_limit
 # Bytes per stored vector element; int8 rows also keep one float32 scale per row.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
+
+
+def with_imported_model(settings: config_lib.Settings) -> config_lib.Settings:
+    """`settings` with the model an import config (`model.source`) brings: its arch and shapes
+    from the source's header (config.json or GGUF metadata; no weights read), the user's dtypes
+    and `max_len` (`config.resolve_imported_model`). Unchanged without `model.source`."""
+    if not settings.model.source:
+        return settings
+    m = settings.model
+    imported = importer_lib.read_source_config(m.source, dtype=m.dtype, param_dtype=m.param_dtype)
+    return dataclasses.replace(settings, model=config_lib.resolve_imported_model(m, imported, settings.source))
 
 
 def tree_bytes_per_device(tree: Any) -> int:
@@ -108,11 +120,10 @@ def retrieval_step_memory(
 ) -> dict:
     """`topk.stream_memory` of `retrieve` over `num_examples` stored rows: one read chunk of
     `retrieval.read_chunk_rows` rows, the next (prefetched) one, a query batch and the candidates."""
-    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
     st = settings.retrieval
     return topk_lib.stream_memory(
         num_queries,
-        num_blocks_total * block_dim,
+        settings.vectors.dim,
         store_lib.NP_DTYPES[settings.index.dtype],
         min(st.top_k, num_examples),
         st.read_chunk_rows,
@@ -240,11 +251,10 @@ def plan(
     of the mesh; retrieval reads every index row once per query batch (memory-bound: bytes /
     bandwidth), spread over every device.
     """
+    settings = with_imported_model(settings)
     devices = int(mesh.devices.size)
     st = state_bytes(settings, mesh)
-    d = settings.vectors.dim if hasattr(settings.vectors, "dim") else None
-    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
-    d = num_blocks_total * block_dim
+    d = settings.vectors.dim
     idx = index_bytes(num_examples, d)
     stored = idx[settings.index.dtype]
     qbs = settings.retrieval.query_batch_size
@@ -252,6 +262,11 @@ def plan(
     out = {
         "devices": devices,
         "mesh": dict(mesh.shape),
+        "model": {
+            "arch": settings.model.arch,
+            "source": settings.model.source,
+            "num_layers": settings.model.num_layers,
+        },
         "num_params": st["num_params"],
         "params": st["params"],
         "opt_state": st["opt_state"],
@@ -267,16 +282,61 @@ def plan(
         "retrieval_seconds_per_1k_queries": math.ceil(num_queries / qbs) * stored / (rates.bytes_per_s * devices),
     }
     if compile_steps:
-        out["train_step"] = train_step_memory(settings, mesh)
+        # A batch the mesh cannot split is reported (naming the knob and the nearest size that
+        # splits) in place of that step's memory, as the stage would refuse it.
+        bad_train = sharding_lib.batch_split_error(
+            settings.train.global_batch_size, mesh, "config.train.global_batch_size"
+        )
+        out["train_step"] = {"error": bad_train} if bad_train else train_step_memory(settings, mesh)
         # Featurize: the configured path is the one `build_index` runs (and checks); the other for comparison.
         paths = (settings.vectors.path,) + tuple(p for p in vectors_lib.PATHS if p != settings.vectors.path)
-        out["featurize_step"] = {p: featurize_step_memory(settings, mesh, path=p) for p in paths}
+        bad_vec = sharding_lib.batch_split_error(settings.vectors.batch_size, mesh, "config.vectors.batch_size")
+        out["featurize_step"] = {
+            p: {"error": bad_vec} if bad_vec else featurize_step_memory(settings, mesh, path=p) for p in paths
+        }
         out["featurize_step"]["configured"] = settings.vectors.path
         out["tailpatch_step"] = tailpatch_step_memory(settings, mesh)
         out["retrieval_step"] = retrieval_step_memory(
             settings, mesh, num_examples=num_examples, num_queries=num_queries
         )
     return out
+
+
+def _duration(seconds: float) -> str:
+    """`seconds` in the unit that reads best (s, min, hours, days)."""
+    for unit, size in (("days", 86_400), ("hours", 3600), ("min", 60)):
+        if seconds >= 2 * size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def summary(out: dict) -> list[str]:
+    """The figures of a `plan(...)` result in human units (bytes as GiB / MiB, times as s / min /
+    hours / days), one line each: what `launch.plan` prints beside the JSON."""
+    fb, m = memory.format_bytes, out["model"]
+    source = f" imported from {m['source']}" if m["source"] else ""
+    lines = [
+        f"model: {m['arch']}{source}, {out['num_params'] / 1e6:.1f}M parameters, {m['num_layers']} layers",
+        f"mesh: {out['mesh']} ({out['devices']} devices)",
+        f"parameters: {fb(out['params']['total_bytes'])}, {fb(out['params']['per_device_bytes'])} per device; "
+        f"optimizer state: {fb(out['opt_state']['total_bytes'])}, {fb(out['opt_state']['per_device_bytes'])} per device",
+        f"index (d = {out['dim']}): "
+        + ", ".join(f"{dt} {fb(b)}" for dt, b in out["index_bytes"].items())
+        + f"; configured {out['index_dtype']}; R {fb(out['r_bytes'])}",
+        f"featurize (build_index): about {_duration(out['featurize_seconds'])} on the mesh ({out['rates']['source']})",
+        f"retrieval: about {_duration(out['retrieval_seconds_per_1k_queries'])} per 1000 queries",
+    ]
+    pk = peaks(out)
+    if pk:
+        lines.append("peak memory per device: " + ", ".join(f"{step} {fb(b)}" for step, b in pk.items()))
+    lines += [f"cannot run as configured: {e}" for e in errors(out)]
+    return lines
+
+
+def errors(out: dict) -> list[str]:
+    """The steps of a `plan(...)` result that cannot run as configured (each names its knob)."""
+    steps = [out.get("train_step", {}), *out.get("featurize_step", {}).values()]
+    return sorted({st["error"] for st in steps if isinstance(st, dict) and st.get("error")})
 
 
 def peaks(out: dict) -> dict[str, int]:
@@ -296,6 +356,9 @@ def peaks(out: dict) -> dict[str, int]:
 __all__ = (
     "plan",
     "peaks",
+    "errors",
+    "summary",
+    "with_imported_model",
     "calibrate",
     "check_fits",
     "state_bytes",

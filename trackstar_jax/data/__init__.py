@@ -36,4 +36,4 @@ from trackstar_jax.data.corpus import (
     save_corpus,
 )
 from trackstar_jax.data.embedded import fill_template, generate_embedded
-from trackstar_jax.data.tokenizer import BOS_ID, EOS_ID, UNK_ID, Tokenizer, load_tokenizer, train_tokenizer
+from trackstar_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, load_tokenizer, train_tokenizer

@@ -1,6 +1,6 @@
 """Encoding passages and queries, padded batches and the grain loaders.
 
-Batches follow the convention in `models/layers.py`: `tokens [B, T]` (BOS first, PAD_ID
+Batches follow the convention in `models/layers.py`: `tokens [B, T]` (BOS first, `tokenizer.PAD_ID`
 padding at the end), `loss_mask [B, T]`, `example_id [B]` (-1 for padding rows).
 """
 
@@ -14,7 +14,6 @@ import numpy as np
 from trackstar_jax import files
 from trackstar_jax.data import corpus as corpus_lib
 from trackstar_jax.data import tokenizer as tokenizer_lib
-from trackstar_jax.models import lm as model_lib
 
 # ---------------------------------------------------------------------------------------
 # Encoding and batches
@@ -71,7 +70,7 @@ def pad_batch(
     """
     if len(items) > batch_size or len(items) != len(example_ids):
         raise ValueError(f"pad_batch: {len(items)} items / {len(example_ids)} ids for batch_size {batch_size}")
-    tokens = np.full((batch_size, seq_len), model_lib.PAD_ID, np.int32)
+    tokens = np.full((batch_size, seq_len), tokenizer_lib.PAD_ID, np.int32)
     mask = np.zeros((batch_size, seq_len), np.int32)
     ids = np.full((batch_size,), -1, np.int32)
     for r, ((t, m), i) in enumerate(zip(items, example_ids)):

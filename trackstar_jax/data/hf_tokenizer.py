@@ -7,7 +7,7 @@
   * a Hugging Face tokenizer folder (`tokenizer.json`, plus `tokenizer_config.json` for which
     tokens are BOS / EOS / pad): `HFTokenizer.from_pretrained_dir(path)`;
   * the tokenizer metadata of a GGUF file (`tokenizer.ggml.model == "gpt2"`, a byte-level BPE):
-    `HFTokenizer.from_gguf(path)` / `from_gguf_metadata(meta)`. The result matches what
+    `from_gguf_metadata(meta)` (`models.gguf.load_tokenizer(path)` reads a file's). The result matches what
     transformers' GGUF converter builds (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`):
     a BPE over the file's tokens and merges, a GPT-2 ByteLevel pre-tokenizer (its regex, no
     prefix space) and decoder, the tokens typed CONTROL added as special tokens and those typed
@@ -19,7 +19,7 @@ BOS convention. The project's batches always start with `bos_id` (`corpus.encode
 SmolLM2-135M-Instruct these are 1 `<|im_start|>`, 2 `<|im_end|>` and 2; its
 `tokenizer.ggml.add_bos_token` is False (llama.cpp and transformers prepend nothing), kept as
 `add_bos` for callers that want the file's own behaviour. Note that the batch helpers pad with
-`layers.PAD_ID` (0, SmolLM2's `<|endoftext|>`); padding is masked out of the loss and, being at the
+`tokenizer.PAD_ID` (0, SmolLM2's `<|endoftext|>`); padding is masked out of the loss and, being at the
 end under causal attention, changes no other position.
 
 Known difference from llama.cpp: SmolLM2's GGUF names the pre-tokenizer `smollm`, for which
@@ -199,13 +199,6 @@ class HFTokenizer:
     load = from_pretrained_dir
 
     # -- GGUF -----------------------------------------------------------------------------
-
-    @classmethod
-    def from_gguf(cls, path: str | os.PathLike, *, split_digits: bool = False) -> HFTokenizer:
-        """The tokenizer described by a GGUF file's metadata (see `from_gguf_metadata`)."""
-        from trackstar_jax.models import gguf as gguf_lib  # pylint: disable=import-outside-toplevel
-
-        return cls.from_gguf_metadata(gguf_lib.read_metadata(path), split_digits=split_digits, source=str(path))
 
     @classmethod
     def from_gguf_metadata(

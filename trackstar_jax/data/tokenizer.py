@@ -10,28 +10,29 @@ from typing import Iterable, Sequence
 import sentencepiece as spm
 
 from trackstar_jax import files
-from trackstar_jax.models import lm as model_lib
 
 # ---------------------------------------------------------------------------------------
 # Tokenizer
 # ---------------------------------------------------------------------------------------
 
-UNK_ID, BOS_ID, EOS_ID = 1, 2, 3
+# Token ids of every batch: PAD_ID pads `tokens [B, T]` at the end (masked out of the loss, so
+# any id works; SmolLM2's 0 is `<|endoftext|>`); a trained SentencePiece model uses all four.
+PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 
 
 class Tokenizer:
-    """SentencePiece tokenizer with `pad_id == model.PAD_ID == 0`, unk 1, BOS 2, EOS 3."""
+    """SentencePiece tokenizer with `pad_id == PAD_ID == 0`, unk 1, BOS 2, EOS 3."""
 
     def __init__(self, model_proto: bytes):
         self.model_proto = model_proto
         self._sp = spm.SentencePieceProcessor(model_proto=model_proto)
-        if self._sp.pad_id() != model_lib.PAD_ID or self._sp.bos_id() != BOS_ID or self._sp.eos_id() != EOS_ID:
+        if self._sp.pad_id() != PAD_ID or self._sp.bos_id() != BOS_ID or self._sp.eos_id() != EOS_ID:
             raise ValueError(
                 f"tokenizer ids (pad {self._sp.pad_id()}, bos {self._sp.bos_id()}, eos {self._sp.eos_id()}) "
-                f"must be ({model_lib.PAD_ID}, {BOS_ID}, {EOS_ID}); train it with train_tokenizer"
+                f"must be ({PAD_ID}, {BOS_ID}, {EOS_ID}); train it with train_tokenizer"
             )
 
-    pad_id = model_lib.PAD_ID
+    pad_id = PAD_ID
     bos_id = BOS_ID
     eos_id = EOS_ID
 
@@ -72,7 +73,7 @@ def train_tokenizer(
         model_writer=buf,
         vocab_size=vocab_size,
         model_type=model_type,
-        pad_id=model_lib.PAD_ID,
+        pad_id=PAD_ID,
         unk_id=UNK_ID,
         bos_id=BOS_ID,
         eos_id=EOS_ID,

@@ -12,10 +12,12 @@ its version, so a stale entry is never used.
 
 from __future__ import annotations
 
+import logging
 import os
 import pathlib
 
 import jax
+from absl import logging as absl_logging
 
 # `TRACKSTAR_COMPILATION_CACHE`: the cache folder; "" or "off" disables it.
 ENV = "TRACKSTAR_COMPILATION_CACHE"
@@ -47,6 +49,32 @@ def enable_compilation_cache(path: str | os.PathLike | None = None) -> pathlib.P
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return folder
+
+
+class _LibraryChatter(logging.Filter):
+    """Drops INFO lines that say nothing to a user: orbax's lines on every checkpoint save and
+    restore, and JAX's probe of a TPU library that is not installed (every start on CPU / GPU).
+    Warnings and errors of either library pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno > logging.INFO:
+            return True
+        if f"{os.sep}orbax{os.sep}" in record.pathname:
+            return False
+        msg = record.getMessage()
+        return not (msg.startswith("Unable to initialize backend 'tpu'") and "libtpu" in msg)
+
+
+_CHATTER = _LibraryChatter()
+
+
+def quiet_library_logs() -> None:
+    """Filters library chatter (`_LibraryChatter`) out of absl's handler (what the launchers print
+    through) and logger. Process-global and idempotent: `launch/_config.parse_flags` calls it, and
+    every stage at its start (`training.logs`)."""
+    for target in (absl_logging.get_absl_handler(), absl_logging.get_absl_logger()):
+        if _CHATTER not in target.filters:
+            target.addFilter(_CHATTER)
 
 
 def target_platform() -> str:

@@ -130,6 +130,22 @@ def data_parallel_size(mesh: Mesh) -> int:
     return int(mesh.shape[DATA] * mesh.shape[FSDP])
 
 
+def batch_split_error(batch_size: int, mesh: Mesh, knob: str) -> str | None:
+    """Why `batch_size` rows cannot be split over the mesh's data-parallel shards (None: they can).
+
+    The message names `knob` (e.g. "config.vectors.batch_size") and the nearest size that splits.
+    """
+    dp = data_parallel_size(mesh)
+    if batch_size % dp == 0:
+        return None
+    lower = batch_size // dp * dp
+    nearest = lower + dp if lower == 0 or batch_size - lower >= lower + dp - batch_size else lower
+    return (
+        f"{knob}={batch_size} is not divisible by the {dp} data-parallel shards of mesh {dict(mesh.shape)}: "
+        f"set it to a multiple of {dp} (the nearest is {nearest}), or shrink the data axes (config.mesh.shape)"
+    )
+
+
 def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
     """Shardings of a batch dict (rows over the data axes)."""
     return {

@@ -67,6 +67,12 @@ class PlanEntry:
         return self.path.rsplit("/", 1)[-1]
 
 
+def layout(num_blocks: int, proj_dim: int) -> tuple[int, int]:
+    """`(block-sides, dims per side) = (2 * num_blocks, k^2)`; the vector dimension d is their
+    product (§A.1.2). The one place d is derived (`VectorConfig.dim`, `BlockPlan.dim` use it)."""
+    return 2 * num_blocks, proj_dim**2
+
+
 @dataclasses.dataclass(frozen=True)
 class BlockPlan:
     """Hashable assignment of every attributed parameter to a block-side (a jit static arg)."""
@@ -77,12 +83,12 @@ class BlockPlan:
 
     @property
     def num_sides(self) -> int:
-        return 2 * self.num_blocks
+        return layout(self.num_blocks, self.proj_dim)[0]
 
     @property
     def dim(self) -> int:
-        """Vector dimension d = 2 * num_blocks * k^2."""
-        return self.num_sides * self.proj_dim**2
+        """Vector dimension d = 2 * num_blocks * k^2 (`layout`)."""
+        return math.prod(layout(self.num_blocks, self.proj_dim))
 
     @property
     def paths(self) -> tuple[str, ...]:
@@ -153,7 +159,7 @@ def block_plan(shapes: Mapping[str, tuple[int, ...]], num_layers: int, num_block
         side = _side_of(path, num_layers, num_blocks)
         entries.append(PlanEntry(path, side, shape if len(shape) == 2 else (1, shape[0]), len(shape)))
     used = {e.side for e in entries}
-    for s in range(2 * num_blocks):
+    for s in range(layout(num_blocks, proj_dim)[0]):
         if s not in used:
             raise ValueError(f"block {s // 2} ({'attention' if s % 2 == ATTN else 'MLP'}) has no parameters")
     return BlockPlan(num_blocks, proj_dim, tuple(entries))

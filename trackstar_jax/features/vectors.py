@@ -60,7 +60,7 @@ class VectorConfig:
         (`lm.UNEMBED`). No effect on tied models.
       batch_size: examples per featurize step (global; used by the pipeline).
       estimate_v_examples: corpus examples whose per-example gradients estimate V for an
-        imported model, which ships no optimizer state (`features.second_moment`; 0 = none).
+        imported model, which ships no optimizer state (`training.second_moment`; 0 = none).
       estimate_v_seed: seed of that sample.
     """
 
@@ -89,13 +89,13 @@ class VectorConfig:
 
     @property
     def dim(self) -> int:
-        """d = 2 * num_blocks * k^2."""
-        return 2 * self.num_blocks * self.proj_dim**2
+        """d = 2 * num_blocks * k^2 (`projection.layout`)."""
+        return math.prod(block_layout(self))
 
 
 def block_layout(cfg: VectorConfig) -> tuple[int, int]:
-    """`(number of block-sides = 2 * num_blocks, dims per block-side = k^2)`."""
-    return 2 * cfg.num_blocks, cfg.proj_dim**2
+    """`(number of block-sides = 2 * num_blocks, dims per block-side = k^2)` (`projection.layout`)."""
+    return proj_lib.layout(cfg.num_blocks, cfg.proj_dim)
 
 
 def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
@@ -432,7 +432,8 @@ def make_vector_fn(
 
 def projection_dim_for(d: int, num_blocks: int) -> int:
     """k such that 2 * num_blocks * k^2 == d; raises if there is none."""
-    k = math.isqrt(d // (2 * num_blocks)) if d % (2 * num_blocks) == 0 else 0
-    if k < 1 or 2 * num_blocks * k * k != d:
+    sides = proj_lib.layout(num_blocks, 1)[0]
+    k = math.isqrt(d // sides) if d % sides == 0 else 0
+    if k < 1 or math.prod(proj_lib.layout(num_blocks, k)) != d:
         raise ValueError(f"d={d} is not 2 * num_blocks * k^2 for num_blocks={num_blocks}")
     return k

@@ -43,25 +43,28 @@ def index_dir(settings: config_lib.Settings, workdir: str | os.PathLike) -> path
     return pathlib.Path(workdir) / settings.index.dir
 
 
+def _identity_keys(section: str, values: Any) -> dict:
+    """The fields of a `model` / `vectors` section that define an index (`config.INDEX_KEYS`)."""
+    return {
+        k: v
+        for k, v in dataclasses.asdict(values).items()
+        if config_lib.INDEX_KEYS[f"{section}.{k}"] == config_lib.IDENTITY
+    }
+
+
 def index_manifest(
     run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig, dim: int
 ) -> dict:
     """The manifest of the index of `run` under `vec_cfg` (what a resume or a reader must match)."""
     fp_tree = {"params": run.params, "opt_state": run.opt_state} if vec_cfg.correction else {"params": run.params}
     num_blocks_total, _ = vectors_lib.block_layout(vec_cfg)
-    vec = dataclasses.asdict(vec_cfg)
-    del vec["batch_size"]  # recorded under featurizer
-    del vec["estimate_v_examples"], vec["estimate_v_seed"]  # import-time keys: the run's own record is below
+    vec, model_cfg = _identity_keys("vectors", vec_cfg), _identity_keys("model", run.model_cfg)
     if run.model_cfg.tie_embeddings:  # no output embedding of its own: manifests stay as before the field
         del vec["unembed"]
     if vec_cfg.output_fn == "trak":  # rows hold plain margin gradients; Q multiplies scores (index/trak.py)
         vec["trak_q"] = "scores"  # refuses a trak index built when Q was folded into the rows
-    model_cfg = dataclasses.asdict(run.model_cfg)
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]
-    for key in config_lib.RUNTIME_KEYS:  # how the steps compute, not what
-        if key.startswith("model."):
-            del model_cfg[key.removeprefix("model.")]
     model = {"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree), "config": model_cfg}
     if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
         model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
@@ -166,20 +169,14 @@ def build_index(
     # Local devices only: per-example vectors need no communication, so on a pod each host
     # is an independent writer (in a single process these are all devices).
     mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
-    dp = sharding_lib.data_parallel_size(mesh)
-    if vec_cfg.batch_size % dp:
-        raise config_lib.ConfigError(
-            f"config.vectors.batch_size={vec_cfg.batch_size} is not divisible by the {dp} "
-            f"data shards of mesh {dict(mesh.shape)}"
-        )
+    bad_split = sharding_lib.batch_split_error(vec_cfg.batch_size, mesh, "config.vectors.batch_size")
+    if bad_split:
+        raise config_lib.ConfigError(bad_split)
     config_lib.check_matches_run(settings, workdir)
     run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=settings)
     vec_fn = vectors_lib.make_vector_fn(
         run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
     )
-    num_blocks_total, block_dim = vectors_lib.block_layout(vec_cfg)
-    if vec_fn.dim != num_blocks_total * block_dim:
-        raise ValueError(f"featurizer dim {vec_fn.dim} != {num_blocks_total} blocks x {block_dim}")
     manifest = index_manifest(run, vec_cfg, storage, vec_fn.dim)
     # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
     # the others, which then fail at once instead of waiting for it at the barrier.

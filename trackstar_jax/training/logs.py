@@ -1,26 +1,28 @@
-"""Readable absl logs for the stages: orbax's per-save INFO chatter is dropped."""
+"""Readable absl logs for the stages: library chatter (orbax's per-save INFO lines, JAX's probe
+of an absent TPU) is dropped (`distributed.runtime.quiet_library_logs`)."""
 
 from __future__ import annotations
 
-import logging as std_logging
+from typing import Any, Iterable
 
-from absl import logging
+import jax
+import tqdm
+
+from trackstar_jax.distributed import runtime
+
+# Called at the start of every stage (a library user may call a stage without a launcher).
+quiet_library_logs = runtime.quiet_library_logs
 
 
-class _DropLibraryInfo(std_logging.Filter):
-    """Drops INFO/DEBUG records of orbax (dozens of lines per checkpoint); warnings pass."""
-
-    def filter(self, record: std_logging.LogRecord) -> bool:
-        return record.levelno >= std_logging.WARNING or "/orbax/" not in record.pathname
-
-
-def quiet_library_logs() -> None:
-    """Installs the orbax filter on absl's handler and logger, once per process.
-
-    Called at the start of every stage (a library user may call a stage without a launcher);
-    it changes process-global logging state, so it is idempotent: a filter already present
-    is not added again.
-    """
-    for target in (logging.get_absl_handler(), logging.get_absl_logger()):
-        if not any(isinstance(f, _DropLibraryInfo) for f in target.filters):
-            target.addFilter(_DropLibraryInfo())
+def progress(iterable: Iterable[Any], *, total: int, desc: str, unit: str) -> Iterable[Any]:
+    """`iterable` with a progress bar on process 0 (stderr, at most one update per 2 s), for a
+    loop that would otherwise be silent for minutes; no bar for a single step."""
+    return tqdm.tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        disable=jax.process_index() > 0 or total <= 1,
+        mininterval=2.0,
+        dynamic_ncols=True,
+    )

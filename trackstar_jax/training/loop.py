@@ -427,12 +427,9 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
     corpus, tok = _open_run_dir(settings, workdir)
 
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    dp = sharding_lib.data_parallel_size(mesh)
-    if t.global_batch_size % dp:
-        raise ValueError(
-            f"config.train.global_batch_size={t.global_batch_size} is not divisible by the "
-            f"{dp} data-parallel shards of mesh {dict(mesh.shape)}"
-        )
+    bad_split = sharding_lib.batch_split_error(t.global_batch_size, mesh, "config.train.global_batch_size")
+    if bad_split:
+        raise ValueError(bad_split)
     mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
     must_match = dict(
         sections=config_lib.RUN_SECTIONS + ("train",),
