@@ -21,7 +21,8 @@ PACKAGE = "trackstar_jax"
 # the packages that still hold stage entry points (training/loop, index/build, retrieval/stage,
 # evaluation/stage), which read `config.Settings`.
 LAYERS = (
-    ("files", "distributed"),  # atomic files; mesh, shardings, runtime
+    ("files",),  # atomic files, workdir locks
+    ("distributed",),  # mesh, shardings, runtime, multi-host steps (its stage lock: files)
     ("data",),  # corpora, tokenizers, batches (token ids: data.tokenizer)
     ("models",),  # the LM family, HF / GGUF loaders
     ("features", "methods"),  # gradient vectors; the table's row presets

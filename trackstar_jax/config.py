@@ -95,6 +95,7 @@ INDEX_KEYS = {
 INDEX_SECTIONS = {
     "seed": "the run's: reaches an index through the checkpoint's fingerprint",
     "data": "the corpus's fingerprint is recorded instead",
+    "candidates": "the candidate set's fingerprint is recorded instead (an index over other passages is refused)",
     "train": "the run's: reaches an index through the checkpoint's fingerprint",
     "mesh": "how the work is split, not what it computes",
     "hessian": "applied at scoring time (one index serves every R and unit-norm setting)",
