@@ -129,11 +129,12 @@ def make_precond(
 def step_projections(
     vec_cfg: VectorConfig, plan: proj_lib.BlockPlan, precond: precond_lib.Correction | None
 ) -> dict[str, tuple[Array, Array]] | None:
-    """The fast path's projection matrices with the correction folded in
-    (`factored.step_projections`), made once per featurizer and passed to every step as an
-    argument; None for the reference path (which makes its own)."""
+    """The step's projection matrices, made once per featurizer and passed to every step as an
+    argument (inside the step their threefry streams would be compiled into it): the fast
+    path's with the correction folded in (`factored.step_projections`), the reference path's
+    plain `(P0, P1)` (it applies the correction to the materialised gradients)."""
     if vec_cfg.path != "fast":
-        return None
+        return factored_lib.folded_projections(plan, None, vec_cfg.proj_seed)
     return factored_lib.step_projections(plan, precond, vec_cfg.proj_seed, vec_cfg.exact_v)
 
 
@@ -154,7 +155,7 @@ def vector_step(
       params: model parameters.
       precond: correction (None: no correction).
       batch: `tokens [B, T]`, `loss_mask [B, T]` (other keys are ignored).
-      projections: fast path: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
+      projections: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
       graphdef, vec_cfg, plan: static.
       role: "index" or "query" (only matters for output_fn="trak").
 
@@ -165,7 +166,7 @@ def vector_step(
     if vec_cfg.path == "fast":
         fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections)
     else:
-        fn = grads_lib.reference_vectors
+        fn = functools.partial(grads_lib.reference_vectors, projections=projections)
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
     vecs = fn(
         params,
