@@ -79,7 +79,7 @@ SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = store_lib.STORAGE_DTYPES
 UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "native")
 CONTRACTS = ("dot", "reduce")
-PRECISIONS = ("float32", "tf32", "bf16")
+PRECISIONS = tuple(runtime.MATMUL_PRECISIONS)
 # bfloat16 terms the query is split into against bfloat16 rows ("bf16_split3"), by precision:
 # 3 terms carry float32's 24 significand bits, 2 carry 16 (more than TF32's 11), 1 is bf16.
 _SPLIT_TERMS = {"float32": 3, "tf32": 2, "bf16": 1}
@@ -581,6 +581,7 @@ def topk(
     mesh: Mesh | None = None,
     *,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """Exact top-k proponents and bottom-k opponents of every query over in-memory rows.
 
@@ -593,7 +594,8 @@ def topk(
       row_scale: optional `[n]` per-row multiplier (int8 dequantisation scale times, e.g., the
         on-the-fly `1/||R^{-1/2} g_m||` of `index.prepare_scoring`).
       mesh: rows are split over all of its devices (default: one device).
-      plan: kernel formulation (default `make_score_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(..., precision=precision)`).
+      precision: "float32" (exact) | "tf32" | "bf16" (`config.retrieval.precision`; ignored with `plan`).
 
     Returns:
       TopK with `[Q, k]` arrays: proponents by (score desc, id asc), opponents by (score asc, id asc).
@@ -618,7 +620,7 @@ def topk(
         rows = jnp.pad(rows, ((0, n_pad - n), (0, 0))) if isinstance(rows, jax.Array) else _host_rows(rows, n_pad)
         if row_scale is not None:
             row_scale = _host_rows(np.asarray(row_scale, np.float32), n_pad)
-    plan = plan or make_score_plan(q.shape[0], d, rows.dtype)
+    plan = plan or make_score_plan(q.shape[0], d, rows.dtype, precision=precision)
     rows, scale = _put_rows(mesh, rows, row_scale, plan)
     fn = _sharded_fn(mesh, k, plan, scale is not None)
     args = (_put_replicated(mesh, q), rows) + ((scale,) if scale is not None else ()) + _scalars(mesh, 0, n)
@@ -667,6 +669,7 @@ def stream_topk(
     *,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
 
@@ -683,7 +686,8 @@ def stream_topk(
       mesh: devices to split each chunk over (default: one device).
       row_scale: optional `[num_rows]` extra per-row multiplier (on-the-fly scoring scales).
       query_batch_size: queries scored together (default: all); the last batch is padded.
-      plan: kernel formulation (default `make_score_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(..., precision=precision)`).
+      precision: "float32" (exact) | "tf32" | "bf16" (`config.retrieval.precision`; ignored with `plan`).
 
     Returns:
       TopK (see `topk`).
@@ -709,7 +713,7 @@ def stream_topk(
     num_dev = mesh.devices.size
     chunk_rows, qbs = _stream_shapes(chunk_rows, n, num_dev, q.shape[0], query_batch_size)
     batches = [_host_rows(q[i : i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
-    plan = plan or make_score_plan(qbs, d, reader.dtype)
+    plan = plan or make_score_plan(qbs, d, reader.dtype, precision=precision)
     merge = _merge_fn(k)
     results: list[tuple[Any, ...] | None] = [None] * len(batches)
     q_dev = [_put_replicated(mesh, b) for b in batches]
@@ -964,6 +968,7 @@ def local_candidates(
     process_count: int,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """One process's share of `process_stream_topk`: top-k / bottom-k of its rows
     (`process_row_range`) with global ids, padded to `[Q, k]` with rows that never win."""
@@ -975,7 +980,17 @@ def local_candidates(
         return _pad_candidates(_empty(0), q.shape[0], k)
     scale = None if row_scale is None else np.asarray(row_scale, np.float32)[lo:hi]
     sub = RowRange(reader, lo, hi)
-    res = stream_topk(q, sub, min(k, hi - lo), chunk_rows, mesh, scale, query_batch_size=query_batch_size, plan=plan)
+    res = stream_topk(
+        q,
+        sub,
+        min(k, hi - lo),
+        chunk_rows,
+        mesh,
+        scale,
+        query_batch_size=query_batch_size,
+        plan=plan,
+        precision=precision,
+    )
     return _pad_candidates(res._replace(top_ids=res.top_ids + lo, bottom_ids=res.bottom_ids + lo), q.shape[0], k)
 
 
@@ -989,6 +1004,7 @@ def process_stream_topk(
     *,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """`stream_topk` split over the processes of a `jax.distributed` job (a pod).
 
@@ -1000,7 +1016,7 @@ def process_stream_topk(
     reading fails tells the others at once. In a single process it is `stream_topk`.
 
     Args:
-      queries, reader, k, chunk_rows, row_scale, query_batch_size, plan: as `stream_topk`
+      queries, reader, k, chunk_rows, row_scale, query_batch_size, plan, precision: as `stream_topk`
         (`row_scale` over the whole index; only this process's range is read).
       mesh: this process's devices (default: one device).
 
@@ -1021,6 +1037,7 @@ def process_stream_topk(
             process_count=jax.process_count(),
             query_batch_size=query_batch_size,
             plan=plan,
+            precision=precision,
         )
     # ids travel as int32 (JAX's default integer width; row ids are < 2^31, see SENTINEL)
     ts, ti, bs, bi = (
