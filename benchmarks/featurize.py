@@ -1,7 +1,12 @@
 """Featurization throughput and memory: training step vs fast factored path vs reference path vs a
-TRAK-style baseline, side by side in one process. One JSON object per line, one per (config, d).
+TRAK-style baseline, side by side in one process. One JSON object per line: one per path, printed
+the moment it is measured (`"path"`: train | fast | reference | trak; `compile_s` apart from
+`step_s`; GEMM FLOP/s and `peak_fraction` of the chip's peak at the precision the GEMMs ran,
+`benchmarks/device_peaks.py`), then a `"path": "summary"` row per (config, dtype, d) with the ratios.
+The train step is measured once per (config, dtype), for the first d.
 
     python -m benchmarks.featurize [--configs tiny,small] [--dims 4096,65536] [--steps 5]
+        [--paths train,fast,reference,trak] [--dtypes float32,bfloat16] [--precision float32]
     python -m benchmarks.featurize --rank1_workdir=RUN [--rank1_rows 256]
 
 The second form measures what the fast path's rank-one V costs where optax kept a full
