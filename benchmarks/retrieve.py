@@ -53,6 +53,7 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+from benchmarks import device_peaks
 from trackstar_jax.retrieval import topk as retrieval
 
 _N = flags.DEFINE_list("n", ["100000", "1000000"], "Index sizes (rows).")
@@ -69,6 +70,13 @@ _UPCAST = flags.DEFINE_enum("upcast", "auto", ["auto"] + list(retrieval.UPCASTS)
 _PLAN_BLOCK = flags.DEFINE_integer("plan_block_rows", 0, "Plan override: kernel block rows (0 = auto).")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 120.0, "Skip a method's repeats once one run exceeds this.")
 _SEED = flags.DEFINE_integer("seed", 0, "Data seed.")
+_PRECISION = flags.DEFINE_enum(
+    "precision",
+    "float32",
+    list(retrieval.PRECISIONS),
+    "Scoring precision of ours (retrieval.precision); torch runs the matching one (float32: rows widened, "
+    "TF32 off; bf16: query in the rows' bf16, one bf16 GEMM; tf32: TF32 on).",
+)
 _RESIDENT = flags.DEFINE_enum(
     "resident",
     "auto",
@@ -110,13 +118,12 @@ def _aligned_empty(shape, dtype) -> np.ndarray:
     return retrieval._host_rows(np.empty((0,) + tuple(shape[1:]), dtype), shape[0])
 
 
-def _make_pool(n: int, d: int, dtype, rng) -> tuple[list[np.ndarray], list[np.ndarray], list]:
+def _make_pool(n: int, d: int, dtype, rng, methods: set) -> tuple[list[np.ndarray], list[np.ndarray], list]:
     """Distinct row blocks in `dtype`, their float32 values (for numpy) and faiss indexes.
 
     faiss keeps its own float32 copy; numpy reads that copy (a view), so a block costs
     `itemsize + 4` bytes per element (float32 rows: 8) plus nothing else.
     """
-    methods = set(_METHODS.value)
     block = min(_BLOCK_ROWS.value, n)
     extra = 4 if (methods & {"faiss", "numpy"}) and (dtype != np.float32 or "faiss" in methods) else 0
     count = max(1, min(-(-n // block), int(_MAX_GB.value * 1e9 // (block * d * (np.dtype(dtype).itemsize + extra)))))
@@ -174,15 +181,20 @@ def _faiss_topk(q: np.ndarray, indexes: list, n: int, block: int, k: int):
     return heap.D, heap.I
 
 
-def _torch_topk(q: np.ndarray, rows, k: int, block: int = 65536):
-    """Exact float32 top-k / bottom-k in torch on the rows' device (`rows`: a torch tensor)."""
+def _torch_topk(q: np.ndarray, rows, k: int, block: int = 65536, precision: str = "float32"):
+    """Top-k / bottom-k in torch on the rows' device (`rows`: a torch tensor) at `precision`:
+    "float32" rows widened, TF32 off (exact float32, like ours); "tf32" TF32 on; "bf16" the
+    query cast to the rows' dtype, one GEMM in it (float32 accumulation inside cuBLAS)."""
     import torch  # noqa: PLC0415  (only on accelerators, where the image has it)
 
-    torch.backends.cuda.matmul.allow_tf32 = False  # exact float32 products, as ours
+    torch.backends.cuda.matmul.allow_tf32 = precision == "tf32"
+    low = precision == "bf16" and rows.dtype != torch.float32
     qt = torch.as_tensor(q, device=rows.device)
+    qt = qt.to(rows.dtype) if low else qt
     best_s = best_i = low_s = low_i = None
     for start in range(0, rows.shape[0], block):
-        s = qt @ rows[start : start + block].float().T
+        blk = rows[start : start + block]
+        s = (qt @ blk.T).float() if low else qt @ blk.float().T
         ts, ti = torch.topk(s, k, dim=1)
         bs, bi = torch.topk(-s, k, dim=1)
         ti, bi = ti + start, bi + start
@@ -209,15 +221,32 @@ def _resident_rows(pool: list[np.ndarray], n: int) -> jax.Array:
     return full
 
 
+# Optional methods and the module each needs: an absent one is skipped with a JSON line saying so.
+_OPTIONAL = {"faiss": "faiss", "torch": "torch"}
+
+
+def _available_methods(methods: list[str]) -> set[str]:
+    """`methods` without the optional ones whose module is not installed (one line each)."""
+    out = set(methods)
+    for m in methods:
+        if m in _OPTIONAL:
+            try:
+                __import__(_OPTIONAL[m])
+            except ImportError as e:
+                out.discard(m)
+                print(json.dumps({"bench": "retrieve", "skipped": m, "reason": f"not installed ({e})"}), flush=True)
+    return out
+
+
 def main(argv):
     del argv
     d, k, dev = _D.value, _K.value, _device()
     rng = np.random.default_rng(_SEED.value)
-    methods = set(_METHODS.value)
+    methods = _available_methods(_METHODS.value)
     for n in [int(float(x)) for x in _N.value]:
         for dtype_name in _DTYPES.value:
             dtype = DTYPES[dtype_name]
-            pool, pool_f32, faiss_ix = _make_pool(n, d, dtype, rng)
+            pool, pool_f32, faiss_ix = _make_pool(n, d, dtype, rng, methods)
             block = pool[0].shape[0]
             reader = PoolReader(pool, n)
             resident = (jax.default_backend() != "cpu") if _RESIDENT.value == "auto" else _RESIDENT.value == "true"
@@ -285,8 +314,14 @@ def main(argv):
                     block_rows=_PLAN_BLOCK.value or None,
                     query_major=None if _QUERY_MAJOR.value == "auto" else _QUERY_MAJOR.value == "true",
                     upcast=None if _UPCAST.value == "auto" else _UPCAST.value,
+                    precision=_PRECISION.value,
                 )
-                rec["plan"] = {"block_rows": plan.block_rows, "query_major": plan.query_major, "upcast": plan.upcast}
+                rec["plan"] = {
+                    "block_rows": plan.block_rows,
+                    "query_major": plan.query_major,
+                    "upcast": plan.upcast,
+                    "precision": plan.precision,
+                }
                 ours = faiss_res = torch_res = None
                 budget = _MAX_SECONDS.value
                 runs = {"bandwidth": read_all, "bandwidth_raw": read_raw}
@@ -299,8 +334,8 @@ def main(argv):
                         q, PoolReader(pool, block), k, block, query_batch_size=nq, plan=plan
                     )  # compile
                 if torch_rows is not None:
-                    runs["torch"] = lambda: _torch_topk(q, torch_rows, k)
-                    _torch_topk(q, torch_rows, k)  # warm-up (cuBLAS handles, kernels)
+                    runs["torch"] = lambda: _torch_topk(q, torch_rows, k, precision=_PRECISION.value)
+                    _torch_topk(q, torch_rows, k, precision=_PRECISION.value)  # warm-up (cuBLAS handles, kernels)
                 if "faiss" in methods:
                     runs["faiss"] = lambda: _faiss_topk(q, faiss_ix, n, block, k)
                 if "numpy" in methods:
@@ -339,6 +374,9 @@ def main(argv):
                     # CPU time per byte of the sum probe over ours: load-independent (1.0 = ours costs
                     # the machine no more per byte than reading it).
                     rec["bandwidth_fraction_cpu"] = rec["read_bandwidth_cpu_seconds"] / rec["ours_cpu_seconds"]
+                    peak = device_peaks.lookup()
+                    if peak is not None:  # against the data sheet's HBM bandwidth (issue 36's >= 70% goal)
+                        rec["hbm_fraction_nominal"] = rec["ours_gb_s"] * 1e9 / peak.hbm_bytes_per_s
                 if "ours_dots_per_s" in rec and "faiss_dots_per_s" in rec:
                     rec["ours_over_faiss"] = rec["ours_dots_per_s"] / rec["faiss_dots_per_s"]
                 if "ours_dots_per_s" in rec and "torch_dots_per_s" in rec:

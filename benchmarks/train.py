@@ -74,6 +74,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps_tiny", type=int, default=50)
     parser.add_argument("--steps_small", type=int, default=10)
+    parser.add_argument("--configs", default="tiny,small", help="comma list of tiny, small")
+    parser.add_argument("--param_counts", type=int, default=1, help="also list every config's parameter count")
     args = parser.parse_args()
     env = {
         "backend": jax.default_backend(),
@@ -81,8 +83,11 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
     }
-    for name, steps in (("tiny", args.steps_tiny), ("small", args.steps_small)):
-        print(json.dumps({**_throughput(name, steps), **env}), flush=True)
+    steps = {"tiny": args.steps_tiny, "small": args.steps_small}
+    for name in args.configs.split(","):
+        print(json.dumps({**_throughput(name, steps[name]), **env}), flush=True)
+    if not args.param_counts:
+        return
     exps = sorted(
         p.stem
         for p in (pathlib.Path(__file__).resolve().parents[1] / "experiments").glob("*.py")

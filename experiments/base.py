@@ -106,6 +106,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
     )
     c.vectors.estimate_v_seed = 0  # seed of that sample
+    # float32 GEMMs of the featurize step: "float32" (exact on every chip) | "tf32" | "bf16"
+    # (a bf16 model's GEMMs are bf16 whatever this says; README "Matmul precision")
+    c.vectors.matmul_precision = "float32"
 
     # --- Hessian approximation R and normalisation (§3, §A.1.3) ---
     c.hessian = ml_collections.ConfigDict()
@@ -135,6 +138,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # two-stage retrieval: rescore the index's top rerank_k with the exact unprojected corrected-gradient
     # score (`retrieval.rerank`; 0 = off); the records keep both scores
     c.retrieval.rerank_k = 0
+    c.retrieval.precision = "float32"  # scoring GEMMs: "float32" (exact top-k) | "tf32" | "bf16" (approximate)
 
     # --- evaluation (§4, §A.4) ---
     c.eval = ml_collections.ConfigDict()

@@ -2,6 +2,8 @@
 score matrix (planted ties), over devices, mesh axis types, storage dtypes, formulations,
 uneven row counts, k larger than a shard, real zarr indices, and bad input."""
 
+import dataclasses
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -139,6 +141,65 @@ def test_plan_picks_layout_by_regime():
     assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="gpu").upcast == "bf16_split3"
     assert retrieval.make_score_plan(1, 4096, np.int8, backend="cpu").upcast == "convert"
     assert many.block_rows * 1024 <= 1 << 21  # the score tile stays small
+
+
+@pytest.mark.parametrize("num_devices", [1, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("score_all", [None, 0])
+def test_accelerator_plan_forced_on_cpu_is_exact(num_devices, dtype, score_all):
+    """The GPU/TPU plan (stored-dtype GEMMs, query-major scores, HBM tiles) run on the CPU:
+    exact against the numpy lexsort, scored whole (`score_all` from the plan) or block by block
+    with the running merge (score_all=0, 64-row blocks, the last one clamped)."""
+    x, q = tied_data(1001)
+    scale = 2.0 ** np.random.default_rng(1).integers(-2, 3, len(x)).astype(np.float32) if dtype == "int8" else None
+    plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], backend="gpu")
+    assert plan.query_major and plan.score_all == retrieval._ACCEL_SCORE_ALL
+    assert plan.upcast == {"float32": "none", "bfloat16": "bf16_split3"}.get(dtype, "convert")
+    if score_all == 0:
+        plan = dataclasses.replace(plan, block_rows=64, score_all=0)
+    res = retrieval.topk(q, x.astype(DTYPES[dtype]), 7, row_scale=scale, mesh=mesh_of(num_devices), plan=plan)
+    assert_exact(res, retrieval.reference_topk(q, x, 7, scale))
+
+
+def test_accelerator_plan_tiles_and_precision_checks():
+    one = retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu")
+    many = retrieval.make_score_plan(1024, 4096, ml_dtypes.bfloat16, backend="tpu")
+    assert one.block_rows * 1 >= 1 << 26 and many.block_rows * 1024 == 1 << 26  # HBM tiles, not the CPU's 2^21
+    assert retrieval.make_score_plan(1, 4096, np.int8, backend="gpu").block_rows * 4096 <= 1 << 28
+    assert retrieval.make_score_plan(64, 4096, ml_dtypes.bfloat16, backend="cpu", precision="bf16").upcast == (
+        "bf16_split3"  # bf16 pairs and the native kernel score in float32 only
+    )
+    with pytest.raises(ValueError, match="retrieval.precision"):
+        retrieval.make_score_plan(1, 64, np.float32, precision="fp8")
+    with pytest.raises(ValueError, match="float32 only"):
+        retrieval.Plan(block_rows=64, query_major=False, upcast="bf16_pairs", precision="tf32")
+
+
+@pytest.mark.parametrize("backend", ["cpu", "gpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("precision", ["tf32", "bf16"])
+def test_lower_precisions_score_what_they_promise(backend, dtype, precision):
+    """`precision="bf16"` scores the bfloat16-rounded query (and rows) exactly: equal to the
+    float64 reference over the rounded values; "tf32" scores bf16 rows against a 2-term query
+    split (16 significand bits): within 2^-15 of the float32 scores (XLA:CPU runs its float32
+    dots at full precision, so there "tf32" on float32 rows is exact)."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((300, 64)).astype(DTYPES[dtype])
+    q = rng.standard_normal((6, 64)).astype(np.float32)
+    plan = retrieval.make_score_plan(len(q), 64, DTYPES[dtype], backend=backend, precision=precision)
+    res = retrieval.topk(q, x, 10, plan=plan)
+    x32 = x.astype(np.float32)
+    if precision == "bf16":
+        qr, xr = (a.astype(ml_dtypes.bfloat16).astype(np.float32) for a in (q, x32))
+        ts, ti, bs, bi = retrieval.reference_topk(qr, xr, 10)
+        np.testing.assert_allclose(res.top_scores, ts, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(res.bottom_scores, bs, rtol=1e-6, atol=1e-6)
+        # the float32 reference differs by more than float32 rounding: the check can fail
+        assert np.abs(res.top_scores - retrieval.reference_topk(q, x32, 10)[0]).max() > 1e-4
+    else:
+        ts, ti, bs, bi = retrieval.reference_topk(q, x32, 10)
+        np.testing.assert_allclose(res.top_scores, ts, rtol=2**-15, atol=2**-15 * np.abs(ts).max())
+    assert (res.top_ids == ti).mean() > 0.9 and (res.bottom_ids == bi).mean() > 0.9
 
 
 @pytest.mark.parametrize("num_devices", [1, 8])

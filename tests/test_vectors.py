@@ -278,3 +278,31 @@ def test_the_step_compiled_ahead_is_the_one_calls_run():
         assert sum(what in m for m in log.messages) == 1, (what, log.messages)
     ref = vectors.make_vector_fn(graphdef, cfg, vc, state.params, state.opt_state)  # compiled at its first call
     np.testing.assert_array_equal(got[0], ref(state.params, ref.precond, batches[0]))
+
+
+def test_matmul_precision_is_traced_into_every_gemm_and_paths_agree_at_it():
+    """`vectors.matmul_precision` sets the precision of every GEMM of the step that has none of
+    its own (before issue 36 none was set: TF32 on a GPU, 1.2e-3 relative error): HIGHEST for
+    "float32", HIGH for "tf32", the BF16_BF16_F32 algorithm for "bf16". At "bf16" the fast and
+    reference paths agree (to float32 round-off here: XLA:CPU computes float32 dots in float32
+    whatever is asked; on a GPU `benchmarks.featurize` compares them at the precision run)."""
+    cfg, graphdef, state = _state()
+    batch = {k: _batch(3)[k] for k in ("tokens", "loss_mask")}
+    marks = {"float32": "HIGHEST", "tf32": "HIGH,", "bf16": "lhs_precision_type = bf16"}
+    out = {}
+    for precision, mark in marks.items():
+        for path in ("fast", "reference"):
+            vc = vectors.VectorConfig(num_blocks=2, proj_dim=4, proj_seed=3, path=path, matmul_precision=precision)
+            plan = vectors.make_block_plan(state.params, cfg, vc)
+            pre = vectors.make_precond(state.params, state.opt_state, vc, plan)
+            projs = vectors.step_projections(vc, plan, pre)
+            step = jax.jit(functools.partial(vectors.vector_step, graphdef=graphdef, vec_cfg=vc, plan=plan))
+            text = step.lower(state.params, pre, batch, projs).as_text()
+            dots = [line for line in text.splitlines() if "dot_general" in line and "f32>" in line.split("->")[0]]
+            # the reference path's projections keep their own HIGHEST; every other GEMM takes the knob
+            assert sum(mark in line for line in dots) >= len(dots) // 2 > 0, (precision, path, len(dots))
+            if precision == "bf16":
+                out[path] = np.asarray(step(state.params, pre, batch, projs)[0])
+    np.testing.assert_allclose(out["fast"], out["reference"], rtol=1e-4, atol=1e-4 * np.abs(out["reference"]).max())
+    with pytest.raises(ValueError, match="vectors.matmul_precision"):
+        vectors.VectorConfig(matmul_precision="fp8")

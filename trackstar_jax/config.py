@@ -36,6 +36,7 @@ from typing import Any, Mapping, Sequence
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
+from trackstar_jax.distributed import runtime
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.models import lm as model_lib
 
@@ -290,8 +291,13 @@ class RetrievalSettings:
     overwrite: bool = False
     token_scores: bool = False
     rerank_k: int = 0
+    precision: str = "float32"
 
     def __post_init__(self):
+        if self.precision not in runtime.MATMUL_PRECISIONS:
+            raise ValueError(
+                f"retrieval.precision must be one of {tuple(runtime.MATMUL_PRECISIONS)}, got {self.precision!r}"
+            )
         for key in ("top_k", "query_batch_size", "read_chunk_rows"):
             if getattr(self, key) < 1:
                 raise ValueError(f"retrieval.{key} must be >= 1, got {getattr(self, key)}")

@@ -161,6 +161,7 @@ def reference_vectors(
     output_fn: str = "loss",
     role: str = "index",
     seed: int = 0,
+    projections: Mapping[str, tuple[Array, Array]] | None = None,
 ) -> Float[Array, "b d"]:
     """Eq. 2 as written: materialised per-example gradients -> g / sqrt(V) -> P0 G P1^T, summed per block.
 
@@ -173,6 +174,8 @@ def reference_vectors(
       plan: block plan (k = plan.proj_dim).
       output_fn, role: see `token_objective`.
       seed: projection seed.
+      projections: the plain `(P0, P1)` of every parameter (`vectors.step_projections`), made
+        outside a jitted step; None makes them here (see `projection.project_grads`).
 
     Returns:
       `[B, d]` float32 in the layout `[2*num_blocks, k, k]` (block0_attn, block0_mlp, ...).
@@ -180,5 +183,5 @@ def reference_vectors(
     grads = per_example_grads(params, batch, plan, graphdef=graphdef, output_fn=output_fn, role=role)
     if correction is not None:
         grads = precond_lib.apply_elementwise(grads, correction)
-    sides = proj_lib.project_grads(grads, plan, seed)
+    sides = proj_lib.project_grads(grads, plan, seed, projections)
     return sides.reshape(sides.shape[0], -1)

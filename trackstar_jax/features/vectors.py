@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxtyping import Array, Float
 
 from trackstar_jax.distributed import memory as memory_lib
+from trackstar_jax.distributed import runtime
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import factored as factored_lib
 from trackstar_jax.features import grads as grads_lib
@@ -62,6 +63,9 @@ class VectorConfig:
       estimate_v_examples: corpus examples whose per-example gradients estimate V for an
         imported model, which ships no optimizer state (`training.second_moment`; 0 = none).
       estimate_v_seed: seed of that sample.
+      matmul_precision: "float32" | "tf32" | "bf16": the precision of the step's float32 GEMMs
+        (`runtime.MATMUL_PRECISIONS`; float32 = exact on every chip; a bf16 model's GEMMs are
+        bf16 at every setting).
     """
 
     output_fn: str = "loss"
@@ -75,8 +79,13 @@ class VectorConfig:
     batch_size: int = 32
     estimate_v_examples: int = 256
     estimate_v_seed: int = 0
+    matmul_precision: str = "float32"
 
     def __post_init__(self):
+        if self.matmul_precision not in runtime.MATMUL_PRECISIONS:
+            raise ValueError(
+                f"vectors.matmul_precision must be one of {tuple(runtime.MATMUL_PRECISIONS)}, got {self.matmul_precision!r}"
+            )
         if self.estimate_v_examples < 0:
             raise ValueError(f"vectors.estimate_v_examples must be >= 0, got {self.estimate_v_examples}")
         if self.output_fn not in grads_lib.OUTPUT_FNS:
@@ -129,11 +138,12 @@ def make_precond(
 def step_projections(
     vec_cfg: VectorConfig, plan: proj_lib.BlockPlan, precond: precond_lib.Correction | None
 ) -> dict[str, tuple[Array, Array]] | None:
-    """The fast path's projection matrices with the correction folded in
-    (`factored.step_projections`), made once per featurizer and passed to every step as an
-    argument; None for the reference path (which makes its own)."""
+    """The step's projection matrices, made once per featurizer and passed to every step as an
+    argument (inside the step their threefry streams would be compiled into it): the fast
+    path's with the correction folded in (`factored.step_projections`), the reference path's
+    plain `(P0, P1)` (it applies the correction to the materialised gradients)."""
     if vec_cfg.path != "fast":
-        return None
+        return factored_lib.folded_projections(plan, None, vec_cfg.proj_seed)
     return factored_lib.step_projections(plan, precond, vec_cfg.proj_seed, vec_cfg.exact_v)
 
 
@@ -154,7 +164,7 @@ def vector_step(
       params: model parameters.
       precond: correction (None: no correction).
       batch: `tokens [B, T]`, `loss_mask [B, T]` (other keys are ignored).
-      projections: fast path: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
+      projections: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
       graphdef, vec_cfg, plan: static.
       role: "index" or "query" (only matters for output_fn="trak").
 
@@ -165,18 +175,21 @@ def vector_step(
     if vec_cfg.path == "fast":
         fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections)
     else:
-        fn = grads_lib.reference_vectors
+        fn = functools.partial(grads_lib.reference_vectors, projections=projections)
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
-    vecs = fn(
-        params,
-        precond,
-        batch,
-        graphdef=graphdef,
-        plan=plan,
-        output_fn=vec_cfg.output_fn,
-        role=role,
-        seed=vec_cfg.proj_seed,
-    )
+    # Every GEMM traced here without its own precision takes the configured one (on a GPU the
+    # float32 default would otherwise be TF32: 1.2e-3 relative error, issue 36).
+    with jax.default_matmul_precision(runtime.MATMUL_PRECISIONS[vec_cfg.matmul_precision]):
+        vecs = fn(
+            params,
+            precond,
+            batch,
+            graphdef=graphdef,
+            plan=plan,
+            output_fn=vec_cfg.output_fn,
+            role=role,
+            seed=vec_cfg.proj_seed,
+        )
     aux = {
         "num_targets": jnp.sum(batch["loss_mask"][:, 1:] > 0, axis=-1).astype(jnp.int32),
         "finite": jnp.all(jnp.isfinite(vecs), axis=-1),

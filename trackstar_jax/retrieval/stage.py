@@ -267,6 +267,7 @@ def retrieve_queries(
         mesh=score_mesh,
         row_scale=scoring.row_scale,
         query_batch_size=st.query_batch_size,
+        precision=st.precision,
     )
     if pod:
         info["process_rows"] = list(rows)

@@ -37,6 +37,20 @@ FFI kernel (`native.scores`: rows widened by integer shifts in registers, float3
 -- by a native bf16 x bf16 -> f32 dot against a 3-term bf16 split of the query (few queries,
 `"bf16_split3"`), or read as uint32 pairs widened by integer shifts before a float32 matmul
 (many queries, `"bf16_pairs"`). All are exact to float32 rounding.
+
+Accelerator formulations (GPU / TPU, `_accelerator_plan`; issue 36, not yet timed on a chip):
+plain matmuls on the rows in their stored dtype with float32 accumulation
+(`preferred_element_type`), scores laid out `[queries, rows]` (query-major), so `lax.top_k`
+selects along the minor axis; float32 rows at `Precision.HIGHEST`, bfloat16 rows against the
+query split into bfloat16 terms (tensor-core GEMMs, no widened copy of the rows), other dtypes
+widened inside the fused dot. Score tiles are far larger than on the CPU (HBM, no page-fault
+cost per buffer): a shard is scored whole up to 2^27 scores, else in blocks of 2^26 scores.
+
+Precision (`Plan.precision`, `config.retrieval.precision`): "float32" (default) is exact to
+float32 rounding on every platform; "tf32" scores float32 rows at `Precision.HIGH` (TF32 on
+NVIDIA GPUs, 3 bf16 passes on TPU; XLA:CPU ignores it) and bfloat16 rows against a 2-term
+query split (16 significand bits); "bf16" rounds the query (and float32 rows) to bfloat16,
+one pass. Only "float32" is exact against the numpy reference.
 """
 
 from __future__ import annotations
@@ -65,6 +79,16 @@ SENTINEL = int(np.iinfo(np.int32).max)
 STORAGE_DTYPES = store_lib.STORAGE_DTYPES
 UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "native")
 CONTRACTS = ("dot", "reduce")
+PRECISIONS = tuple(runtime.MATMUL_PRECISIONS)
+# bfloat16 terms the query is split into against bfloat16 rows ("bf16_split3"), by precision:
+# 3 terms carry float32's 24 significand bits, 2 carry 16 (more than TF32's 11), 1 is bf16.
+_SPLIT_TERMS = {"float32": 3, "tf32": 2, "bf16": 1}
+_DOT_PRECISION = {"float32": lax.Precision.HIGHEST, "tf32": lax.Precision.HIGH}
+# Accelerator tiles (HBM; a fresh buffer costs no page faults there): scores per block, scores
+# per shard scored whole, widened-rows elements per block.
+_ACCEL_SCORE_TILE = 1 << 26
+_ACCEL_SCORE_ALL = 1 << 27
+_ACCEL_UPCAST_TILE = 1 << 28
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
 # 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
 # enough that per-block overhead is negligible (BUILD_NOTES "Issue 5").
@@ -149,18 +173,29 @@ class Plan:
         `native.scores` FFI kernel on CPU; bfloat16 or float32 rows). All exact to float32
         rounding.
       contract: "dot" (a matmul) or "reduce" (a fused multiply + sum; benchmarks only).
+      precision: "float32" (exact), "tf32" or "bf16" (module docstring, "Precision").
+      score_all: a shard with at most this many scores (queries x rows) is scored in one dot
+        and selected once; None: `_SCORE_ALL` (the CPU's).
     """
 
     block_rows: int
     query_major: bool
     upcast: str
     contract: str = "dot"
+    precision: str = "float32"
+    score_all: int | None = None
 
     def __post_init__(self):
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"retrieval.precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.precision != "float32" and self.upcast in ("bf16_pairs", "native"):
+            raise ValueError(f"upcast={self.upcast!r} scores in float32 only, not at precision={self.precision!r}")
         if self.contract not in CONTRACTS:
             raise ValueError(f"contract must be one of {CONTRACTS}, got {self.contract!r}")
         if self.upcast not in UPCASTS:
             raise ValueError(f"upcast must be one of {UPCASTS}, got {self.upcast!r}")
+        if self.contract == "reduce" and self.precision != "float32":
+            raise ValueError("contract='reduce' scores in float32 only")
         if self.contract == "reduce" and self.upcast in ("bf16_pairs", "bf16_split3", "native"):
             raise ValueError("contract='reduce' widens inside the fused reduce; use upcast='convert'")
         if self.block_rows < 1:
@@ -177,8 +212,10 @@ def make_score_plan(
     query_major: bool | None = None,
     upcast: str | None = None,
     contract: str | None = None,
+    precision: str = "float32",
 ) -> Plan:
-    """Chooses the fastest known formulation for a regime (see the module docstring).
+    """Chooses the fastest known formulation for a regime and platform (`_PLATFORM_PLANS`; see
+    the module docstring).
 
     Args:
       num_queries: queries scored together.
@@ -186,35 +223,64 @@ def make_score_plan(
       dtype: storage dtype of the rows.
       backend: "cpu", "gpu", "tpu" (default: `runtime.target_platform()`, JAX's default backend
         unless the planner targets another).
-      block_rows, query_major, upcast: overrides (benchmarks compare formulations with them).
+      block_rows, query_major, upcast, contract: overrides (benchmarks compare formulations with them).
+      precision: "float32" | "tf32" | "bf16" (`config.retrieval.precision`).
 
     Returns:
       Plan.
     """
     name = _dtype_name(dtype)
     backend = backend or runtime.target_platform()
-    lo, hi = _NATIVE_QUERIES.get(name, (0, -1))
-    if upcast is None:
-        if backend == "cpu" and lo <= num_queries <= hi and native.available() and native.isa() == "avx512":
-            upcast = "native"  # the FFI kernel (only its AVX-512 path was measured faster)
-        elif name == "float32":
-            upcast = "none"
-        elif name == "bfloat16" and backend == "cpu" and num_queries > _ROWS_MAJOR_MAX_QUERIES and dim % 2 == 0:
-            upcast = "bf16_pairs"  # many queries on CPU: widen once per block, then a float32 matmul
-        elif name == "bfloat16":
-            upcast = "bf16_split3"  # native bf16 x bf16 -> f32 dot against the 3-term query split
-        else:
-            upcast = "convert"
+    if precision not in PRECISIONS:
+        raise ValueError(f"retrieval.precision must be one of {PRECISIONS}, got {precision!r}")
+    choose = _PLATFORM_PLANS.get(backend, _accelerator_plan)
+    chosen, major, tile, upcast_tile, score_all = choose(num_queries, dim, name, precision)
+    upcast = chosen if upcast is None else upcast
     if upcast == "native" and name not in native.TARGETS:
         raise ValueError(f"upcast='native' scores {tuple(native.TARGETS)} rows, not {name}")
-    if query_major is None:
-        query_major = num_queries > _ROWS_MAJOR_MAX_QUERIES
     if block_rows is None:
-        rows = _SCORE_TILE // max(num_queries, 1)
+        rows = tile // max(num_queries, 1)
         if upcast in ("convert", "bf16_pairs"):  # these materialise widened float32 rows per block
-            rows = min(rows, _UPCAST_TILE // max(dim, 1))
+            rows = min(rows, upcast_tile // max(dim, 1))
         block_rows = 1 << max(6, int(math.log2(max(rows, 1))))
-    return Plan(block_rows=int(block_rows), query_major=bool(query_major), upcast=upcast, contract=contract or "dot")
+    return Plan(
+        block_rows=int(block_rows),
+        query_major=bool(major if query_major is None else query_major),
+        upcast=upcast,
+        contract=contract or "dot",
+        precision=precision,
+        score_all=score_all,
+    )
+
+
+def _cpu_plan(num_queries: int, dim: int, name: str, precision: str) -> tuple[str, bool, int, int, int | None]:
+    """XLA:CPU (module docstring, "CPU formulations"): `(upcast, query_major, score tile,
+    widened-rows tile, score_all)`. The native kernel and bf16 pairs score in float32 only."""
+    lo, hi = _NATIVE_QUERIES.get(name, (0, -1))
+    exact = precision == "float32"
+    if exact and lo <= num_queries <= hi and native.available() and native.isa() == "avx512":
+        upcast = "native"  # the FFI kernel (only its AVX-512 path was measured faster)
+    elif name == "float32":
+        upcast = "none"
+    elif name == "bfloat16" and exact and num_queries > _ROWS_MAJOR_MAX_QUERIES and dim % 2 == 0:
+        upcast = "bf16_pairs"  # many queries on CPU: widen once per block, then a float32 matmul
+    elif name == "bfloat16":
+        upcast = "bf16_split3"  # native bf16 x bf16 -> f32 dot against the query's bf16 terms
+    else:
+        upcast = "convert"
+    return upcast, num_queries > _ROWS_MAJOR_MAX_QUERIES, _SCORE_TILE, _UPCAST_TILE, None
+
+
+def _accelerator_plan(num_queries: int, dim: int, name: str, precision: str) -> tuple[str, bool, int, int, int | None]:
+    """GPU / TPU (module docstring, "Accelerator formulations"): the rows' stored dtype into the
+    GEMM, float32 accumulation, query-major scores, HBM-sized tiles."""
+    del num_queries, dim, precision
+    upcast = {"float32": "none", "bfloat16": "bf16_split3"}.get(name, "convert")
+    return upcast, True, _ACCEL_SCORE_TILE, _ACCEL_UPCAST_TILE, _ACCEL_SCORE_ALL
+
+
+# backend -> plan chooser (unknown backends take the accelerator plan)
+_PLATFORM_PLANS = {"cpu": _cpu_plan, "gpu": _accelerator_plan, "tpu": _accelerator_plan}
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,18 +311,20 @@ def _widen(blk: Array, upcast: str) -> tuple[Array, ...]:
     return even, odd
 
 
-def _split3(q: Float[Array, "q d"]) -> Array:
-    """`[Q, d]` float32 -> `[d, 3Q]` bfloat16 with columns (query j, term t): q = q1 + q2 + q3.
+def _split3(q: Float[Array, "q d"], terms: int = 3) -> Array:
+    """`[Q, d]` float32 -> `[d, terms * Q]` bfloat16 with columns (query j, term t):
+    q = q1 + q2 + q3 for 3 terms (fewer terms: the leading ones).
 
     Each term is the bfloat16 rounding of what the previous ones left (8 significand bits
     each, 24 in all = float32); the remainder is below float32 rounding of q.
     """
     qt = q.T
-    q1 = qt.astype(jnp.bfloat16)
-    r = qt - q1.astype(jnp.float32)
-    q2 = r.astype(jnp.bfloat16)
-    q3 = (r - q2.astype(jnp.float32)).astype(jnp.bfloat16)
-    return jnp.stack([q1, q2, q3], axis=-1).reshape(qt.shape[0], -1)
+    parts, r = [], qt
+    for _ in range(terms):
+        t = r.astype(jnp.bfloat16)
+        parts.append(t)
+        r = r - t.astype(jnp.float32)
+    return jnp.stack(parts, axis=-1).reshape(qt.shape[0], -1)
 
 
 def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[Array, "q b"]:
@@ -270,18 +338,25 @@ def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[A
         # float32 and accumulate in float32, so this equals a float32 dot, and XLA:CPU runs it
         # natively on the bf16 rows (no widened copy; bf16 dot instructions where available).
         (w,) = q_parts
-        s = jnp.dot(blk, w, preferred_element_type=jnp.float32)  # [b, 3Q]
-        return s.reshape(blk.shape[0], -1, 3).sum(axis=-1).T
+        terms = _SPLIT_TERMS[plan.precision]
+        if plan.query_major:  # scores come out [terms * Q, b]: no transpose of the score tile
+            s = lax.dot_general(w, blk, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return s.reshape(-1, terms, blk.shape[0]).sum(axis=1)
+        s = jnp.dot(blk, w, preferred_element_type=jnp.float32)  # [b, terms * Q]
+        return s.reshape(blk.shape[0], -1, terms).sum(axis=-1).T
     if plan.contract == "reduce":
         # One fused multiply-reduce (XLA:CPU hands it, widening included, to its YNNPACK path).
         (qp,) = q_parts
         return jnp.sum(blk[None, :, :].astype(jnp.float32) * qp[:, None, :], axis=-1)
     out = None
+    prec = _DOT_PRECISION.get(plan.precision)  # None: "bf16", both operands rounded to bfloat16
     for qp, rp in zip(q_parts, _widen(blk, plan.upcast)):
+        if prec is None:
+            qp, rp = qp.astype(jnp.bfloat16), rp.astype(jnp.bfloat16)
         if plan.query_major:
-            s = jnp.dot(qp, rp.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+            s = jnp.dot(qp, rp.T, precision=prec, preferred_element_type=jnp.float32)
         else:
-            s = jnp.dot(rp, qp.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32).T
+            s = jnp.dot(rp, qp.T, precision=prec, preferred_element_type=jnp.float32).T
         out = s if out is None else out + s
     return out
 
@@ -325,14 +400,15 @@ def _device_topk(
             rows = lax.bitcast_convert_type(rows.reshape(m, rows.shape[1] // 2, 2), jnp.uint32)
         q_parts = (q[:, 0::2], q[:, 1::2])
     elif plan.upcast == "bf16_split3":
-        q_parts = (_split3(q),)
+        q_parts = (_split3(q, _SPLIT_TERMS[plan.precision]),)
     else:
         q_parts = (q,)
     bs = min(plan.block_rows, m)
     num_blocks = -(-m // bs)
     kk = min(k, m)
 
-    if num_blocks == 1 or (nq * m <= _SCORE_ALL and plan.upcast in ("none", "bf16_split3", "native")):
+    score_all = _SCORE_ALL if plan.score_all is None else plan.score_all
+    if num_blocks == 1 or (nq * m <= score_all and plan.upcast in ("none", "bf16_split3", "native")):
         # Few queries and no widened copy of the rows: the whole shard is one dot whose scores
         # fit one buffer; select once. (Looping over blocks would add a dynamic-slice copy of
         # every row block, and a per-block selection, for no gain. Widening upcasts keep
@@ -505,6 +581,7 @@ def topk(
     mesh: Mesh | None = None,
     *,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """Exact top-k proponents and bottom-k opponents of every query over in-memory rows.
 
@@ -517,7 +594,8 @@ def topk(
       row_scale: optional `[n]` per-row multiplier (int8 dequantisation scale times, e.g., the
         on-the-fly `1/||R^{-1/2} g_m||` of `index.prepare_scoring`).
       mesh: rows are split over all of its devices (default: one device).
-      plan: kernel formulation (default `make_score_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(..., precision=precision)`).
+      precision: "float32" (exact) | "tf32" | "bf16" (`config.retrieval.precision`; ignored with `plan`).
 
     Returns:
       TopK with `[Q, k]` arrays: proponents by (score desc, id asc), opponents by (score asc, id asc).
@@ -542,7 +620,7 @@ def topk(
         rows = jnp.pad(rows, ((0, n_pad - n), (0, 0))) if isinstance(rows, jax.Array) else _host_rows(rows, n_pad)
         if row_scale is not None:
             row_scale = _host_rows(np.asarray(row_scale, np.float32), n_pad)
-    plan = plan or make_score_plan(q.shape[0], d, rows.dtype)
+    plan = plan or make_score_plan(q.shape[0], d, rows.dtype, precision=precision)
     rows, scale = _put_rows(mesh, rows, row_scale, plan)
     fn = _sharded_fn(mesh, k, plan, scale is not None)
     args = (_put_replicated(mesh, q), rows) + ((scale,) if scale is not None else ()) + _scalars(mesh, 0, n)
@@ -591,6 +669,7 @@ def stream_topk(
     *,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """`topk` over an index streamed chunk by chunk (never held in memory as a whole).
 
@@ -607,7 +686,8 @@ def stream_topk(
       mesh: devices to split each chunk over (default: one device).
       row_scale: optional `[num_rows]` extra per-row multiplier (on-the-fly scoring scales).
       query_batch_size: queries scored together (default: all); the last batch is padded.
-      plan: kernel formulation (default `make_score_plan(...)`).
+      plan: kernel formulation (default `make_score_plan(..., precision=precision)`).
+      precision: "float32" (exact) | "tf32" | "bf16" (`config.retrieval.precision`; ignored with `plan`).
 
     Returns:
       TopK (see `topk`).
@@ -633,7 +713,7 @@ def stream_topk(
     num_dev = mesh.devices.size
     chunk_rows, qbs = _stream_shapes(chunk_rows, n, num_dev, q.shape[0], query_batch_size)
     batches = [_host_rows(q[i : i + qbs], qbs) for i in range(0, q.shape[0], qbs)]
-    plan = plan or make_score_plan(qbs, d, reader.dtype)
+    plan = plan or make_score_plan(qbs, d, reader.dtype, precision=precision)
     merge = _merge_fn(k)
     results: list[tuple[Any, ...] | None] = [None] * len(batches)
     q_dev = [_put_replicated(mesh, b) for b in batches]
@@ -888,6 +968,7 @@ def local_candidates(
     process_count: int,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """One process's share of `process_stream_topk`: top-k / bottom-k of its rows
     (`process_row_range`) with global ids, padded to `[Q, k]` with rows that never win."""
@@ -899,7 +980,17 @@ def local_candidates(
         return _pad_candidates(_empty(0), q.shape[0], k)
     scale = None if row_scale is None else np.asarray(row_scale, np.float32)[lo:hi]
     sub = RowRange(reader, lo, hi)
-    res = stream_topk(q, sub, min(k, hi - lo), chunk_rows, mesh, scale, query_batch_size=query_batch_size, plan=plan)
+    res = stream_topk(
+        q,
+        sub,
+        min(k, hi - lo),
+        chunk_rows,
+        mesh,
+        scale,
+        query_batch_size=query_batch_size,
+        plan=plan,
+        precision=precision,
+    )
     return _pad_candidates(res._replace(top_ids=res.top_ids + lo, bottom_ids=res.bottom_ids + lo), q.shape[0], k)
 
 
@@ -913,6 +1004,7 @@ def process_stream_topk(
     *,
     query_batch_size: int | None = None,
     plan: Plan | None = None,
+    precision: str = "float32",
 ) -> TopK:
     """`stream_topk` split over the processes of a `jax.distributed` job (a pod).
 
@@ -924,7 +1016,7 @@ def process_stream_topk(
     reading fails tells the others at once. In a single process it is `stream_topk`.
 
     Args:
-      queries, reader, k, chunk_rows, row_scale, query_batch_size, plan: as `stream_topk`
+      queries, reader, k, chunk_rows, row_scale, query_batch_size, plan, precision: as `stream_topk`
         (`row_scale` over the whole index; only this process's range is read).
       mesh: this process's devices (default: one device).
 
@@ -945,6 +1037,7 @@ def process_stream_topk(
             process_count=jax.process_count(),
             query_batch_size=query_batch_size,
             plan=plan,
+            precision=precision,
         )
     # ids travel as int32 (JAX's default integer width; row ids are < 2^31, see SENTINEL)
     ts, ti, bs, bi = (

@@ -1,0 +1,91 @@
+"""benchmarks/accelerator.sh, the one bounded GPU check (issue 36): every part runs at toy sizes
+on the CPU (`--smoke`), so the script never breaks unseen, and its accelerator time limits fit
+the 8-minute budget. One test per part (each a few processes of seconds to a minute)."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+SCRIPT = REPO / "benchmarks" / "accelerator.sh"
+# the keys each part's JSON lines must carry (the measurement, not just a line)
+PARTS = {
+    "train": ("tokens_per_sec", "compile_s"),
+    "feat70_f32": ("compile_s", "step_s", "tokens_per_s", "gemm_flops_per_s", "peak_fraction"),
+    "feat70_bf16": ("compile_s", "step_s", "tokens_per_s", "gemm_flops_per_s", "peak_fraction"),
+    "feat154_bf16": ("compile_s", "step_s", "tokens_per_s"),
+    "feat154_f32": ("compile_s", "step_s", "tokens_per_s"),
+    "index": ("tokens_per_s", "wall_s", "tokens_per_s_wall"),
+    "retrieve_1e6": ("ours_dots_per_s", "plan"),
+    "retrieve_1e7": ("ours_dots_per_s", "plan"),
+    "tailpatch": ("pairs_per_s", "compile_s"),
+}
+
+
+def _smoke(tmp_path, part, lama_dir="") -> tuple[dict, list[dict]]:
+    # one CPU device, as on the GPU host (conftest forces 8 for this process)
+    xla = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "LAMA_DIR": lama_dir, "XLA_FLAGS": xla}
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), str(tmp_path), "--smoke", part], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (summary,) = [json.loads(x) for x in (tmp_path / "summary.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / f"{part}.jsonl").read_text().splitlines()]
+    assert summary["part"] == part and summary["exit"] == 0, (tmp_path / f"{part}.log").read_text()[-3000:]
+    # what the part printed is on stdout too, the moment it exists
+    assert sum(line.startswith("{") for line in proc.stdout.splitlines()) == len(lines) + 1
+    return summary, lines
+
+
+@pytest.mark.parametrize("part", sorted(set(PARTS) - {"index"}))
+def test_every_part_runs_at_toy_size(tmp_path, part):
+    _, lines = _smoke(tmp_path, part)
+    measured = [x for x in lines if "skipped" not in x]
+    assert measured and all(k in x for x in measured[:1] for k in PARTS[part]), lines
+    if part.startswith("feat"):
+        assert all(x["compile_s"] > 0 for x in measured if x["path"] != "summary")
+    if part == "feat70_f32":  # the paths agree at the precision they ran
+        (ref,) = [x for x in measured if x["path"] == "reference"]
+        assert ref["fast_vs_reference_rel_err"] < 1e-4
+        assert {x["path"] for x in measured} == {"train", "fast", "reference", "trak", "summary"}
+    if part.startswith("retrieve"):  # an absent optional method is a line, not a crash
+        for method in ("torch", "faiss"):
+            try:
+                __import__(method)
+            except ImportError:
+                assert any(x.get("skipped") == method for x in lines)
+
+
+def test_index_part_builds_lama_end_to_end(tmp_path, shared_data):
+    _, lines = _smoke(tmp_path, "index", str(shared_data / "lama"))
+    (row,) = lines
+    assert row["rows"] > 0 and row["tokens"] > 0 and row["wall_s"] > row["seconds"]
+
+
+def test_index_part_without_lama_says_so(tmp_path):
+    _, lines = _smoke(tmp_path, "index", str(tmp_path / "nowhere"))
+    assert lines == [{"bench": "build_index", "skipped": "lama", "reason": lines[0]["reason"]}]
+
+
+def test_accelerator_limits_fit_eight_minutes_and_name_every_part():
+    text = SCRIPT.read_text()
+    table = re.search(r"declare -A LIMIT=\((.*?)\)", text, re.S).group(1)
+    limits = {k: int(v) for k, v in re.findall(r"\[(\w+)\]=(\d+)", table)}
+    default = re.search(r'^ALL="([^"]+)"', text, re.M).group(1).split(",")
+    assert set(limits) == set(default) == set(PARTS)
+    assert sum(limits.values()) <= 480
+    proc = subprocess.run(
+        ["bash", str(SCRIPT), "/tmp/unused_accel_out", "--smoke", "nope"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and "unknown part nope" in proc.stderr
+
+
+def test_ignored_folders_for_the_device_carry():
+    ignored = pathlib.Path(REPO / ".gitignore").read_text().split()
+    assert ".wheels/" in ignored and ".gpu_data/" in ignored
