@@ -89,6 +89,7 @@ INDEX_KEYS = {
     "vectors.exact_v": IDENTITY,
     "vectors.unembed": IDENTITY,  # (left out for tied models: no output embedding of their own)
     "vectors.batch_size": FEATURIZER,
+    "vectors.matmul_precision": FEATURIZER,  # the GEMMs' precision: the rows' bits (recorded when not float32)
     "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
     "vectors.estimate_v_seed": OTHER,
 }

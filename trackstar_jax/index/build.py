@@ -86,6 +86,8 @@ def index_manifest(
             "length_buckets": f"pow2>={data_lib.MIN_BUCKET_LEN}",
             # `model.matmul_dtype` (a runtime key, so not in model.config) changes the rows' bits
             **({"matmul_dtype": run.model_cfg.matmul_dtype} if run.model_cfg.matmul_dtype else {}),
+            # `vectors.matmul_precision` below float32 (tf32 / bf16 operands) changes them too
+            **({"matmul_precision": vec_cfg.matmul_precision} if vec_cfg.matmul_precision != "float32" else {}),
         },
         info={
             "workdir": str(run.workdir),
