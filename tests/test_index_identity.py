@@ -67,6 +67,10 @@ def test_only_identity_keys_change_the_identity():
             continue
         field = key.split(".")[1]
         value = getattr(vec_cfg, field)
-        other = {bool: lambda v: not v, int: lambda v: v + 1, str: lambda v: {"loss": "margin", "fast": "reference", "float32": "tf32"}[v]}
+        other = {
+            bool: lambda v: not v,
+            int: lambda v: v + 1,
+            str: lambda v: {"loss": "margin", "fast": "reference", "float32": "tf32"}[v],
+        }
         changed = dataclasses.replace(vec_cfg, **{field: other[type(value)](value)})
         assert (ident(_manifest(model_cfg, changed)) != base) == (cls == config_lib.IDENTITY), key
