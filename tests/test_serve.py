@@ -674,7 +674,7 @@ def test_eval_filters_on_mixed_buckets_and_correctness(evaluated, tmp_path):
     (tmp_path / "eval" / "table.json").write_text(json.dumps(table))
     for m, recs_m in recs.items():
         for x in recs_m:
-            x["model_correct"] = correct[x["example_id"]]
+            x["model_correct"] = correct[int(x["example_id"])]  # example_id: a string (the released schema)
         (tmp_path / "eval" / "retrievals" / f"{m}.jsonl").write_text(dump(recs_m))
     browser = browse.Browser(tmp_path, engine.run.corpus.texts)
     assert browser.summary()["facets"]["bucket"] == ["0", "[1,10)", "[10,100)"]
