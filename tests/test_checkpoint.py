@@ -124,13 +124,10 @@ def test_run_config_guards_the_workdir(tiny_config, tmp_path):
     before = (tmp_path / "config.json").stat().st_mtime_ns
     checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))  # same run: nothing written
     assert (tmp_path / "config.json").stat().st_mtime_ns == before
+    # No checkpoint yet: every train key may change (issue 38, item 10); the data may not.
     tiny_config.train.learning_rate = 0.5
     tiny_config.data.embedded.num_facts = 7
-    with pytest.raises(
-        ValueError,
-        match=r"different run.*data\.embedded\.num_facts: saved 120, now 7; "
-        r"train\.learning_rate: saved 0\.01, now 0\.5",
-    ):
+    with pytest.raises(ValueError, match=r"different run.*Differences: data\.embedded\.num_facts: saved 120, now 7$"):
         checkpoint.save_run_config(tmp_path, config_lib.from_configdict(tiny_config))
     with pytest.raises(FileNotFoundError, match="no run config"):
         config_lib.load_run_settings(tmp_path / "nothing")

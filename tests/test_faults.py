@@ -276,6 +276,25 @@ def test_evaluate_rerun_follows_the_retrieve_rule(work):
         evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
 
 
+def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_writing(work, monkeypatch):
+    """Issue 38 (12): a full disk during training gave orbax's background writers' tracebacks
+    (137 of them) before one clear line; the save is refused up front, naming the step folder."""
+    s = _settings()
+    mngr = checkpoint.CheckpointManager(work / "checkpoints", max_to_keep=None)
+    _, target = checkpoint.abstract_state(s.model, step_lib.make_optimizer(s.train.optimizer))
+    step, state = mngr.restore_latest(target)
+    nbytes = sum(x.nbytes for x in jax.tree.leaves(state))
+    usage = shutil.disk_usage(work)
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage._replace(free=nbytes // 2))
+    before = sorted(p.name for p in (work / "checkpoints").iterdir())
+    with pytest.raises(
+        files.WriteError, match=rf"cannot write checkpoint {work / 'checkpoints' / str(step + 1)}: the disk is full"
+    ):
+        mngr.save(state.replace(step=jnp.asarray(step + 1, jnp.int32)), s)
+    mngr.close()
+    assert sorted(p.name for p in (work / "checkpoints").iterdir()) == before
+
+
 # ---------------------------------------------------------------------------------------
 # NaN checkpoints
 # ---------------------------------------------------------------------------------------

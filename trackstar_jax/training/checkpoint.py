@@ -15,9 +15,11 @@ stages everything they need in one call.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pathlib
+import shutil
 from typing import Any, Sequence
 
 import jax
@@ -174,6 +176,10 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     ]
 
 
+# Beyond the arrays: orbax's metadata, the resolved config, the tensorstore manifests.
+CHECKPOINT_SLACK_BYTES = 1 << 20
+
+
 class CheckpointManager:
     """orbax `CheckpointManager` for `TrainState` + resolved config under `directory`.
 
@@ -215,6 +221,7 @@ class CheckpointManager:
                 f"refusing to save step {step} in {self.directory}: it already holds step {latest} "
                 "(a newer or equal checkpoint is never overwritten)"
             )
+        self.check_space(step, state)
         self._mngr.save(
             step,
             args=ocp.args.Composite(
@@ -222,6 +229,23 @@ class CheckpointManager:
             ),
         )
         return step
+
+    def check_space(self, step: int, state: train_lib.TrainState) -> None:
+        """Refuses a save the disk cannot hold, before anything is written: orbax's background
+        writers would otherwise fail one array at a time, each logging its own traceback.
+
+        Raises:
+          files.WriteError: naming the step's folder, the free and the needed bytes.
+        """
+        need = sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(state)) + CHECKPOINT_SLACK_BYTES
+        free = shutil.disk_usage(self.directory).free
+        if free < need:
+            raise files.WriteError(
+                errno.ENOSPC,
+                f"cannot write checkpoint {self.directory / str(step)}: the disk is full ({free / 2**20:.1f} MiB "
+                f"free, the checkpoint needs about {need / 2**20:.1f} MiB); free space and rerun (training "
+                "resumes from the last checkpoint), or give another --workdir",
+            )
 
     def saved_config(self, step: int | None = None) -> dict:
         """The resolved config stored with checkpoint `step` (default: latest)."""
