@@ -120,3 +120,29 @@ def test_the_scanner_sees_every_import_form(tmp_path, source, expect):
     pkg.mkdir(parents=True)
     (pkg / "x.py").write_text(source)
     assert [name for _, name in _imported_modules(pkg / "x.py", tmp_path)] == [expect]
+
+
+def test_the_package_and_launchers_import_without_optional_packages():
+    """A base install (no `hf`, `gguf`, `serve`, `seqio` extras) imports every role package and the
+    launchers: optional packages are imported where they are used (models/hf.py imported
+    safetensors at module level once the architecture registry made every import reach it)."""
+    import subprocess
+    import sys
+
+    optional = ("safetensors", "tokenizers", "gguf", "starlette", "uvicorn", "seqio", "torch", "transformers")
+    code = (
+        "import sys\n"
+        f"for name in {optional!r}:\n"
+        "    sys.modules[name] = None  # import of it raises ImportError\n"
+        "import trackstar_jax.config, trackstar_jax.models, trackstar_jax.features, trackstar_jax.index\n"
+        "import trackstar_jax.retrieval, trackstar_jax.training, trackstar_jax.evaluation\n"
+    )
+    for launcher in ("train", "evaluate"):  # each defines the same absl flags: one per process
+        res = subprocess.run(
+            [sys.executable, "-c", code + f"import launch.{launcher}\n"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert res.returncode == 0, res.stderr[-3000:]

@@ -36,7 +36,6 @@ from typing import Any, Callable, Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
-import safetensors
 
 from trackstar_jax import files as files_lib
 from trackstar_jax.models import lm
@@ -298,8 +297,22 @@ def _unflatten(flat: Mapping[str, Any]) -> dict:
     return out
 
 
+def _safetensors() -> Any:
+    """The optional `safetensors` package, imported only when an HF folder is read: the package
+    (every architecture module registers its HF mapping from here) must import without it."""
+    try:
+        import safetensors  # noqa: PLC0415  (optional dependency: the `hf` extra)
+    except ImportError as e:
+        raise ImportError(
+            f"reading a Hugging Face model folder needs the optional `safetensors` package ({e}): "
+            "pip install 'trackstar_jax[hf]'"
+        ) from None
+    return safetensors
+
+
 def _safe_open(path: pathlib.Path) -> Any:
     """`safetensors.safe_open`, with a damaged file named (not a bare `SafetensorError`)."""
+    safetensors = _safetensors()
     try:
         return safetensors.safe_open(str(path), framework="numpy")
     except (safetensors.SafetensorError, OSError) as e:
@@ -324,7 +337,7 @@ class _SafetensorsFolder(Mapping):
             self._handles[path] = _safe_open(path)
         try:
             return self._handles[path].get_tensor(name)
-        except (safetensors.SafetensorError, OSError) as e:
+        except (_safetensors().SafetensorError, OSError) as e:
             raise files_lib.InputError(
                 f"{path}: tensor {name!r} cannot be read ({e}); download the file again"
             ) from None
