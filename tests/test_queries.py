@@ -50,6 +50,10 @@ def test_cut_completion():
     assert queries.cut_completion(" Paris. He later moved") == "Paris"
     assert queries.cut_completion(" Alexandra, Victoria\nmore") == "Alexandra, Victoria"
     assert queries.cut_completion(" 3.5 metres") == "3.5 metres"
+    # an instruction-tuned model answers on a new line: the first non-blank line is the answer
+    assert queries.cut_completion("\n\n-   Paris\n-  ") == "-   Paris"
+    assert queries.is_correct(queries.cut_completion("\n\n-   Paris\n-  "), ["Paris"])
+    assert queries.cut_completion("\n\n") == ""
 
 
 # ---------------------------------------------------------------------------------------

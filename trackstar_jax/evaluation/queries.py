@@ -574,7 +574,11 @@ def predict(
 
 
 def cut_completion(text: str) -> str:
-    """The answer part of a completion: up to the first newline, "; " or sentence-ending ". "."""
-    text = text.split("\n", 1)[0]
+    """The answer part of a completion: its first non-blank line, up to "; " or a sentence-ending ". ".
+
+    Instruction-tuned models (SmolLM2-Instruct) answer a prompt ending in a colon on a new line
+    ("\n\n-   Paris"); cutting at the first newline would score every such answer as empty.
+    """
+    text = text.lstrip().split("\n", 1)[0]
     m = re.search(r"[.;](\s|$)", text)
     return (text[: m.start()] if m else text).strip()
