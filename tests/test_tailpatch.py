@@ -242,3 +242,20 @@ def test_fsdp_mesh_gives_the_same_deltas(trained):
     for k in out[(8, 1, 1)]:
         np.testing.assert_allclose(out[(2, 4, 1)][k], out[(8, 1, 1)][k], rtol=1e-5, atol=1e-7, err_msg=k)
         np.testing.assert_array_equal(again[k], out[(2, 4, 1)][k])
+
+
+def test_tailpatch_subsets_are_prefixes_of_one_seeded_order():
+    """A smaller `tailpatch.max_queries` takes the first queries of the same seeded order, so it
+    reuses every pair a larger (interrupted) run cached; subsets are sorted for the rows."""
+    from trackstar_jax import config as config_lib  # noqa: PLC0415
+    from trackstar_jax.evaluation import stage  # noqa: PLC0415
+
+    def subset(n):
+        return stage.tailpatch_queries(config_lib.Settings().replace({"tailpatch.max_queries": n}), 200)
+
+    order = stage.tailpatch_order(config_lib.Settings(), 200)
+    assert sorted(order) == list(range(200)) and order != list(range(200))
+    small, large = subset(60), subset(160)
+    assert small == sorted(small) and len(small) == 60 and len(large) == 160
+    assert set(small) < set(large) and set(small) == set(order[:60])
+    assert subset(0) == list(range(200)) and subset(500) == list(range(200))

@@ -71,14 +71,19 @@ def accuracy_by_relation(eq: query_set.EvalQueries) -> dict[str, dict]:
     return {k: {**v, "accuracy": v["correct"] / v["n"]} for k, v in sorted(out.items())}
 
 
+def tailpatch_order(settings: config_lib.Settings, num_queries: int) -> list[int]:
+    """The seeded order in which queries are tail-patched: the subset of `n` queries is the
+    first `n` of it, so a smaller `tailpatch.max_queries` reuses the cached pairs of a larger one."""
+    return [int(i) for i in np.random.default_rng(settings.eval.bootstrap_seed + 17).permutation(num_queries)]
+
+
 def tailpatch_queries(settings: config_lib.Settings, num_queries: int) -> list[int]:
-    """Indices of the tail-patched queries: all, or a seeded subset of `tailpatch.max_queries`
-    (sorted; the same for every row, so rows stay paired)."""
+    """Indices of the tail-patched queries: all, or the first `tailpatch.max_queries` of
+    `tailpatch_order` (sorted; the same for every row, so rows stay paired)."""
     n = settings.tailpatch.max_queries
     if not n or n >= num_queries:
         return list(range(num_queries))
-    rng = np.random.default_rng(settings.eval.bootstrap_seed + 17)
-    return sorted(int(i) for i in rng.choice(num_queries, size=n, replace=False))
+    return sorted(tailpatch_order(settings, num_queries)[:n])
 
 
 def tailpatch_all(
@@ -113,7 +118,9 @@ def tailpatch_all(
         else None
     )
     have = cache.values if cache is not None else {}
-    todo = [pq for pq in pairs if keys[pq] not in have]
+    rank = {q: i for i, q in enumerate(tailpatch_order(settings, len(eq.queries)))}
+    # query by query in the seeded order: an interrupted run has cached whole queries of any smaller subset
+    todo = sorted((pq for pq in pairs if keys[pq] not in have), key=lambda pq: (rank[pq[0]], pq[1]))
     logging.info(
         "eval: %d distinct tail-patch pairs, %d cached, %d to compute", len(pairs), len(pairs) - len(todo), len(todo)
     )
