@@ -114,3 +114,8 @@ def test_a_registered_kind_is_served_by_the_explorer(registered, ctx_eq):
     assert got["opponents"] == [] and got["record"]["proponent_ids"] == ids
     with pytest.raises(engine_lib.QueryError, match="only gradient rows"):
         engine.query(prompt, target, k=5, method="toy", token_scores=True)
+
+
+def test_every_table_row_has_a_registered_kind():
+    assert {m.kind for m in methods_lib.METHODS.values()} <= set(rows.ROW_KINDS)
+    assert [k for k, v in rows.ROW_KINDS.items() if v.gold_attribution] == ["gold"]

@@ -171,11 +171,14 @@ class RowKind:
       make: `(method, ctx) -> Retriever`; state shared by rows goes through `ctx.shared`.
       unavailable: `() -> str | None`: why the kind cannot run on this machine (a missing
         optional model, with the command that installs it), None when it can.
+      gold_attribution: its proponents are the fact's evidence by definition (the gold row):
+        the table shows "gold" for its attribution metrics instead of measuring them.
     """
 
     name: str
     make: Callable[[baselines_lib.Method, Context], Retriever]
     unavailable: Callable[[], str | None] = lambda: None
+    gold_attribution: bool = False
 
 
 ROW_KINDS: dict[str, RowKind] = {}
@@ -462,7 +465,7 @@ def _dense_unavailable() -> str | None:
 register(RowKind("gradient", lambda m, ctx: GradientRetriever(ctx, m)))
 register(RowKind("bm25", _bm25))
 register(RowKind("dense", _dense, unavailable=_dense_unavailable))
-register(RowKind("gold", lambda m, ctx: GoldRetriever(ctx)))
+register(RowKind("gold", lambda m, ctx: GoldRetriever(ctx), gold_attribution=True))
 
 
 def method_settings(settings: config_lib.Settings, m: baselines_lib.Method) -> config_lib.Settings:
