@@ -228,6 +228,9 @@ def make_retrievers(methods: list[baselines_lib.Method], ctx: Context) -> dict[s
 class GoldRetriever(Retriever):
     """The fact's own entailing passages, in id order (T-REx gold row: tail-patch only)."""
 
+    def __init__(self, ctx: Context):
+        self.num_passages = len(ctx.run.corpus.examples)
+
     def retrieve(self, eq: QuerySet, k: int, *, token_scores: bool = False) -> Retrieved:
         if token_scores:
             raise ValueError("the gold row does not split its scores over tokens")
@@ -242,9 +245,6 @@ class GoldRetriever(Retriever):
         for qi, q in enumerate(qs):
             out[qi, list(q.gold or ())] = 1.0
         return out
-
-    def __init__(self, ctx: Context):
-        self.num_passages = len(ctx.run.corpus.examples)
 
     def serve(self, r_eval: Callable[[], REvalSet]) -> Retriever:
         raise NotServed("the gold row is the fact's evidence passages; a typed query has no fact")
