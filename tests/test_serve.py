@@ -279,7 +279,7 @@ def test_file_endpoint_reads_jsonl_and_refuses_paths_outside(served, tmp_path):
 
 def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
     """Eight requests fired together: each gets its own (correct) answer, and the device work
-    (`Engine._gradient`) never runs twice at once, so memory is not multiplied."""
+    (`Engine._answer`) never runs twice at once, so memory is not multiplied."""
     _, _, engine, client = served
     facts = [_fact(engine, (1, 3)[i % 2]) for i in range(8)]  # two facts asked before: no new compile
     want = [
@@ -287,7 +287,7 @@ def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
         for p, t in facts
     ]
     inside, peak, guard = [0], [0], threading.Lock()
-    original = engine._gradient
+    original = engine._answer
 
     def counted(*args, **kwargs):
         with guard:
@@ -300,7 +300,7 @@ def test_concurrent_queries_run_one_at_a_time(served, monkeypatch):
             with guard:
                 inside[0] -= 1
 
-    monkeypatch.setattr(engine, "_gradient", counted)
+    monkeypatch.setattr(engine, "_answer", counted)
     got = [None] * len(facts)
     start = threading.Barrier(len(facts))
 

@@ -3,15 +3,13 @@
 A gradient row is a choice of output function, optimizer correction, Hessian mode and unit
 norm; `Method.overrides` turns it into config overrides (and the index folder it reads).
 This is configuration, not code that runs a row: `config.py` resolves `eval.row` with it,
-and `evaluation.rows` builds one retriever per row.
+and `evaluation.rows` builds one retriever per row from the row's registered kind.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-METHOD_KINDS = ("gold", "bm25", "dense", "gradient")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,7 +18,8 @@ class Method:
 
     Attributes:
       name: key used in `config.eval.methods` and in table.json.
-      kind: "gold" (the fact's own evidence passages, tail-patch only), "bm25", "dense"
+      kind: a registered row kind (`evaluation.rows.ROW_KINDS`; its retriever serves the row):
+        "gold" (the fact's own evidence passages, tail-patch only), "bm25", "dense"
         (text-embedding cosine, `DenseEmbedding`), or "gradient" (retrieval from a gradient index).
       label: the row label, as in Table 1.
       output_fn, correction: the index's `vectors` settings (optimizer second-moment

@@ -2,7 +2,8 @@
 
 - `queries`: fact queries from templates, §A.4 sampling, frequency buckets.
 - `query_set`: the run's facts -> the encoded query set with the model's completions.
-- `rows`: one retriever per table row (gold, BM25, dense, gradient) behind one interface.
+- `rows`: the row-kind registry (`register(RowKind(...))`: gold, BM25, dense, gradient), one
+  retriever interface for the evaluation, LDS and the explorer.
 - `baselines`: BM25, dense embeddings, the table's `METHODS`.
 - `embedding`: the dense row's MiniLM encoder in JAX.
 - `tailpatch`: the tail-patch influence metric (§4.3).

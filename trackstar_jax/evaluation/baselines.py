@@ -157,8 +157,7 @@ def stable_topk(scores: Float[np.ndarray, " n"], k: int) -> Int[np.ndarray, " k"
 
 
 # The rows of Table 1 are configuration (named vector / Hessian settings): trackstar_jax/methods.py.
-METHOD_KINDS, Method, METHODS, TABLE1_ORDER, method = (
-    methods_lib.METHOD_KINDS,
+Method, METHODS, TABLE1_ORDER, method = (
     methods_lib.Method,
     methods_lib.METHODS,
     methods_lib.TABLE1_ORDER,

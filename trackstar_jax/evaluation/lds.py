@@ -35,19 +35,13 @@ from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import report as report_lib
 from trackstar_jax.evaluation import retrain as retrain_lib
 from trackstar_jax.evaluation import rows as rows_lib
-from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.index import build as build_lib
-from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
-from trackstar_jax.index import trak as trak_lib
-from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
 LDS_JSON, LDS_MD = "lds.json", "lds.md"
@@ -205,48 +199,10 @@ def lds_by_m(
 # ---------------------------------------------------------------------------------------
 
 
-def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_set.EvalQueries) -> np.ndarray:
-    """A gradient row's full score matrix `[Q, N]`, exactly as retrieval scores it.
-
-    Builds (or reuses) the row's index, then score = (stored row · q') * row_scale (see
-    `index.scoring.Scoring`), over the whole index read at once (small corpora only).
-    """
-    settings = rows_lib.method_settings(ctx.settings, method)
-    build_lib.build_index(settings, ctx.workdir)
-    reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
-    vec_fn = vectors_lib.make_vector_fn(
-        ctx.run.graphdef,
-        ctx.run.model_cfg,
-        settings.vectors,
-        ctx.run.params,
-        ctx.run.opt_state,
-        mesh=ctx.mesh,
-        role="query",
-    )
-    q_raw = retrieval_stage.query_vectors(ctx.run, vec_fn, eq.encoded)
-    factor = trak_lib.row_factor(ctx.run, settings.vectors.output_fn, reader)  # TRAK's Q multiplies scores
-    scoring = scoring_lib.prepare_scoring(reader, settings.hessian, q_raw, row_factor=factor)
-    rows = reader.read_dequantized(0, reader.num_rows)
-    return (scoring.finalize_queries(q_raw) @ np.asarray(rows, np.float32).T) * scoring.row_scale[None, :]
-
-
 def method_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_set.EvalQueries) -> np.ndarray:
-    """Scores `[Q, N]` of any row: gold (1 on the fact's entailing passages), BM25, dense, gradient."""
-    n = len(ctx.run.corpus.examples)
-    texts = [q.prompt + q.target for q in eq.queries]
-    if method.kind == "gold":
-        out = np.zeros((len(eq.queries), n), np.float32)
-        for qi, q in enumerate(eq.queries):
-            out[qi, list(q.entailing_ids)] = 1.0
-        return out
-    if method.kind == "bm25":
-        ev = ctx.settings.eval
-        bm25 = baselines_lib.BM25(ctx.run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
-        return np.stack([bm25.scores(t) for t in texts])
-    if method.kind == "dense":
-        dense = rows_lib.dense_index(ctx)
-        return np.stack([dense.scores(t) for t in texts])
-    return gradient_scores(ctx, method, eq)
+    """Scores `[Q, N]` of any row, from its kind's retriever (`rows.Retriever.scores`): gold (1 on
+    the fact's entailing passages), BM25, dense, gradient (as retrieval scores it, R_eval = the queries)."""
+    return rows_lib.make_retriever(method, ctx).scores(eq)
 
 
 # ---------------------------------------------------------------------------------------

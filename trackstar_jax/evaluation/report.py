@@ -11,6 +11,7 @@ from trackstar_jax import files
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
+from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation.rows import Retrieved
 from trackstar_jax.retrieval import records
 
@@ -63,7 +64,7 @@ def query_records(
         }
         if statements and ids:
             rec["statement_at_10"] = sum(int(p) in statements for p in ids[:10]) / len(ids[:10])
-        if m.kind != "gold":
+        if not rows_lib.row_kind(m.kind).gold_attribution:
             rec.update(metrics_lib.query_metrics(ids, q.entailing_ids))
             rec.update(metrics_lib.query_metrics(ids, q.mention_ids, prefix="mention_"))
         ds = [deltas.get((qi, int(p))) for p in ids[: max(top_ks)]]  # absent: query or row not tail-patched
@@ -181,7 +182,7 @@ def table_markdown(
             f"{len(q.entailing_ids)} gold passages)\n\n"
         )
         for name, r in retrieved.items():
-            if baselines_lib.METHODS[name].kind == "gold":
+            if rows_lib.row_kind(baselines_lib.METHODS[name].kind).gold_attribution:
                 continue
             md += f"- {baselines_lib.METHODS[name].label}:\n"
             for rank, (p, s) in enumerate(zip(r.proponent_ids[qi][:3], r.proponent_scores[qi][:3]), 1):

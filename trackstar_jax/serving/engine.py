@@ -1,11 +1,13 @@
 """The proponent explorer's loaded state and its one query: featurize + score + top-k.
 
-`Engine` loads the run (`training.checkpoint.load_run`) once, opens every gradient index
-of the workdir that matches the run (one per table row whose index exists), and keeps
-per row the featurizer and the scoring setup (R^{-1/2}, unit norm, row scales), prepared
-once at start. A query runs the same steps as `retrieval.stage.retrieve_queries` for one
-`TextQuery` (same encoding, same padded batch, same `stream_topk`) with that scoring, so
-its result equals the record of a retrieval made with the same R.
+`Engine` loads the run (`training.checkpoint.load_run`) once and asks every table row's
+retriever (`evaluation.rows`, by the row's registered kind) to `serve`: a gradient row opens
+its index when the workdir has one that matches the run and keeps its featurizer and scoring
+setup (R^{-1/2}, unit norm, row scales), prepared once at start; a row that cannot answer a
+typed query says why (`skipped`). A query runs the same steps as
+`retrieval.stage.retrieve_queries` for one `TextQuery` (same encoding, same padded batch, same
+`stream_topk`) with that scoring, so its result equals the record of a retrieval made with the
+same R.
 
 Rows with hessian mode "mixed" (TrackStar, R = λ R_eval + (1-λ) R_train) need R_eval from a
 task-specific set of examples (§3, §A.1.3), never from the one served query (its rank is too
@@ -21,15 +23,14 @@ corpus without facts and no query file), the mixed rows are not offered and `ski
 why: serving them with a per-query R_eval would be another method under TrackStar's name.
 `describe()` reports, per mixed row, where R_eval came from and the λ used.
 
-BM25 and the dense-embedding row (when its model is installed) rank by text, as the
-evaluation's `TextRetriever`.
+BM25 and the dense-embedding row (when its model is installed) rank by text with the
+evaluation's own retriever; their index is built on the first query.
 
 Queries are serialized by one lock: the device runs one query at a time.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import re
@@ -41,20 +42,13 @@ import jax
 from absl import logging
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import data as data_lib
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.distributed import sharding as sharding_lib
-from trackstar_jax.evaluation import baselines as baselines_lib
-from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import rows as rows_lib
-from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.index import build as build_lib
-from trackstar_jax.index import scoring as scoring_lib
-from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.models import generate as generate_lib
-from trackstar_jax.retrieval import records, topk
+from trackstar_jax.retrieval import records
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
@@ -80,27 +74,8 @@ def check_text(field: str, text: str) -> None:
         )
 
 
-class _REvalUnavailable(RuntimeError):
+class _REvalUnavailable(rows_lib.NotServed):
     """The mixed rows' R_eval set cannot be built (the message says why and what to give)."""
-
-
-@dataclasses.dataclass
-class _GradientRow:
-    """One gradient row's loaded state; `r_eval` (mode "mixed") says where R_eval came from."""
-
-    settings: config_lib.Settings
-    reader: Any
-    vec_fn: vectors_lib.VectorFn
-    scoring: scoring_lib.Scoring
-    r_eval: dict | None = None
-
-
-@dataclasses.dataclass
-class _REvalSet:
-    """R_eval's examples for the mixed rows (`Engine.r_eval_set`): the queries and what they are."""
-
-    queries: list[retrieval_stage.TextQuery]
-    source: dict
 
 
 class Engine:
@@ -122,86 +97,33 @@ class Engine:
         mesh: jax.sharding.Mesh | None = None,
         dense: bool = True,
     ):
+        disabled_kinds = () if dense else ("dense",)  # the dense row computes passage embeddings on first use
         self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
         config_lib.check_matches_run(settings, self.workdir)
         self.run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, runtime=settings)
         self._lock = threading.Lock()
-        self._rows: dict[str, _GradientRow] = {}
-        self._vec_fns: dict[tuple, vectors_lib.VectorFn] = {}
-        self._r_eval_set: _REvalSet | Exception | None = None  # built on the first mixed row
-        self._r_eval_raw: dict[tuple, Any] = {}  # featurizer key -> R_eval's raw vectors [n, d]
+        self._ctx = rows_lib.Context(self.settings, self.workdir, self.run, self.mesh)
+        self._r_eval_set: rows_lib.REvalSet | Exception | None = None  # built on the first mixed row
+        self._rows: dict[str, rows_lib.Retriever] = {}  # method -> its retriever, prepared to serve
         self.skipped: dict[str, str] = {}  # method -> why it is not offered
-        for name, m in methods_lib.METHODS.items():
-            if m.kind == "gradient" and m.rerank_k:  # K exact gradients per query: an offline stage
-                self.skipped[name] = "two-stage reranking is not served (launch.retrieve with retrieval.rerank_k)"
-            elif m.kind == "gradient":
-                self._open_gradient_row(name, m)
-        self._text: dict[str, Any] = {}
-        self._text_kinds = ["bm25"] + (["dense"] if dense and embedding_lib.is_available() else [])
-        if "dense" not in self._text_kinds:
-            self.skipped["dense"] = (
-                "disabled" if not dense else f"model not installed ({embedding_lib.INSTALL_COMMAND})"
-            )
+        order = list(rows_lib.ROW_KINDS)
+        for name, m in sorted(methods_lib.METHODS.items(), key=lambda nm: order.index(nm[1].kind)):
+            kind = rows_lib.row_kind(m.kind)
+            why = "disabled" if m.kind in disabled_kinds else kind.unavailable()
+            if why:
+                self.skipped[name] = why
+                continue
+            try:
+                self._rows[name] = rows_lib.make_retriever(m, self._ctx).serve(self.r_eval_set)
+            except rows_lib.NotServed as e:
+                self.skipped[name] = str(e)
+                logging.info("serve: method %s not offered: %s", name, e)
+            except Exception as e:  # noqa: BLE001 -- an unusable index is skipped, not fatal: say why
+                self.skipped[name] = f"{type(e).__name__}: {e}"
+                logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
 
-    def _open_gradient_row(self, name: str, m: methods_lib.Method) -> None:
-        ms = rows_lib.method_settings(self.settings, m)
-        path = build_lib.index_dir(ms, self.workdir)
-        if not (path / "manifest.json").is_file():
-            self.skipped[name] = f"no index at {path}"
-            return
-        try:
-            reader = retrieval_stage.open_checked_index(self.run, ms, self.workdir)
-            key = (ms.vectors.output_fn, ms.vectors.correction, str(path))
-            if key not in self._vec_fns:
-                self._vec_fns[key] = vectors_lib.make_vector_fn(
-                    self.run.graphdef,
-                    self.run.model_cfg,
-                    ms.vectors,
-                    self.run.params,
-                    self.run.opt_state,
-                    mesh=self.mesh,
-                    role="query",
-                )
-            r_eval, r_eval_raw = None, None
-            if ms.hessian.mode == "mixed":
-                r_eval = self.r_eval_set()
-                if key not in self._r_eval_raw:
-                    t0 = time.perf_counter()
-                    self._r_eval_raw[key] = retrieval_stage.featurize_text_queries(
-                        self.run, self._vec_fns[key], r_eval.queries
-                    )
-                    logging.info(
-                        "serve: featurized R_eval's %d examples for %s in %.1fs",
-                        len(r_eval.queries),
-                        path,
-                        time.perf_counter() - t0,
-                    )
-                r_eval_raw = self._r_eval_raw[key]
-            factor = trak_lib.row_factor(self.run, ms.vectors.output_fn, reader)  # TRAK's Q multiplies scores
-            scoring = scoring_lib.prepare_scoring(reader, ms.hessian, r_eval_raw, row_factor=factor)
-        except _REvalUnavailable as e:
-            self.skipped[name] = str(e)
-            logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
-            return
-        except Exception as e:  # noqa: BLE001 -- an unusable index is skipped, not fatal: say why
-            self.skipped[name] = f"{type(e).__name__}: {e}"
-            logging.warning("serve: method %s not offered: %s", name, self.skipped[name])
-            return
-        info = None
-        if r_eval is not None:
-            w = scoring.whitening
-            info = {
-                **r_eval.source,
-                "num_examples": len(r_eval.queries),
-                "mix_lambda": w.mix_lambda,
-                "lambda": "automatic" if ms.hessian.mix_lambda < 0 else "fixed",
-                "lambda_component": w.component,
-            }
-            logging.info("serve: %s scores with R_eval from %s, λ = %.4g", name, r_eval.source["kind"], w.mix_lambda)
-        self._rows[name] = _GradientRow(ms, reader, self._vec_fns[key], scoring, info)
-
-    def r_eval_set(self) -> _REvalSet:
+    def r_eval_set(self) -> rows_lib.REvalSet:
         """R_eval's examples for the mixed rows, built once (see the module docstring): the jsonl
         at `config.retrieval.queries` when set, else the evaluation's `r_eval_queries()`.
 
@@ -225,7 +147,7 @@ class Engine:
                         "query_mode": s.eval.query_mode,
                         "template_variant": s.eval.template_variant,
                     }
-                self._r_eval_set = _REvalSet(qs, source)
+                self._r_eval_set = rows_lib.REvalSet(qs, source)
                 logging.info(
                     "serve: R_eval of the mixed rows: %d %s (built in %.1fs)",
                     len(qs),
@@ -248,27 +170,16 @@ class Engine:
 
     @property
     def methods(self) -> list[str]:
-        """Available method names: gradient rows with an index, then "bm25" (and "dense")."""
-        return list(self._rows) + self._text_kinds
+        """Available method names, by kind in registration order: gradient rows with an index,
+        then "bm25" (and "dense")."""
+        return list(self._rows)
 
     def describe(self) -> dict:
         """`GET /api/methods`: every available method with its label and settings."""
         out = []
         for name in self.methods:
             m = methods_lib.METHODS[name]
-            entry = {"name": name, "kind": m.kind, "label": m.label}
-            if name in self._rows:
-                s = self._rows[name].settings
-                entry.update(
-                    index=str(self._rows[name].reader.path.relative_to(self.workdir)),
-                    output_fn=s.vectors.output_fn,
-                    correction=s.vectors.correction,
-                    hessian=s.hessian.mode,
-                    unit_norm=s.hessian.unit_norm,
-                )
-                if self._rows[name].r_eval is not None:
-                    entry.update(mix_lambda=self._rows[name].r_eval["mix_lambda"], r_eval=self._rows[name].r_eval)
-            out.append(entry)
+            out.append({"name": name, "kind": m.kind, "label": m.label, **self._rows[name].describe()})
         default = "trackstar" if "trackstar" in self._rows else (self.methods[0] if self.methods else None)
         return {
             "methods": out,
@@ -356,7 +267,7 @@ class Engine:
         prompt, target, k, method = self.check(prompt, target, k, method)
         if not isinstance(token_scores, bool):
             raise QueryError(f"token_scores: must be true or false, got {token_scores!r}")
-        if token_scores and method not in self._rows:
+        if token_scores and not self._rows[method].splits_tokens:
             raise QueryError(f"token_scores: only gradient rows split their score over tokens, not {method!r}")
         with self._lock:  # one query on the device at a time
             t0 = time.perf_counter()
@@ -368,7 +279,7 @@ class Engine:
                 target = completion
                 self.check(prompt, target, k, method)
             q = retrieval_stage.TextQuery(example_id, prompt, target)
-            rec = self._gradient(q, k, method, token_scores) if method in self._rows else self._text_query(q, k, method)
+            rec = self._answer(q, k, method, token_scores)
             seconds = time.perf_counter() - t0
 
         def items(kind):
@@ -395,51 +306,23 @@ class Engine:
             "record": rec,
         }
 
-    def _gradient(self, q: retrieval_stage.TextQuery, k: int, method: str, token_scores: bool = False) -> dict:
-        """`retrieve_queries` for one query, on the loaded index / featurizer / scoring."""
-        row, run = self._rows[method], self.run
+    def _answer(self, q: retrieval_stage.TextQuery, k: int, method: str, token_scores: bool = False) -> dict:
+        """The row's retriever on one typed query (the device work), as a PAIR-code record."""
         try:
-            enc = data_lib.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len, query_id=q.example_id)
+            typed = rows_lib.TypedQueries.encode(self.run, [q])
         except ValueError as e:
             raise QueryError(str(e)) from e
-        q_raw = retrieval_stage.query_vectors(run, row.vec_fn, [(enc["tokens"], enc["loss_mask"])])
-        q_prime = row.scoring.finalize_queries(q_raw)
-        res = topk.stream_topk(
-            q_prime,
-            row.reader,
-            k,
-            row.settings.retrieval.read_chunk_rows,
-            mesh=self.mesh,
-            row_scale=row.scoring.row_scale,
-            query_batch_size=row.settings.retrieval.query_batch_size,
-        )
+        r = self._rows[method].retrieve(typed, k, token_scores=token_scores)
         rec = records.pair_record(
             q.example_id,
             q.prompt,
             q.target,
-            run.corpus.texts,
-            res.top_ids[0],
-            res.top_scores[0],
-            res.bottom_ids[0],
-            res.bottom_scores[0],
+            self.run.corpus.texts,
+            r.proponent_ids[0],
+            r.proponent_scores[0],
+            r.opponent_ids[0] if r.opponent_ids is not None else None,
+            r.opponent_scores[0] if r.opponent_scores is not None else None,
         )
-        if token_scores:
-            pair = (enc["tokens"], enc["loss_mask"])
-            rec.update(
-                retrieval_stage.token_scores(run, row.vec_fn, row.scoring, row.reader, q_prime[0], pair, res.top_ids[0])
-            )
+        if r.token_scores is not None:
+            rec.update(r.token_scores[0])
         return rec
-
-    def _text_query(self, q: retrieval_stage.TextQuery, k: int, method: str) -> dict:
-        """BM25 / dense ranking of prompt + target (the evaluation's `TextRetriever` query text)."""
-        if method not in self._text:
-            ev = self.settings.eval
-            if method == "bm25":
-                self._text[method] = baselines_lib.BM25(self.run.corpus.texts, k1=ev.bm25_k1, b=ev.bm25_b)
-            else:
-                ctx = rows_lib.Context(self.settings, self.workdir, self.run, self.mesh)
-                self._text[method] = rows_lib.dense_index(ctx)
-        index = self._text[method]
-        kw = {"mesh": self.mesh} if method == "dense" else {}
-        scores, ids = index.topk([q.prompt + q.target], k, **kw)
-        return records.pair_record(q.example_id, q.prompt, q.target, self.run.corpus.texts, ids[0], scores[0])

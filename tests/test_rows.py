@@ -1,0 +1,121 @@
+"""The row-kind registry (`evaluation.rows`): a kind is one `register` call, and the evaluation's
+rows, LDS's score matrix and the explorer all reach it through the one `Retriever` interface.
+
+A toy kind defined here ("reverse_id": passage i scores -((i - L) mod N) for a query whose
+prompt + target has L characters, so its ranking is known in closed form) is registered once
+and checked by number on each of the three paths.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from conftest import tiny_run_config
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import methods as methods_lib
+from trackstar_jax.distributed import sharding
+from trackstar_jax.evaluation import baselines, lds, query_set, rows
+from trackstar_jax.training import checkpoint
+
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+class ReverseId(rows.Retriever):
+    """Scores only; `retrieve` is the interface's default (top of `scores`, ties by lower id)."""
+
+    def __init__(self, method, ctx):
+        self.n = len(ctx.run.corpus.texts)
+
+    def scores(self, qs):
+        lengths = np.asarray([len(q.prompt + q.target) for q in qs.text_queries()])
+        return -((np.arange(self.n)[None, :] - lengths[:, None]) % self.n).astype(np.float32)
+
+
+TOY = methods_lib.Method("toy", "reverse_id", "Reverse id (toy)")
+
+
+def _expected_top(text: str, n: int, k: int) -> tuple[list[int], list[float]]:
+    return [(len(text) + t) % n for t in range(k)], [-float(t) for t in range(k)]
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """The toy kind registered (one call) and its row offered, on copies of the registries."""
+    monkeypatch.setattr(rows, "ROW_KINDS", dict(rows.ROW_KINDS))
+    monkeypatch.setitem(methods_lib.METHODS, TOY.name, TOY)
+    rows.register(rows.RowKind("reverse_id", ReverseId))
+
+
+@pytest.fixture(scope="module")
+def ctx_eq(tiny_run):
+    config = tiny_run_config(num_facts=12, num_distractors=12, num_steps=3, chunk_rows=32, **{"eval.max_new_tokens": 2})
+    settings, workdir = config_lib.from_configdict(config), tiny_run(config)
+    mesh = sharding.make_mesh(settings.mesh.shape)
+    run = checkpoint.load_run(workdir, mesh=mesh, runtime=settings)
+    ctx = rows.Context(settings, workdir, run, mesh)
+    return settings, ctx, query_set.make_eval_queries(run, settings)
+
+
+def test_unknown_kind_is_refused_listing_the_registered_ones(registered, ctx_eq):
+    _, ctx, _ = ctx_eq
+    with pytest.raises(ValueError, match=r"row kind 'nope' is not registered \(known: gradient, bm25, dense, gold, "):
+        rows.make_retrievers([dataclasses.replace(TOY, kind="nope")], ctx)
+    with pytest.raises(ValueError, match="'reverse_id' is already registered"):
+        rows.register(rows.RowKind("reverse_id", lambda m, c: ReverseId(m, c)))
+    rows.register(rows.row_kind("reverse_id"))  # the same registration again (a re-import) is a no-op
+
+
+def test_a_registered_kind_runs_in_the_evaluation_and_lds(registered, ctx_eq):
+    _, ctx, eq = ctx_eq
+    n = len(ctx.run.corpus.texts)
+    got = rows.make_retrievers([TOY], ctx)["toy"].retrieve(eq, 4)  # what `evaluation.evaluate` calls per row
+    for q, ids, scores in zip(eq.queries, got.proponent_ids, got.proponent_scores):
+        assert (ids, scores) == _expected_top(q.prompt + q.target, n, 4)
+    assert got.opponent_ids is None
+
+    scores = lds.method_scores(ctx, TOY, eq)  # what `lds.validate` scores per row
+    want = np.asarray([[-((i - len(q.prompt + q.target)) % n) for i in range(n)] for q in eq.queries], np.float32)
+    np.testing.assert_array_equal(scores, want)
+    masks = np.stack([lds.draw_subset(n, 0.5, 0, j) for j in range(5)])
+    res = lds.lds(scores, masks, -lds.subset_sums(want, masks))  # losses the toy predicts exactly
+    assert res.mean == 1.0 and res.num_queries == len(eq.queries)
+
+
+def test_built_in_kinds_give_their_scores_through_the_interface(ctx_eq):
+    """Gold: 1 on the fact's evidence; BM25: its top-k is the top of its own score matrix."""
+    _, ctx, eq = ctx_eq
+    gold = lds.method_scores(ctx, methods_lib.METHODS["trex_gold"], eq)
+    for q, row in zip(eq.queries, gold):
+        assert sorted(np.flatnonzero(row)) == sorted(q.entailing_ids)
+    bm25 = rows.make_retriever(methods_lib.METHODS["bm25"], ctx)
+    s, top = bm25.scores(eq), bm25.retrieve(eq, 3)
+    assert ctx.shared("bm25", lambda: None) is bm25.index  # built once per context
+    for row, ids, sc in zip(s, top.proponent_ids, top.proponent_scores):
+        assert ids == baselines.stable_topk(row, 3).tolist()
+        np.testing.assert_allclose(sc, row[ids], rtol=1e-6)
+
+
+def test_a_registered_kind_is_served_by_the_explorer(registered, ctx_eq):
+    pytest.importorskip("starlette", reason="the serve extra is not installed")
+    from trackstar_jax.serving import engine as engine_lib
+
+    settings, ctx, _ = ctx_eq
+    engine = engine_lib.Engine(settings, ctx.workdir, dense=False)  # no index: gradient rows skipped
+    assert engine.methods == ["bm25", "toy"]  # by kind, in registration order
+    assert "no index" in engine.skipped["exp1"] and "typed query has no fact" in engine.skipped["trex_gold"]
+    (toy,) = [m for m in engine.describe()["methods"] if m["name"] == "toy"]
+    assert toy == {"name": "toy", "kind": "reverse_id", "label": "Reverse id (toy)"}
+    prompt, target = "Alice was born in", " Paris"
+    got = engine.query(prompt, target, k=5, method="toy")
+    ids, scores = _expected_top(prompt + target, len(ctx.run.corpus.texts), 5)
+    assert [p["example_id"] for p in got["proponents"]] == ids and [p["score"] for p in got["proponents"]] == scores
+    assert [p["text"] for p in got["proponents"]] == [ctx.run.corpus.texts[i] for i in ids]
+    assert got["opponents"] == [] and got["record"]["proponent_ids"] == ids
+    with pytest.raises(engine_lib.QueryError, match="only gradient rows"):
+        engine.query(prompt, target, k=5, method="toy", token_scores=True)
+
+
+def test_every_table_row_has_a_registered_kind():
+    assert {m.kind for m in methods_lib.METHODS.values()} <= set(rows.ROW_KINDS)
+    assert [k for k, v in rows.ROW_KINDS.items() if v.gold_attribution] == ["gold"]
