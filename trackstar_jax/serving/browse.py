@@ -248,12 +248,14 @@ class Browser:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise FileNotFoundError(f"{where}: not written ({NO_PLOTS.format(files=', '.join(PLOT_FILES))})") from None
+            raise FileNotFoundError(
+                f"{where}: not written (`python -m launch.evaluate` writes it beside table.md when the table has its data)"
+            ) from None
         if stat.S_ISLNK(st.st_mode):
             raise PermissionError(f"{where}: a symbolic link; only files written in the evaluation folder are served")
         if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read
             raise ValueError(f"{where}: not a regular file; not served")
-        # O_NOFOLLOW / O_NONBLOCK: a link or FIFO swapped in after the lstat fails instead of being followed / waited on.
+        # O_NOFOLLOW / O_NONBLOCK: a link or FIFO swapped in after the lstat fails, not followed / waited on.
         fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         with os.fdopen(fd, "rb") as f:
             if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
