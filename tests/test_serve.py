@@ -763,6 +763,184 @@ def test_eval_query_detail_equals_the_records(evaluated):
 
 
 # ------------------------------------------------------------------------------------------
+# The evaluation's pictures: /api/eval/plot serves only rows.png / lambda.png / checkpoints.png
+# ------------------------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n"
+_PLOT_TABLE = {
+    "num_queries": 3,
+    "rows": [
+        {"method": "bm25", "label": "BM25", "mrr": 0.5, "mrr_ci": [0.4, 0.6], "recall_at_10": 0.7},
+        {"method": "trackstar", "mrr": 0.4, "tailpatch_at_10": 0.02, "scoring": {"whitening": {"mix_lambda": 0.7}}},
+        {"method": "trackstar_l090", "mrr": 0.3, "tailpatch_at_10": 0.01},
+    ],
+}
+
+
+def _plot_app(workdir, **eval_overrides):
+    """A client over `make_app` with a stand-in engine (the plot routes read only its settings
+    and workdir): no run to train, so these tests take a second."""
+    import types
+
+    c = _config()
+    for k, v in eval_overrides.items():
+        setattr(c.eval, k, v)
+    engine = types.SimpleNamespace(
+        settings=config_lib.from_configdict(c),
+        workdir=workdir.resolve(),
+        run=types.SimpleNamespace(corpus=types.SimpleNamespace(texts=[])),
+        max_k=10,
+    )
+    return TestClient(app_lib.make_app(engine), base_url=LOCAL)
+
+
+def _plot_eval(workdir, name="eval"):
+    """An evaluation folder `browse.list_evals` lists, with rows.png and lambda.png written by
+    `evaluation.plots` (no checkpoints.png: the table has no checkpoint curve)."""
+    from trackstar_jax.evaluation import plots
+
+    ev = workdir / name
+    ev.mkdir(parents=True)
+    (ev / "table.json").write_text(json.dumps(_PLOT_TABLE))
+    (ev / "queries.jsonl").write_text("")
+    assert plots.write_plots(_PLOT_TABLE, ev) == ["rows.png", "lambda.png"]
+    return ev
+
+
+def _refused(r, status, *words):
+    """A JSON refusal with `status` naming `words`, carrying no byte of a PNG."""
+    assert r.status_code == status, (r.status_code, r.text)
+    assert r.headers["content-type"] == "application/json" and PNG not in r.content, r.headers
+    assert all(w in r.json()["error"] for w in words), (words, r.text)
+
+
+def test_plot_endpoint_serves_only_the_evaluation_pngs(tmp_path):
+    workdir = tmp_path / "run"
+    ev = _plot_eval(workdir)
+    _plot_eval(workdir, "eval_prediction")
+    (workdir / "secret.png").write_bytes((ev / "rows.png").read_bytes())
+    client = _plot_app(workdir)
+    for name in ("rows.png", "lambda.png"):
+        for params in ({"file": name}, {"file": name, "name": "eval"}):
+            r = client.get("/api/eval/plot", params=params)
+            assert r.status_code == 200 and r.content == (ev / name).read_bytes() and r.content.startswith(PNG)
+            h = r.headers
+            assert h["content-type"] == "image/png" and h["x-content-type-options"] == "nosniff", h
+            assert (
+                "img-src 'self'" in h["content-security-policy"]
+                and "default-src 'none'" in h["content-security-policy"]
+            )
+    other = client.get("/api/eval/plot", params={"name": "eval_prediction", "file": "rows.png"})
+    assert other.status_code == 200 and other.content == (workdir / "eval_prediction" / "rows.png").read_bytes()
+    _refused(
+        client.get("/api/eval/plot", params={"file": "checkpoints.png"}), 404, "eval/checkpoints.png", "not written"
+    )
+    for file in (
+        "table.json",
+        "queries.jsonl",
+        "ROWS.PNG",
+        "rows.png/",
+        "./rows.png",
+        "../secret.png",
+        "../eval/rows.png",
+        "eval/rows.png",
+        str(ev / "rows.png"),
+        "..%2Fsecret.png",
+        "rows.png\x00",
+        "",
+    ):
+        _refused(client.get("/api/eval/plot", params={"file": file}), 404, "only the evaluation plots")
+    for name in ("..", ".", "../run/eval", "eval/.", str(ev), "", "nope"):
+        _refused(client.get("/api/eval/plot", params={"name": name, "file": "rows.png"}), 404, "no evaluation named")
+    # Encoded slashes and dots in the raw URL: decoded once into a name that is no allow-listed file.
+    for url in (
+        "/api/eval/plot?file=..%2Fsecret.png",
+        "/api/eval/plot?file=%2e%2e%2fsecret.png",
+        "/api/eval/plot?name=eval%2F..&file=..%2Fsecret.png",
+        "/api/eval/plot?name=..&file=secret.png",
+    ):
+        assert client.get(url).status_code == 404, url
+    for url in ("/api/eval/plot/..%2F..%2Fsecret.png", "/api/eval/plot%2F..%2Fsecret.png", "/api/eval/rows.png"):
+        r = client.get(url)
+        assert r.status_code == 404 and PNG not in r.content, url
+    _refused(client.get("/api/eval/plot", params={"path": "eval/rows.png"}), 400, "unknown parameters")
+    _refused(client.get("/api/eval/plot?file=rows.png&file=lambda.png"), 400, "more than once")
+    assert client.post("/api/eval/plot?file=rows.png", json={}).status_code == 405
+    # Without `name`, the served settings' own evaluation folder (report.eval_dir).
+    mine = _plot_eval(workdir, "mine")
+    (mine / "rows.png").write_bytes((ev / "lambda.png").read_bytes())
+    r = _plot_app(workdir, output_dir="mine").get("/api/eval/plot", params={"file": "rows.png"})
+    assert r.status_code == 200 and r.content == (ev / "lambda.png").read_bytes()
+    # The page's allow-list is the server's.
+    page = client.get("/").text
+    assert json.loads(re.search(r"const PLOT_FILES = (\[.*?\]);", page).group(1)) == list(browse.PLOT_FILES)
+
+
+def test_plot_endpoint_refuses_links_and_files_that_are_not_pngs(tmp_path, monkeypatch):
+    """A symlink (out of the workdir, or to a file beside it), a non-PNG under a plot's name, a
+    FIFO, a folder, a file past the size cap: each a clear error, none of its bytes sent; the
+    listing the page shows (`Browser.plots`) names the same errors and shows only real PNGs."""
+    workdir = tmp_path / "run"
+    ev = _plot_eval(workdir)
+    good = (ev / "rows.png").read_bytes()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "rows.png").write_bytes(good)
+    client = _plot_app(workdir)
+    get = lambda file, name="eval": client.get("/api/eval/plot", params={"name": name, "file": file})  # noqa: E731
+    hostile = b'<svg xmlns="http://www.w3.org/2000/svg" onload="alert(1)"><script>alert(2)</script></svg>'
+    (ev / "rows.png").unlink()
+    os.symlink(outside / "rows.png", ev / "rows.png")
+    (ev / "lambda.png").unlink()
+    os.symlink(ev / "table.json", ev / "lambda.png")
+    for file in ("rows.png", "lambda.png"):
+        _refused(get(file), 403, f"eval/{file}", "symbolic link")
+    (ev / "checkpoints.png").write_bytes(hostile)
+    r = get("checkpoints.png")
+    _refused(r, 500, "eval/checkpoints.png", "not a PNG")
+    assert b"alert" not in r.content and b"svg" not in r.content
+    listing = browse.Browser(workdir.resolve(), []).plots("eval")
+    assert listing["files"] == [] and listing["none"] is None
+    assert [e.split(":")[0] for e in listing["errors"]] == ["eval/rows.png", "eval/lambda.png", "eval/checkpoints.png"]
+    # A FIFO would block a plain read; a folder is no file.
+    (ev / "rows.png").unlink()
+    os.mkfifo(ev / "rows.png")
+    _refused(get("rows.png"), 500, "not a regular file")
+    (ev / "lambda.png").unlink()
+    (ev / "lambda.png").mkdir()
+    _refused(get("lambda.png"), 500, "not a regular file")
+    # An evaluation folder that is a link out of the workdir.
+    os.symlink(_plot_eval(tmp_path, "elsewhere"), workdir / "linked")
+    _refused(get("rows.png", "linked"), 403, "outside the workdir")
+    # Past the size cap.
+    (ev / "checkpoints.png").write_bytes(good)
+    assert get("checkpoints.png").status_code == 200
+    monkeypatch.setattr(browse, "MAX_PLOT_BYTES", len(good) - 1)
+    _refused(get("checkpoints.png"), 500, "larger than")
+    monkeypatch.undo()
+    # The listing: the servable PNG, the errors, and with no plots a line naming the command.
+    listing = browse.Browser(workdir.resolve(), []).plots("eval")
+    assert listing["files"] == ["checkpoints.png"] and len(listing["errors"]) == 2 and listing["none"] is None
+    empty = _plot_eval(workdir, "empty")
+    for f in browse.PLOT_FILES:
+        (empty / f).unlink(missing_ok=True)
+    listing = browse.Browser(workdir.resolve(), []).plots("empty")
+    assert listing["files"] == listing["errors"] == [] and "python -m launch.evaluate" in listing["none"]
+
+
+def test_eval_api_lists_the_plots_evaluate_wrote(evaluated):
+    """`GET /api/eval` names the pictures evaluate wrote (table.json's `plots`) and each is served
+    byte for byte."""
+    workdir, _, client = evaluated
+    _, _, table = _eval_files(workdir)
+    got = client.get("/api/eval").json()["plots"]
+    assert got["files"] == table["plots"] and "rows.png" in got["files"] and got["errors"] == [] and got["none"] is None
+    for f in got["files"]:
+        r = client.get("/api/eval/plot", params={"name": "eval", "file": f})
+        assert r.status_code == 200 and r.content == (workdir / "eval" / f).read_bytes() and r.content.startswith(PNG)
+
+
+# ------------------------------------------------------------------------------------------
 # Browser: the page in headless Chromium over a real uvicorn server
 # ------------------------------------------------------------------------------------------
 
@@ -1072,6 +1250,63 @@ def test_hostile_evaluation_renders_as_text_in_headless_chromium(evaluated):
                 payload,
             }
             assert any(payload in i.text for i in items)
+            assert driver.find_element(By.ID, "error").text == ""
+    finally:
+        shutil.rmtree(evil)
+
+
+def test_evaluation_plots_in_headless_chromium(evaluated, tmp_path):
+    """The browse view shows evaluate's rows.png as a loaded <img> (natural width > 0) with no
+    CSP violation; an evaluation whose name is markup and whose plots are a hostile non-PNG and a
+    link out of its folder shows two error lines and no image, and runs nothing."""
+    _browser_or_skip()
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    workdir, engine, _ = evaluated
+    payload = '<img src=x onerror="window.__pwned=1">'
+    evil = workdir / payload
+    shutil.copytree(workdir / "eval", evil)
+    for f in browse.PLOT_FILES:
+        (evil / f).unlink(missing_ok=True)
+    (evil / "rows.png").write_bytes(b'<svg xmlns="http://www.w3.org/2000/svg" onload="window.__pwned=2"/>')
+    os.symlink(workdir / "eval" / "rows.png", evil / "lambda.png")
+    shown = lambda d: [  # noqa: E731
+        (i.get_attribute("data-file"), d.execute_script("return arguments[0].complete && arguments[0].naturalWidth", i))
+        for i in d.find_elements(By.CSS_SELECTOR, "#evalplots img")
+    ]
+    try:
+        with _page_in_chromium(engine) as driver:
+            driver.execute_script(
+                "window.__csp = []; document.addEventListener('securitypolicyviolation',"
+                " (e) => window.__csp.push(e.violatedDirective + ' ' + e.blockedURI))"
+            )
+            wait = WebDriverWait(driver, 60, ignored_exceptions=(StaleElementReferenceException,))
+            driver.find_element(By.ID, "browse").click()
+            # Loaded, or replaced by its error line (a CSP or server refusal): either ends the wait.
+            wait.until(
+                lambda d: (
+                    d.find_elements(By.CSS_SELECTOR, "#evalplots .plot-error")
+                    or (shown(d) and all(w for _, w in shown(d)))
+                )
+            )
+            assert driver.execute_script("return window.__csp") == []
+            assert driver.find_elements(By.CSS_SELECTOR, "#evalplots .plot-error") == []
+            assert [f for f, _ in shown(driver)] == ["rows.png"] and shown(driver)[0][1] > 0
+            img = driver.find_element(By.CSS_SELECTOR, "#evalplots img")
+            assert img.is_displayed() and img.size["width"] > 0
+            assert driver.execute_script("return window.__csp") == []
+            assert driver.find_element(By.ID, "error").text == ""
+            driver.save_screenshot(str(tmp_path / "plots.png"))
+            Select(driver.find_element(By.ID, "evalname")).select_by_value(payload)
+            errors = wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#evalplots .plot-error"))
+            time.sleep(0.3)  # let an <img> that slipped in load or fail and fire its handler
+            assert [e.text.split(": ")[0] for e in errors] == [f"{payload}/rows.png", f"{payload}/lambda.png"]
+            assert "not a PNG" in errors[0].text and "symbolic link" in errors[1].text
+            assert driver.find_elements(By.CSS_SELECTOR, "#evalplots img, [onerror], svg") == []
+            assert driver.execute_script("return window.__pwned") is None
+            assert driver.execute_script("return window.__csp") == []
             assert driver.find_element(By.ID, "error").text == ""
     finally:
         shutil.rmtree(evil)

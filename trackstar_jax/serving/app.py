@@ -20,6 +20,14 @@ streamed body limit, CSP): see `trackstar_jax.serving.guard`.
   evaluation, 400 for an unknown filter or value).
 - `GET /api/eval/query?name=eval&query_id=&k=` : one evaluation query's proponents per method
   with gold labels and tail-patch deltas, and its raw records (`browse.Browser.query_detail`).
+- `GET /api/eval/plot?name=eval&file=rows.png` : one of the evaluation's pictures
+  (`browse.PLOT_FILES`, written by `evaluation.plots` beside table.md) as `image/png`
+  (`browse.Browser.plot`): any other file name, or one not written, is a 404; a symlink a 403;
+  a file that is not a PNG a 500 naming it, none of its bytes sent. `GET /api/eval` lists the
+  pictures the page can show (`plots`).
+
+`name` is an evaluation folder `browse.list_evals` lists; without it, the served settings'
+evaluation folder (`evaluation.report.eval_dir`) when it is one, else `eval`.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from starlette import applications, concurrency, middleware, requests, responses
 from starlette.staticfiles import StaticFiles
 
 from trackstar_jax import files
+from trackstar_jax.evaluation import report as report_lib
 from trackstar_jax.evaluation import results as results_lib
 from trackstar_jax.serving import browse as browse_lib
 from trackstar_jax.serving import engine as engine_lib
@@ -196,6 +205,8 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
             return _error(400, str(e))
 
     browser = browse_lib.Browser(engine.workdir, engine.run.corpus.texts)
+    own = report_lib.eval_dir(engine.settings, engine.workdir)
+    default_eval = own.name if own.parent == engine.workdir else results_lib.EVAL_DIR
 
     def _single(request: requests.Request, allowed: tuple[str, ...]) -> dict[str, str]:
         """The query parameters, each given at most once and each in `allowed` (BrowseError otherwise)."""
@@ -211,7 +222,7 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
     async def _browse(call, request: requests.Request, allowed: tuple[str, ...]) -> responses.Response:
         try:
             params = _single(request, allowed)
-            out = await concurrency.run_in_threadpool(call, params.pop("name", results_lib.EVAL_DIR), params)
+            out = await concurrency.run_in_threadpool(call, params.pop("name", default_eval), params)
         except browse_lib.BrowseError as e:
             return _error(400, str(e))
         except FileNotFoundError as e:
@@ -232,6 +243,23 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
     async def eval_query(request: requests.Request) -> responses.Response:
         return await _browse(_detail, request, ("name", "query_id", "k"))
 
+    async def plot(request: requests.Request) -> responses.Response:
+        try:
+            params = _single(request, ("name", "file"))
+            data = await concurrency.run_in_threadpool(
+                browser.plot, params.get("name", default_eval), params.get("file", "")
+            )
+        except browse_lib.BrowseError as e:
+            return _error(400, str(e))
+        except FileNotFoundError as e:
+            return _error(404, str(e))
+        except PermissionError as e:
+            return _error(403, str(e))
+        except (ValueError, OSError) as e:  # not a PNG / regular file: nothing of it is sent
+            return _error(500, str(e))
+        # The guard adds nosniff (a browser never reads it as anything but a PNG); no-store: a rerun rewrites it.
+        return responses.Response(data, media_type="image/png", headers={"Cache-Control": "no-store"})
+
     async def index(request: requests.Request) -> responses.Response:
         return responses.Response(page, media_type="text/html")
 
@@ -243,6 +271,7 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
             routing.Route("/api/file", file),
             routing.Route("/api/eval", evaluation),
             routing.Route("/api/eval/query", eval_query),
+            routing.Route("/api/eval/plot", plot),
             routing.Mount("/static", app=StaticFiles(directory=STATIC_DIR), name="static"),
         ],
         middleware=[

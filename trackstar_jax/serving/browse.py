@@ -8,7 +8,9 @@ per-row retrievals in the PAIR-code schema with tail-patch deltas, table.json), 
   completion and correctness, and for each method the 1-based rank of its first gold passage
   (None: no gold passage among the retrieved) and the tail-patch deltas of its proponents;
 - `query_detail(...)`: one query's proponents per method (`results.proponent_rows`) and the
-  raw retrieval records (for export).
+  raw retrieval records (for export);
+- `plot(...)`: the bytes of one of the evaluation's pictures (`evaluation.plots`: rows.png,
+  lambda.png, checkpoints.png, beside table.md), and `plots(...)` which of them can be shown.
 
 Bad filter values raise `BrowseError` (the API answers 400); a missing evaluation raises
 FileNotFoundError (404). JSON has no NaN: non-finite floats become None.
@@ -17,17 +19,26 @@ FileNotFoundError (404). JSON has no NaN: non-finite floats become None.
 from __future__ import annotations
 
 import math
+import os
 import pathlib
 import re
+import stat
 import threading
 from typing import Any, Mapping, Sequence
 
 from trackstar_jax.evaluation import metrics as metrics_lib
+from trackstar_jax.evaluation import plots as plots_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import results as results_lib
 
 FILTERS = ("relation", "bucket", "correct")
 CORRECT_VALUES = {"true": True, "false": False}
+# The only files `plot` reads: the pictures evaluate writes beside table.md (a fixed allow-list,
+# never a path from the request).
+PLOT_FILES = tuple(plots_lib.PLOTS)
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+MAX_PLOT_BYTES = 16 << 20  # the written pictures are ~50 KB; anything this large is not one of them
+NO_PLOTS = "no plots were written for this evaluation (`python -m launch.evaluate` writes {files} beside table.md)"
 
 
 class BrowseError(ValueError):
@@ -90,8 +101,8 @@ class Browser:
         self._cache: dict[str, tuple[int, results_lib.Results]] = {}
         self._lock = threading.Lock()
 
-    def results(self, name: str) -> results_lib.Results:
-        """The loaded evaluation `name` (a folder listed by `list_evals`).
+    def folder(self, name: str) -> pathlib.Path:
+        """`workdir / name` when `name` is an evaluation `list_evals` lists (never a path).
 
         Raises:
           FileNotFoundError: no such evaluation (names those that exist).
@@ -103,6 +114,15 @@ class Browser:
                 if available
                 else "no evaluation output in the workdir (run `python -m launch.evaluate` first)"
             )
+        return self.workdir / name
+
+    def results(self, name: str) -> results_lib.Results:
+        """The loaded evaluation `name` (a folder listed by `list_evals`).
+
+        Raises:
+          FileNotFoundError: no such evaluation (names those that exist).
+        """
+        self.folder(name)
         stamp = (self.workdir / name / "table.json").stat().st_mtime_ns
         with self._lock:
             hit = self._cache.get(name)
@@ -198,12 +218,72 @@ class Browser:
                     "corpus": t.get("corpus"),
                     "checkpoint_step": t.get("model", {}).get("checkpoint_step"),
                 },
+                "plots": self.plots(name),
                 "facets": facets,
                 "filters": {k: filters[k] for k in FILTERS if k in filters},
                 "num_queries": len(res.queries),
                 "queries": queries,
             }
         )
+
+    def plot(self, name: str, file: str) -> bytes:
+        """`GET /api/eval/plot`: the PNG `file` (one of `PLOT_FILES`) of evaluation `name`.
+
+        The file must be a regular file directly in the evaluation's folder (no symlink, even to
+        a file beside it; the folder itself inside the workdir), at most `MAX_PLOT_BYTES`, and
+        start with the PNG signature; nothing of a file that fails is returned.
+
+        Raises:
+          FileNotFoundError: no such evaluation, `file` not in `PLOT_FILES`, or not written.
+          PermissionError: a symlink, or the folder resolves outside the workdir.
+          ValueError: not a regular file, too large, or not a PNG.
+        """
+        if file not in PLOT_FILES:
+            raise FileNotFoundError(f"file {file!r}: the explorer serves only the evaluation plots {list(PLOT_FILES)}")
+        folder = self.folder(name).resolve()
+        where = f"{name}/{file}"
+        if not folder.is_relative_to(self.workdir.resolve()):
+            raise PermissionError(f"{where}: the evaluation folder resolves outside the workdir; not served")
+        path = folder / file
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"{where}: not written (`python -m launch.evaluate` writes it beside table.md when the table has its data)"
+            ) from None
+        if stat.S_ISLNK(st.st_mode):
+            raise PermissionError(f"{where}: a symbolic link; only files written in the evaluation folder are served")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block the read
+            raise ValueError(f"{where}: not a regular file; not served")
+        # O_NOFOLLOW / O_NONBLOCK: a link or FIFO swapped in after the lstat fails, not followed / waited on.
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(f"{where}: not a regular file; not served")
+            data = f.read(MAX_PLOT_BYTES + 1)
+        if len(data) > MAX_PLOT_BYTES:
+            raise ValueError(f"{where}: larger than {MAX_PLOT_BYTES} bytes, not a picture evaluate wrote; not served")
+        if not data.startswith(PNG_SIGNATURE):
+            raise ValueError(
+                f"{where}: not a PNG file (it does not start with the PNG signature); not served "
+                "(rerun `python -m launch.evaluate` to rewrite the plots)"
+            )
+        return data
+
+    def plots(self, name: str) -> dict:
+        """Which of `PLOT_FILES` evaluation `name` has: `{"files": [servable], "errors": [why
+        one present is not], "none": message when there are neither}`."""
+        shown, errors = [], []
+        for file in PLOT_FILES:
+            try:
+                self.plot(name, file)
+                shown.append(file)
+            except FileNotFoundError:
+                continue
+            except (PermissionError, ValueError, OSError) as e:
+                errors.append(str(e))
+        none = None if shown or errors else NO_PLOTS.format(files=", ".join(PLOT_FILES))
+        return {"files": shown, "errors": errors, "none": none}
 
     def query_detail(self, name: str, query_id: str, k: int = 10) -> dict:
         """`GET /api/eval/query`: one query's top-`k` proponents per method (`results.proponent_rows`:

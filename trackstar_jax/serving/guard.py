@@ -17,8 +17,8 @@ runs):
 
 Every response gets `X-Content-Type-Options: nosniff`, `Referrer-Policy: no-referrer` and a
 Content-Security-Policy (`page_csp`: only the page's own inline script runs, no inline
-event handler, no image / frame / form / remote fetch), so markup that slips into the page
-still cannot run script.
+event handler, images from this server only (the evaluation plots), no frame / form / remote
+fetch), so markup that slips into the page still cannot run script.
 """
 
 from __future__ import annotations
@@ -76,12 +76,13 @@ def allowed_hosts(bind_host: str, extra: Iterable[str] = ()) -> tuple[str, ...]:
 
 def page_csp(html: bytes) -> str:
     """The Content-Security-Policy of the page `html`: its inline <script> blocks (by hash)
-    are the only script; styles inline; fetches to this origin only; nothing else loads."""
+    are the only script; styles inline; fetches and images (the evaluation plots) from this
+    origin only; nothing else loads."""
     hashes = " ".join(
         "'sha256-" + base64.b64encode(hashlib.sha256(s).digest()).decode() + "'" for s in _SCRIPT.findall(html)
     )
     return (
-        f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; "
+        f"default-src 'none'; script-src {hashes}; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self'; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
     )
 
