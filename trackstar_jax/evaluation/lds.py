@@ -212,7 +212,7 @@ def gradient_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query
     `index.scoring.Scoring`), over the whole index read at once (small corpora only).
     """
     settings = rows_lib.method_settings(ctx.settings, method)
-    build_lib.build_index(settings, ctx.workdir)
+    build_lib.build_from_run(ctx.run, settings, ctx.workdir, mesh=ctx.mesh)
     reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
     vec_fn = vectors_lib.make_vector_fn(
         ctx.run.graphdef,

@@ -84,7 +84,7 @@ class GradientRetriever:
         self.ctx, self.settings = ctx, method_settings(ctx.settings, method)
 
     def retrieve(self, eq: query_set.EvalQueries, k: int) -> Retrieved:
-        summary = build_lib.build_index(self.settings, self.ctx.workdir, step=self.ctx.run.step)  # the run's checkpoint
+        summary = build_lib.build_from_run(self.ctx.run, self.settings, self.ctx.workdir, mesh=self.ctx.mesh)
         recs, info = retrieval_stage.retrieve_queries(
             self.ctx.run,
             self.settings,
