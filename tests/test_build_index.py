@@ -158,6 +158,25 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
         stages.build_index(config_lib.from_configdict(c), copy)
 
 
+def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monkeypatch):
+    """`index.build_from_run` (what the evaluation's gradient rows and LDS call with the run the
+    stage opened) reuses a finished index without checking or loading the run again and without
+    making (compiling) the featurize step; it still refuses an index of other settings."""
+    c, first = f32_index
+    settings = config_lib.from_configdict(c)
+    loaded = stages.open_run(settings, run_dir)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("called on a finished index")
+
+    for mod, name in ((checkpoint, "load_run"), (config_lib, "check_matches_run"), (vectors, "make_vector_fn")):
+        monkeypatch.setattr(mod, name, fail)
+    summary = build.build_from_run(loaded.run, settings, run_dir, mesh=loaded.mesh)
+    assert summary["complete"] and summary["rows_written"] == 0 and summary["rows"] == first["rows"]
+    with pytest.raises(index.IndexMismatchError, match="vectors.proj_seed"):
+        build.build_from_run(loaded.run, settings.replace({"vectors.proj_seed": 1}), run_dir, mesh=loaded.mesh)
+
+
 def test_config_sections_are_checked(tiny_config):
     tiny_config.index.chunk_size = 3
     with pytest.raises(ValueError, match="unknown config key.*config.index: chunk_size"):

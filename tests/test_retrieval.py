@@ -447,6 +447,34 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     assert mrr > max(0.3, 3 * chance) and np.median(first) <= 4, (mrr, chance, first)
 
 
+def test_retrieve_manifest_says_where_the_time_went(trained_run, monkeypatch):
+    """The retrieval manifest's `seconds_by_part` (also the log's last line): opening the run,
+    featurizing the queries, scoring / top-k over the index, writing the output, which sum to at
+    most the stage's `seconds` (structure only: no figure is timed). A run handed over as
+    `loaded` is not loaded again."""
+    import json
+
+    from trackstar_jax.training import checkpoint
+
+    c, workdir = trained_run
+    settings = config_lib.from_configdict(c).replace({"retrieval.output": "parts", "retrieval.queries": ""})
+    man = stages.retrieve(settings, workdir)
+    parts = man["seconds_by_part"]
+    assert list(parts) == ["load_run", "featurize_queries", "score_topk", "write_output"]
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= man["seconds"]
+    on_disk = json.loads((workdir / "retrieval" / "parts.manifest.json").read_text())
+    assert on_disk["seconds_by_part"] == parts and on_disk["seconds"] == man["seconds"]
+
+    loaded = stages.open_run(settings, workdir)
+
+    def no_reload(*args, **kwargs):
+        raise AssertionError("the run was loaded again")
+
+    monkeypatch.setattr(checkpoint, "load_run", no_reload)
+    again = stages.retrieve(settings.replace({"retrieval.overwrite": True}), workdir, loaded=loaded)
+    assert again["num_queries"] == man["num_queries"] and sum(again["seconds_by_part"].values()) <= again["seconds"]
+
+
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
 
     from trackstar_jax.training import checkpoint
