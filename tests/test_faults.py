@@ -479,7 +479,7 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
     proc = _hold_workdir_lock(work)
     try:
         busy = rf"{work} is being written by another process \(train, pid {proc.pid} on host"
-        stages = {
+        writers = {
             "train": lambda: training.train(_settings(**{"train.num_steps": 6}), work),
             "import_model": lambda: importer.import_model(_settings(), work),
             "build_index": lambda: stages.build_index(_settings(**{"index.dir": "index2"}), work),
@@ -487,7 +487,7 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
             "evaluate": lambda: stages.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
             "validate": lambda: lds.validate(_settings(), work),
         }
-        for run in stages.values():
+        for run in writers.values():
             with pytest.raises(files.WorkdirBusyError, match=busy):
                 run()
         assert files_now() == before
