@@ -73,7 +73,7 @@ def served(tmp_path_factory, fast_compile):
     settings = config_lib.from_configdict(_config())
     training.train(settings, workdir)
     stages.build_index(settings, workdir)
-    engine = engine_lib.Engine(settings, workdir, dense=False)
+    engine = stages.open_engine(settings, workdir, dense=False)  # what launch.serve loads
     return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
 
