@@ -39,9 +39,8 @@ def main(argv=None) -> None:
 
     from experiments import tiny
     from trackstar_jax import config as config_lib
-    from trackstar_jax import training
+    from trackstar_jax import stages, training
     from trackstar_jax.evaluation import query_set
-    from trackstar_jax.index import build
     from trackstar_jax.retrieval import rerank
     from trackstar_jax.retrieval import stage as retrieval_stage
     from trackstar_jax.training import checkpoint
@@ -71,7 +70,7 @@ def main(argv=None) -> None:
     rows = []
     for k in (int(x) for x in args.proj_dims.split(",")):
         s_k = settings.replace({"vectors.proj_dim": k, "index.dir": f"index_k{k}"})
-        build.build_index(s_k, wd)
+        stages.build_index(s_k, wd)
         for mode in args.hessian.split(","):
             s_m = s_k.replace({"hessian.mode": mode})
             for big_k in (int(x) for x in args.ks.split(",")):

@@ -32,8 +32,7 @@ _METHODS = flags.DEFINE_list("methods", ["trackstar", "exp5", "bm25"], "Methods 
 def _tiny_run(workdir):
     from experiments import tiny
     from trackstar_jax import config as config_lib
-    from trackstar_jax import training
-    from trackstar_jax.index import build
+    from trackstar_jax import stages, training
 
     c = tiny.get_config()
     c.data.embedded.num_facts, c.data.embedded.num_distractors = 12, 30
@@ -42,7 +41,7 @@ def _tiny_run(workdir):
     c.train.num_completions, c.train.max_new_tokens = 0, 2  # as tests/test_serve.py
     settings = config_lib.from_configdict(c)
     training.train(settings, workdir)
-    build.build_index(settings, workdir)
+    stages.build_index(settings, workdir)
     return settings
 
 

@@ -37,11 +37,11 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _distributed.initialize()
-    from trackstar_jax import index  # after jax.distributed: nothing may start JAX's backends first
+    from trackstar_jax import stages  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, local devices: %s", jax.process_index(), jax.process_count(), jax.local_devices())
     summary = _distributed.run(
-        lambda: index.build_index(
+        lambda: stages.build_index(
             _config.settings(_CONFIG),
             _WORKDIR.value,
             process_index=_PROCESS_INDEX.value,

@@ -15,9 +15,8 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from launch import _config, _distributed
-from trackstar_jax import evaluation, training
+from trackstar_jax import stages
 from trackstar_jax.evaluation import report
-from trackstar_jax.training import importer
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (created; an existing run is reused).")
@@ -35,7 +34,7 @@ def main(argv):
     def stage():
         if settings.model.source:  # a released model: import it (a finished import only reports)
             t0 = time.perf_counter()
-            summary = importer.import_model(settings, _WORKDIR.value)
+            summary = stages.import_model(settings, _WORKDIR.value)
             logging.info(
                 "stage import: %.1fs (%s, %d examples)",
                 time.perf_counter() - t0,
@@ -43,11 +42,11 @@ def main(argv):
                 summary.get("num_examples", 0),
             )
         elif _TRAIN.value:
-            summary = training.train(settings, _WORKDIR.value)
+            summary = stages.train(settings, _WORKDIR.value)
             print(
                 f"model at step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}"
             )
-        return evaluation.evaluate(settings, _WORKDIR.value)
+        return stages.evaluate(settings, _WORKDIR.value)
 
     table = _distributed.run(stage)  # under --distributed: rows, index ranges and tail-patch pairs split over hosts
     out = report.eval_dir(settings, _WORKDIR.value)

@@ -23,9 +23,9 @@ flags.mark_flags_as_required(["config", "workdir"])
 def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-    from trackstar_jax.training import importer  # noqa: PLC0415  (JAX starts after flag parsing)
+    from trackstar_jax import stages  # noqa: PLC0415  (JAX starts after flag parsing)
 
-    summary = importer.import_model(_config.settings(_CONFIG), _WORKDIR.value)
+    summary = stages.import_model(_config.settings(_CONFIG), _WORKDIR.value)
     m, v = summary["model"], summary["second_moment"]
     print(
         f"imported {summary['path']}: {m['arch']}, {summary['num_params']} parameters, "

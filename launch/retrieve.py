@@ -25,7 +25,7 @@ from absl import app, flags, logging
 from ml_collections import config_flags
 
 from launch import _config, _distributed
-from trackstar_jax import evaluation
+from trackstar_jax import stages
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config (experiments/*.py).", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
@@ -41,7 +41,7 @@ def main(argv):
     logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
     settings = _config.settings(_CONFIG)
     # a query file, or the evaluation's fact queries; under --distributed every host takes a row range
-    manifest = _distributed.run(lambda: evaluation.retrieve(settings, _WORKDIR.value))
+    manifest = _distributed.run(lambda: stages.retrieve(settings, _WORKDIR.value))
     print(json.dumps({k: manifest[k] for k in ("output", "num_queries", "index_rows", "k") if k in manifest}))
 
 

@@ -35,8 +35,8 @@ def main(argv):
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     import uvicorn  # noqa: PLC0415 -- the `serve` extra
 
+    from trackstar_jax import stages  # noqa: PLC0415
     from trackstar_jax.serving import app as app_lib  # noqa: PLC0415
-    from trackstar_jax.serving import engine as engine_lib  # noqa: PLC0415
     from trackstar_jax.serving import guard  # noqa: PLC0415
 
     multihost.require_single_process("launch.serve")
@@ -50,7 +50,7 @@ def main(argv):
             "address can query the model and read the workdir's retrieval files",
             _HOST.value,
         )
-    engine = engine_lib.Engine(_config.settings(_CONFIG), _WORKDIR.value)
+    engine = stages.open_engine(_config.settings(_CONFIG), _WORKDIR.value)
     logging.info("serve: methods %s (not offered: %s); answering Host %s", engine.methods, engine.skipped, hosts)
     print(f"proponent explorer: http://{_HOST.value}:{_PORT.value}/", flush=True)
     uvicorn.run(app_lib.make_app(engine, hosts=hosts), host=_HOST.value, port=_PORT.value, log_level="info")

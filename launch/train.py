@@ -22,10 +22,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     _distributed.initialize()  # --distributed: one SPMD program over every host's devices
-    from trackstar_jax import training  # after jax.distributed: nothing may start JAX's backends first
+    from trackstar_jax import stages  # after jax.distributed: nothing may start JAX's backends first
 
     logging.info("process %d/%d, devices: %s", jax.process_index(), jax.process_count(), jax.devices())
-    summary = _distributed.run(lambda: training.train(_config.settings(_CONFIG), _WORKDIR.value))
+    summary = _distributed.run(lambda: stages.train(_config.settings(_CONFIG), _WORKDIR.value))
     print(
         f"step {summary['step']}: train loss {summary['train_loss']}, eval loss {summary['eval_loss']}, "
         f"fact accuracy {summary['fact_accuracy']} over {summary['num_fact_prompts']} prompts"

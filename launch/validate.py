@@ -40,10 +40,10 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     multihost.require_single_process("launch.validate")  # processes share subsets via the flags, not jax.distributed
-    from trackstar_jax.evaluation import lds
+    from trackstar_jax import stages
 
     logging.info("devices: %s", jax.devices())
-    out = lds.validate(
+    out = stages.validate(
         _config.settings(_CONFIG),
         _WORKDIR.value,
         process_index=_PROCESS_INDEX.value,

@@ -17,12 +17,13 @@ from conftest import covering, skip_if_not_enough_devices, tiny_run_config, upda
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import methods as methods_lib
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.features import grads as grads_lib
 from trackstar_jax.features import preconditioner as precond_lib
 from trackstar_jax.features import projection as proj_lib
 from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.index import build, hessian
+from trackstar_jax.index import hessian
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import attribution, rerank
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -68,7 +69,7 @@ def test_token_scores_sum_to_the_retrieval_score(run_dir, name, num_devices):
     c, workdir = run_dir
     settings = _settings(c, name, token_scores=True)
     mesh = sharding.make_mesh(devices=jax.devices()[:num_devices])
-    build.build_index(settings, workdir)
+    stages.build_index(settings, workdir)
     run = checkpoint.load_run(workdir, mesh=mesh)
     recs, info = retrieval_stage.retrieve_queries(run, settings, workdir, QUERIES, mesh=mesh, k=3)
     assert info["token_scores_seconds"] >= 0
@@ -216,7 +217,7 @@ def test_rerank_of_every_row_is_the_exact_ranking(run_dir):
     run = checkpoint.load_run(workdir)
     n = len(run.corpus.examples)
     base = _settings(c, "trackstar_l090")
-    build.build_index(base, workdir)
+    stages.build_index(base, workdir)
     plain, _ = retrieval_stage.retrieve_queries(run, base, workdir, QUERIES[:1], k=n)
     recs, info = retrieval_stage.retrieve_queries(
         run, base.replace({"retrieval.rerank_k": 10 * n}), workdir, QUERIES[:1], k=5
@@ -255,8 +256,8 @@ def test_retrieval_files_follow_the_released_schema_and_pair_by_row(run_dir, tmp
     files = {}
     for name in ("exp2", "trackstar_l090"):
         s = _settings(c, name, queries=str(qfile), output=f"schema_{name}", overwrite=True, top_k=3)
-        build.build_index(s, workdir)
-        man = retrieval_stage.retrieve(s, workdir)
+        stages.build_index(s, workdir)
+        man = stages.retrieve(s, workdir)
         files[name] = [json.loads(line) for line in open(man["output"])]
     assert records.PAIR_FIELDS == (
         "example_id",

@@ -13,7 +13,7 @@ from conftest import tiny_run_config
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax import data as data_pkg
-from trackstar_jax import index
+from trackstar_jax import index, stages
 from trackstar_jax.features import vectors
 from trackstar_jax.index import build
 from trackstar_jax.training import checkpoint
@@ -34,7 +34,7 @@ def run_dir(tiny_run):
 def f32_index(run_dir):
     c = _config()
     c.index.dtype, c.index.dir = "float32", "index_f32"
-    summary = build.build_index(config_lib.from_configdict(c), run_dir)
+    summary = stages.build_index(config_lib.from_configdict(c), run_dir)
     return c, summary
 
 
@@ -111,11 +111,11 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
 
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", full_disk)
     with pytest.raises(index.IndexWriteError, match=r"chunk 1, rows \[64, 128\) failed \(the disk is full"):
-        build.build_index(config_lib.from_configdict(c), run_dir)
+        stages.build_index(config_lib.from_configdict(c), run_dir)
     path = build.index_dir(config_lib.from_configdict(c), run_dir)
     assert index.open_index(path).complete_chunks == frozenset({0})
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
-    summary = build.build_index(config_lib.from_configdict(c), run_dir)
+    summary = stages.build_index(config_lib.from_configdict(c), run_dir)
     assert summary["chunks_skipped"] == 1 and summary["complete"]
     assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
     reader = index.open_index(path)
@@ -137,10 +137,10 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
     with pytest.raises(
         index.IndexMismatchError, match=r"refusing to resume .*'vectors.proj_seed' is 0 in the index but 1"
     ):
-        build.build_index(config_lib.from_configdict(other), run_dir)
+        stages.build_index(config_lib.from_configdict(other), run_dir)
     other.vectors.proj_seed, other.vectors.correction = 0, False
     with pytest.raises(index.IndexMismatchError, match=r"'model.fingerprint'|'vectors.correction'"):
-        build.build_index(config_lib.from_configdict(other), run_dir)
+        stages.build_index(config_lib.from_configdict(other), run_dir)
     # A regenerated corpus (one passage edited, fingerprint updated consistently).
     import shutil
 
@@ -155,7 +155,26 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
     meta["fingerprint"] = data.fingerprint(texts)
     (copy / "corpus" / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'corpus.fingerprint'"):
-        build.build_index(config_lib.from_configdict(c), copy)
+        stages.build_index(config_lib.from_configdict(c), copy)
+
+
+def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monkeypatch):
+    """`index.build_from_run` (what the evaluation's gradient rows and LDS call with the run the
+    stage opened) reuses a finished index without checking or loading the run again and without
+    making (compiling) the featurize step; it still refuses an index of other settings."""
+    c, first = f32_index
+    settings = config_lib.from_configdict(c)
+    loaded = stages.open_run(settings, run_dir)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("called on a finished index")
+
+    for mod, name in ((checkpoint, "load_run"), (config_lib, "check_matches_run"), (vectors, "make_vector_fn")):
+        monkeypatch.setattr(mod, name, fail)
+    summary = build.build_from_run(loaded.run, settings, run_dir, mesh=loaded.mesh)
+    assert summary["complete"] and summary["rows_written"] == 0 and summary["rows"] == first["rows"]
+    with pytest.raises(index.IndexMismatchError, match="vectors.proj_seed"):
+        build.build_from_run(loaded.run, settings.replace({"vectors.proj_seed": 1}), run_dir, mesh=loaded.mesh)
 
 
 def test_config_sections_are_checked(tiny_config):
@@ -172,7 +191,7 @@ def test_config_of_another_run_is_refused(run_dir):
     c = _config()
     c.model.embed_dim = 32
     with pytest.raises(ValueError, match=r"config disagrees with the run .*model.embed_dim: saved 64, now 32"):
-        build.build_index(config_lib.from_configdict(c), run_dir)
+        stages.build_index(config_lib.from_configdict(c), run_dir)
 
 
 def test_a_stage_may_set_remat_on_a_run_made_without_it(run_dir):
@@ -202,4 +221,4 @@ def test_a_stage_may_set_matmul_dtype_and_an_index_is_not_resumed_across_it(run_
     assert run.model_cfg.matmul_dtype == "bfloat16"
     assert "matmul_dtype" not in build.expected_identity(run, settings, 256)["model"]["config"]
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'featurizer.matmul_dtype'"):
-        build.build_index(settings, run_dir)
+        stages.build_index(settings, run_dir)

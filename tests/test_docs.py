@@ -39,7 +39,7 @@ from conftest import tiny_run_config
 from ml_collections import config_flags
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import index
+from trackstar_jax import stages
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -194,7 +194,7 @@ def _run(tiny_run):
     """A trained tiny run with its index built (a few seconds of training at tests' sizes)."""
     config = tiny_run_config(num_facts=12, num_distractors=12, num_steps=20, chunk_rows=32)
     workdir = tiny_run(config)
-    index.build_index(config_lib.from_configdict(config), workdir)
+    stages.build_index(config_lib.from_configdict(config), workdir)
     return workdir
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax import evaluation
+from trackstar_jax import stages
 from trackstar_jax.evaluation import baselines, embedding, rows
 
 needs_model = pytest.mark.skipif(
@@ -213,7 +213,7 @@ def test_missing_model_names_the_pip_command(monkeypatch, tiny_config, tmp_path)
     assert "dense" not in rows and "bm25" in rows
     tiny_config.eval.methods = ("bm25", "dense")  # asked for explicitly: refused before any work
     with pytest.raises(embedding.MissingModelError, match="--no-deps"):
-        evaluation.evaluate(config_lib.from_configdict(tiny_config), tmp_path / "no_run")
+        stages.evaluate(config_lib.from_configdict(tiny_config), tmp_path / "no_run")
 
 
 def test_a_model_folder_without_weights_is_named(tmp_path):

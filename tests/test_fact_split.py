@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import data
+from trackstar_jax import data, stages
 from trackstar_jax.data import templates
 from trackstar_jax.evaluation import queries
 
@@ -296,11 +296,11 @@ def _any_relations_config(lama_dir, relations):
 
 @pytest.mark.slow
 def test_trex_table1_runs_on_another_relation_set(lama_dir, tmp_path, compile_cache):
-    from trackstar_jax import evaluation, training
+    from trackstar_jax import training
 
     settings = config_lib.from_configdict(_any_relations_config(lama_dir, "P19,P103"))
     training.train(settings, tmp_path / "run")
-    table = evaluation.evaluate(settings, tmp_path / "run")
+    table = stages.evaluate(settings, tmp_path / "run")
     split = table["query_report"]["corpus"]["fact_split"]
     assert table["num_queries"] == split["num_eval_facts"] > 0  # every eval fact, no train fact
     assert set(table["model_accuracy_by_relation"]) == {"P19", "P103"}

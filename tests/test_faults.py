@@ -25,10 +25,10 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
-from trackstar_jax import evaluation, files, training
+from trackstar_jax import files, stages, training
 from trackstar_jax import index as index_lib
 from trackstar_jax.evaluation import results as results_lib
-from trackstar_jax.index import build, store
+from trackstar_jax.index import store
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint
 from trackstar_jax.training import step as step_lib
@@ -74,9 +74,9 @@ def run_dir(tmp_path_factory):
     """Trained, indexed (bfloat16, chunks of 4 rows) and retrieved once (scoring cache written)."""
     workdir = tmp_path_factory.mktemp("run")
     training.train(_settings(), workdir)
-    build.build_index(_settings(), workdir)
+    stages.build_index(_settings(), workdir)
     q = _write_queries(workdir / "queries.jsonl", QUERIES)
-    retrieval_stage.retrieve(_settings(**{"retrieval.queries": str(q)}), workdir)
+    stages.retrieve(_settings(**{"retrieval.queries": str(q)}), workdir)
     return workdir
 
 
@@ -90,7 +90,7 @@ def work(run_dir, tmp_path):
 
 def _retrieve(workdir, **more):
     s = _settings(**{"retrieval.queries": str(workdir / "queries.jsonl"), "retrieval.overwrite": True, **more})
-    return retrieval_stage.retrieve(s, workdir)
+    return stages.retrieve(s, workdir)
 
 
 def _flip(path: pathlib.Path, offset: int | None = None, bit: int = 0) -> None:
@@ -265,15 +265,15 @@ def test_evaluate_rerun_follows_the_retrieve_rule(work):
     (out / "retrievals").mkdir(parents=True)
     (out / "retrievals" / "bm25.jsonl").write_text("{}\n")
     with pytest.raises(FileExistsError, match=r"retrieval\.overwrite=True"):
-        evaluation.evaluate(s, work)
+        stages.evaluate(s, work)
     assert (out / "retrievals" / "bm25.jsonl").exists()
     # A finished evaluation with the same settings is only reported; other settings are refused by name.
     table = {"rows": [], "settings": config_lib.to_dict(s)}
     files.atomic_write_json(out / "table.json", table)
     before = _snapshot(out)
-    assert evaluation.evaluate(s, work) == table and _snapshot(out) == before
+    assert stages.evaluate(s, work) == table and _snapshot(out) == before
     with pytest.raises(FileExistsError, match=r"eval\.num_proponents: saved 10, now 12"):
-        evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
+        stages.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
 
 
 def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_writing(work, monkeypatch):
@@ -341,7 +341,7 @@ def test_lost_chunk_of_a_finished_index_is_rewritten(work):
     (work / "index" / "vectors" / "c" / "3" / "0").unlink()
     with pytest.raises(store.IndexCorruptError, match=r"chunk 3, rows \[12, 16\)"):
         _retrieve(work)
-    build.build_index(_settings(), work)
+    stages.build_index(_settings(), work)
     assert _chunk_bytes(work / "index") == ref
     store.verify_index(work / "index")
 
@@ -374,14 +374,14 @@ def test_two_writers_and_kill9_resume_byte_identical(work):
         with pytest.raises(
             files.WorkdirBusyError, match=rf"written by another process \(build_index, pid {proc.pid} on host"
         ):
-            build.build_index(_settings(**{"index.dir": "index_kill"}), work)
+            stages.build_index(_settings(**{"index.dir": "index_kill"}), work)
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    summary = build.build_index(_settings(**{"index.dir": "index_kill"}), work)
+    summary = stages.build_index(_settings(**{"index.dir": "index_kill"}), work)
     assert summary["complete"] and summary["chunks_skipped"] >= 1
     assert _chunk_bytes(index) == _chunk_bytes(work / "index")
     np.testing.assert_array_equal(np.load(index / "r_train.npy"), np.load(work / "index" / "r_train.npy"))
@@ -479,15 +479,15 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
     proc = _hold_workdir_lock(work)
     try:
         busy = rf"{work} is being written by another process \(train, pid {proc.pid} on host"
-        stages = {
+        writers = {
             "train": lambda: training.train(_settings(**{"train.num_steps": 6}), work),
             "import_model": lambda: importer.import_model(_settings(), work),
-            "build_index": lambda: build.build_index(_settings(**{"index.dir": "index2"}), work),
+            "build_index": lambda: stages.build_index(_settings(**{"index.dir": "index2"}), work),
             "retrieve": lambda: _retrieve(work),
-            "evaluate": lambda: evaluation.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
+            "evaluate": lambda: stages.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
             "validate": lambda: lds.validate(_settings(), work),
         }
-        for run in stages.values():
+        for run in writers.values():
             with pytest.raises(files.WorkdirBusyError, match=busy):
                 run()
         assert files_now() == before
@@ -512,13 +512,13 @@ def test_evaluate_resumes_its_own_unfinished_work_and_leaves_no_temporaries(work
 
     monkeypatch.setattr(eval_stage.claims_lib, "compare", killed)
     with pytest.raises(KeyboardInterrupt):
-        evaluation.evaluate(s, work)
+        stages.evaluate(s, work)
     assert (out / "retrievals" / "bm25.jsonl").exists() and not (out / "table.json").exists()
     assert not stale.exists()
     with pytest.raises(FileExistsError, match=r"unfinished evaluation made with other settings.*num_proponents"):
-        evaluation.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
+        stages.evaluate(_settings(**{"eval.methods": ("bm25",), "eval.num_proponents": 12}), work)
     monkeypatch.undo()
-    table = evaluation.evaluate(s, work)  # its own unfinished work: redone without overwrite
+    table = stages.evaluate(s, work)  # its own unfinished work: redone without overwrite
     assert table["rows"][0]["method"] == "bm25" and (out / "table.json").exists()
     assert not [p for p in work.rglob("*") if ".tmp-" in p.name]
 

@@ -19,7 +19,10 @@ tokenizers = pytest.importorskip("tokenizers", reason="the imported tokenizer ne
 
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import data as data_lib  # noqa: E402
-from trackstar_jax import training  # noqa: E402
+from trackstar_jax import (
+    stages,
+    training,  # noqa: E402
+)
 from trackstar_jax.data import hf_tokenizer  # noqa: E402
 from trackstar_jax.index import build, store  # noqa: E402
 from trackstar_jax.models import hf as hf_lib  # noqa: E402
@@ -122,7 +125,7 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
 
     # Later stages take the same (unresolved) experiment config.
     settings = config_lib.from_configdict(c)
-    build.build_index(settings, workdir)
+    stages.build_index(settings, workdir)
     man = store.read_manifest(build.index_dir(settings, workdir))
     sm = man["model"]["second_moment"]
     assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == (
@@ -143,7 +146,7 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     # A config that disagrees with the imported shapes is refused, naming the field.
     c.model.num_layers = 3
     with pytest.raises(config_lib.ConfigError, match=r"model.num_layers=3 but the imported model has 2"):
-        build.build_index(config_lib.from_configdict(c), workdir)
+        stages.build_index(config_lib.from_configdict(c), workdir)
 
 
 def test_refusals(hf_folder, tmp_path):
@@ -190,7 +193,7 @@ def test_no_estimate_refuses_the_correction(hf_folder, tmp_path):
     run = checkpoint.load_run(workdir)
     assert run.opt_state is None and run.opt_state_info["kind"] == "none"
     with pytest.raises(ValueError, match="vectors.correction=False"):
-        build.build_index(config_lib.from_configdict(c), workdir)
+        stages.build_index(config_lib.from_configdict(c), workdir)
     c.vectors.estimate_v_examples = 8  # a different estimate on a finished import is refused, not redone
     with pytest.raises(config_lib.ConfigError, match="estimate_v_examples=8"):
         importer.import_model(config_lib.from_configdict(c), workdir)
@@ -241,6 +244,6 @@ def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
     assert counts and all(n == 2 for n in counts)  # the optimizer's own count, not the estimate's
 
     settings = config_lib.from_configdict(c)
-    build.build_index(settings, workdir)
+    stages.build_index(settings, workdir)
     man = store.read_manifest(build.index_dir(settings, workdir))
     assert man["model"]["second_moment"]["kind"] == "measured"

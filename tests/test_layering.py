@@ -18,8 +18,8 @@ PACKAGE = "trackstar_jax"
 # Bottom to top. A package (a sub-package, or a top-level module such as `config.py`) imports
 # only the packages of lower layers; packages in one layer do not import each other.
 # `config` sits above the roles whose section types it holds (models, data, features) and below
-# the packages that still hold stage entry points (training/loop, index/build, retrieval/stage,
-# evaluation/stage), which read `config.Settings`.
+# the roles that read `config.Settings`; `stages` (the stage entry points and `open_run`) sits
+# above every role.
 LAYERS = (
     ("files",),  # atomic files, workdir locks
     ("distributed",),  # mesh, shardings, runtime, multi-host steps (its stage lock: files)
@@ -32,6 +32,7 @@ LAYERS = (
     ("retrieval",),  # exact top-k, the retrieve stage
     ("evaluation",),  # queries, metrics, tail-patch, LDS
     ("serving", "plan"),  # the explorer; the resource planner
+    ("stages",),  # the stage entry points, `open_run`
 )
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}
 

@@ -17,9 +17,8 @@ import pytest
 from test_build_index import _config  # the small run of the index tests (30 facts, 3 steps)
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import index, training
+from trackstar_jax import index, stages, training
 from trackstar_jax.distributed import multihost
-from trackstar_jax.index import build
 from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -73,7 +72,7 @@ def test_two_processes_build_the_index_of_one(two_host_run):
     # The reference: one process over all its (8) devices, same run, another index directory.
     c = _config()
     c.index.dir = "index_one_process"
-    one = build.build_index(config_lib.from_configdict(c), workdir)
+    one = stages.build_index(config_lib.from_configdict(c), workdir)
     assert one["process_count"] == 1 and one["complete"]
     two_r, one_r = index.open_index(path), index.open_index(workdir / "index_one_process")
     a, _ = two_r.read_block(0, two_r.num_rows)

@@ -21,9 +21,8 @@ import pytest
 from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import evaluation
+from trackstar_jax import stages
 from trackstar_jax.distributed import multihost
-from trackstar_jax.index import build
 from trackstar_jax.retrieval import topk
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
@@ -67,7 +66,7 @@ def indexed_run(tiny_run, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("pod") / "run"
     top = {f.name for f in src.iterdir() if f.name.startswith(("index", "retrieval", "eval"))}
     shutil.copytree(src, workdir, ignore=lambda d, names: top & set(names) if pathlib.Path(d) == src else ())
-    build.build_index(config_lib.from_configdict(_config()), workdir)
+    stages.build_index(config_lib.from_configdict(_config()), workdir)
     return workdir
 
 
@@ -96,7 +95,7 @@ def _same_retrieval(ref: pathlib.Path, got: pathlib.Path):
     for m in (ma, mb):
         for key in ("name", "output", "process_count", "devices", "retrieval"):
             m.pop(key)
-        for key in [k for k in m if k.endswith("seconds") or k == "dots_per_s"]:
+        for key in [k for k in m if k.endswith("seconds") or k in ("seconds_by_part", "dots_per_s")]:
             m.pop(key)
     assert ma == mb
 
@@ -123,7 +122,7 @@ def test_processes_retrieve_like_one(indexed_run, num_processes):
 def test_two_processes_evaluate_like_one(indexed_run):
     """BM25 and T-REx gold rows with tail-patch: pairs split over the 2 processes' devices."""
     settings = config_lib.from_configdict(_config(**{"eval.output_dir": "eval_one"}))
-    table = evaluation.evaluate(settings, indexed_run)
+    table = stages.evaluate(settings, indexed_run)
     assert table["tailpatch"]["num_pairs"] > 20
     _run("evaluate", indexed_run, 2, "--notrain", "--config.eval.output_dir=eval_two")
     one, two = indexed_run / "eval_one", indexed_run / "eval_two"

@@ -18,7 +18,7 @@ from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax import evaluation
+from trackstar_jax import stages
 from trackstar_jax.evaluation import embedding, metrics, report, results, tailpatch
 from trackstar_jax.training import checkpoint
 from trackstar_jax.training import step as train
@@ -45,7 +45,7 @@ def _config():
 @pytest.fixture(scope="module")
 def evaluated(tiny_run):
     workdir = tiny_run(_config())
-    table = evaluation.evaluate(config_lib.from_configdict(_config()), workdir)
+    table = stages.evaluate(config_lib.from_configdict(_config()), workdir)
     return workdir, table
 
 
@@ -143,7 +143,7 @@ def test_prediction_mode_queries_the_models_completion(evaluated):
     c = _config()
     c.eval.query_mode = "prediction"
     c.eval.methods = ("bm25",)
-    table = evaluation.evaluate(config_lib.from_configdict(c), workdir)
+    table = stages.evaluate(config_lib.from_configdict(c), workdir)
     res = results.load_results(workdir, "eval_prediction")
     assert (
         table["query_mode"] == "prediction"
@@ -158,11 +158,11 @@ def test_unknown_method_and_missing_template_errors(evaluated):
     c = _config()
     c.eval.methods = ("bm26",)
     with pytest.raises(ValueError, match="unknown evaluation method 'bm26'"):
-        evaluation.evaluate(config_lib.from_configdict(c), workdir)
+        stages.evaluate(config_lib.from_configdict(c), workdir)
     c = _config()
     c.eval.template_variant = 7
     with pytest.raises(ValueError, match="has no template variant 7"):
-        evaluation.evaluate(config_lib.from_configdict(c), workdir)
+        stages.evaluate(config_lib.from_configdict(c), workdir)
 
 
 def test_highlight_marks_whole_word_entities():

@@ -11,10 +11,9 @@ import pytest
 from conftest import skip_if_not_enough_devices, tiny_run_config
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import evaluation, index, plan, training
+from trackstar_jax import index, plan, stages, training
 from trackstar_jax.distributed import memory, runtime, sharding
 from trackstar_jax.features import vectors
-from trackstar_jax.index import build
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -113,27 +112,27 @@ def test_stages_refuse_a_step_that_does_not_fit_before_any_work(small_run, monke
     # build_index: the featurize step, before the index directory exists.
     monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
     with pytest.raises(memory.DoesNotFitError, match=r"the featurize step .* lower config\.vectors\.batch_size"):
-        build.build_index(settings, workdir)
+        stages.build_index(settings, workdir)
     assert not (workdir / "index_plan").exists()
     # Without the limit it runs.
     monkeypatch.delenv(memory.MEMORY_ENV)
-    assert build.build_index(settings, workdir)["complete"]
+    assert stages.build_index(settings, workdir)["complete"]
     assert index.verify_index(workdir / "index_plan")["ok"]
     # retrieve: query featurization, before any output is written.
     queries = [retrieval_stage.TextQuery(0, "The capital of", " France")]
     monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
     with pytest.raises(memory.DoesNotFitError, match=r"the featurize step .* config\.vectors\.batch_size"):
-        retrieval_stage.retrieve(settings, workdir, queries, name="plan_q")
+        stages.retrieve(settings, workdir, queries, name="plan_q")
     assert not list((workdir / "retrieval").glob("plan_q*"))
     monkeypatch.delenv(memory.MEMORY_ENV)
-    man = retrieval_stage.retrieve(settings, workdir, queries, name="plan_q")
+    man = stages.retrieve(settings, workdir, queries, name="plan_q")
     assert man["num_queries"] == 1 and (workdir / "retrieval" / "plan_q.jsonl").exists()
     # evaluate: a gradient row's featurize step; without one, the tail-patch step; no output folder.
     monkeypatch.setenv(memory.MEMORY_ENV, str(TINY))
     for methods, knob in ((("trex_gold", "trackstar"), "vectors"), (("trex_gold", "bm25"), "tailpatch")):
         ev = settings.replace({"eval.methods": methods, "eval.output_dir": "eval_plan"})
         with pytest.raises(memory.DoesNotFitError, match=rf"lower config\.{knob}\.batch_size"):
-            evaluation.evaluate(ev, workdir)
+            stages.evaluate(ev, workdir)
         assert not (workdir / "eval_plan").exists()
 
 

@@ -12,9 +12,8 @@ from conftest import skip_if_not_enough_devices, tiny_run_config, update_compile
 from jax.sharding import AxisType
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import evaluation, index
+from trackstar_jax import index, stages
 from trackstar_jax.distributed import sharding
-from trackstar_jax.index import build
 from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk as retrieval
@@ -403,7 +402,7 @@ def trained_run(tiny_run):
     try:
         c = _e2e_config()
         workdir = tiny_run(c)
-        build.build_index(config_lib.from_configdict(c), workdir)
+        stages.build_index(config_lib.from_configdict(c), workdir)
         yield c, workdir
     finally:
         update_compiler_config(old)
@@ -417,9 +416,7 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     c, workdir = trained_run
     n = len(checkpoint.load_run(workdir).corpus.examples)
     c.retrieval.top_k = n  # full ranking: every row's rank is known
-    man = evaluation.retrieve(
-        config_lib.from_configdict(c), workdir
-    )  # default query source: the evaluation's fact queries
+    man = stages.retrieve(config_lib.from_configdict(c), workdir)  # default query source: the evaluation's fact queries
     recs = [json.loads(line) for line in open(man["output"])]
     assert man["num_queries"] == len(recs) > 0 and man["k"] == n and man["index_rows"] == n
     fields = (
@@ -450,6 +447,34 @@ def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     assert mrr > max(0.3, 3 * chance) and np.median(first) <= 4, (mrr, chance, first)
 
 
+def test_retrieve_manifest_says_where_the_time_went(trained_run, monkeypatch):
+    """The retrieval manifest's `seconds_by_part` (also the log's last line): opening the run,
+    featurizing the queries, scoring / top-k over the index, writing the output, which sum to at
+    most the stage's `seconds` (structure only: no figure is timed). A run handed over as
+    `loaded` is not loaded again."""
+    import json
+
+    from trackstar_jax.training import checkpoint
+
+    c, workdir = trained_run
+    settings = config_lib.from_configdict(c).replace({"retrieval.output": "parts", "retrieval.queries": ""})
+    man = stages.retrieve(settings, workdir)
+    parts = man["seconds_by_part"]
+    assert list(parts) == ["load_run", "featurize_queries", "score_topk", "write_output"]
+    assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= man["seconds"]
+    on_disk = json.loads((workdir / "retrieval" / "parts.manifest.json").read_text())
+    assert on_disk["seconds_by_part"] == parts and on_disk["seconds"] == man["seconds"]
+
+    loaded = stages.open_run(settings, workdir)
+
+    def no_reload(*args, **kwargs):
+        raise AssertionError("the run was loaded again")
+
+    monkeypatch.setattr(checkpoint, "load_run", no_reload)
+    again = stages.retrieve(settings.replace({"retrieval.overwrite": True}), workdir, loaded=loaded)
+    assert again["num_queries"] == man["num_queries"] and sum(again["seconds_by_part"].values()) <= again["seconds"]
+
+
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
 
     from trackstar_jax.training import checkpoint
@@ -459,15 +484,15 @@ def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
     qfile.write_text("\n")  # an empty query set is refused by name, before the run loads
     c.retrieval.queries = str(qfile)
     with pytest.raises(ValueError, match=r"mine\.jsonl: no queries \(the file is empty or blank\)"):
-        evaluation.retrieve(config_lib.from_configdict(c), workdir)
+        stages.retrieve(config_lib.from_configdict(c), workdir)
     qfile.write_text('{"prompt": "The", "target": " capital"}\n')
-    man = evaluation.retrieve(config_lib.from_configdict(c), workdir)
+    man = stages.retrieve(config_lib.from_configdict(c), workdir)
     assert man["num_queries"] == 1 and len((workdir / "retrieval" / "mine.jsonl").read_text().splitlines()) == 1
     with pytest.raises(FileExistsError, match="overwrite"):
-        evaluation.retrieve(config_lib.from_configdict(c), workdir)
+        stages.retrieve(config_lib.from_configdict(c), workdir)
     qfile.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match=r"mine.jsonl:1: expected an object with string fields"):
-        evaluation.retrieve(config_lib.from_configdict(c), workdir)
+        stages.retrieve(config_lib.from_configdict(c), workdir)
     # The same checks through the Python API, on one loaded run.
     run = checkpoint.load_run(workdir)
     mine = [retrieval_stage.TextQuery("q7", "The", " capital")]

@@ -27,11 +27,11 @@ from starlette.websockets import WebSocketDisconnect  # noqa: E402
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import (
     evaluation,  # noqa: E402
+    stages,
     training,  # noqa: E402
 )
 from trackstar_jax import methods as methods_lib  # noqa: E402
 from trackstar_jax.evaluation import embedding, rows  # noqa: E402
-from trackstar_jax.index import build  # noqa: E402
 from trackstar_jax.index import hessian as hessian_lib  # noqa: E402
 from trackstar_jax.index import scoring as scoring_lib  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
@@ -72,8 +72,8 @@ def served(tmp_path_factory, fast_compile):
     workdir = tmp_path_factory.mktemp("run")
     settings = config_lib.from_configdict(_config())
     training.train(settings, workdir)
-    build.build_index(settings, workdir)
-    engine = engine_lib.Engine(settings, workdir, dense=False)
+    stages.build_index(settings, workdir)
+    engine = stages.open_engine(settings, workdir, dense=False)  # what launch.serve loads
     return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
 
@@ -572,7 +572,7 @@ def evaluated(tiny_run):
     """(workdir, engine, client) over a tiny run with `eval/` written by `evaluation.evaluate`."""
     settings = config_lib.from_configdict(_eval_config())
     workdir = tiny_run(_eval_config())
-    evaluation.evaluate(settings, workdir)
+    stages.evaluate(settings, workdir)
     engine = engine_lib.Engine(settings, workdir, dense=False)
     return workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 

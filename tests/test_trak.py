@@ -7,7 +7,7 @@ import pytest
 from conftest import tiny_run_config, update_compiler_config
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import methods
+from trackstar_jax import methods, stages
 from trackstar_jax.index import build, store
 from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.models import lm as model_lib
@@ -26,7 +26,7 @@ def trak_run(tiny_run):
         workdir = tiny_run(c)
         s = config_lib.from_configdict(c)
         s = s.replace(methods.method("trak").overrides(s.index.dir))
-        build.build_index(s, workdir)
+        stages.build_index(s, workdir)
         yield s, workdir
     finally:
         update_compiler_config(old)

@@ -9,7 +9,8 @@
 - `tailpatch`: the tail-patch influence metric (§4.3).
 - `metrics`: MRR / recall / precision, bootstrap intervals, tables.
 - `report`: retrieval files, table.md. `results`: reading an evaluation back (notebook).
-- `stage`: the `evaluate` stage, and `retrieve_fact_queries` (stage 3 on the fact queries).
+- `stage`: `evaluate_run`, the work of the `stages.evaluate` stage (memory checks, rows,
+  tail-patch, the table).
 """
 
-from trackstar_jax.evaluation.stage import evaluate, retrieve, retrieve_fact_queries
+from trackstar_jax.evaluation.stage import evaluate_run

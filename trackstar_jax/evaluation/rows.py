@@ -294,7 +294,7 @@ class GradientRetriever(Retriever):
     def retrieve(self, eq: QuerySet, k: int, *, token_scores: bool = False) -> Retrieved:
         if token_scores:
             raise ValueError("token scores are served by `serve`'s retriever, or retrieval.token_scores")
-        summary = build_lib.build_index(self.settings, self.ctx.workdir, step=self.ctx.run.step)  # the run's checkpoint
+        summary = build_lib.build_from_run(self.ctx.run, self.settings, self.ctx.workdir, mesh=self.ctx.mesh)
         recs, info = retrieval_stage.retrieve_queries(
             self.ctx.run,
             self.settings,
@@ -325,7 +325,7 @@ class GradientRetriever(Retriever):
         of a mixed row is the queries themselves (LDS).
         """
         ctx, settings = self.ctx, self.settings
-        build_lib.build_index(settings, ctx.workdir)
+        build_lib.build_from_run(ctx.run, settings, ctx.workdir, mesh=ctx.mesh)
         reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
         vec_fn = vectors_lib.make_vector_fn(
             ctx.run.graphdef,

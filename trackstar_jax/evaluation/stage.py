@@ -1,4 +1,5 @@
-"""Stage 4, `evaluate`: the fact-tracing table (§4-5, Table 1 / A.1 / A.2) for every row of `config.eval.methods`.
+"""Stage 4's work (`evaluate_run`; the stage is `stages.evaluate`): the fact-tracing table
+(§4-5, Table 1 / A.1 / A.2) for every row of `config.eval.methods`.
 
 Steps, each a function below: build the query set from the run's facts
 (`query_set.make_eval_queries`), retrieve proponents per row (`rows.make_retrievers`: T-REx
@@ -12,13 +13,11 @@ proponent) pair from the final checkpoint (`tailpatch_all`), and write the outpu
 from __future__ import annotations
 
 import dataclasses
-import os
 import pathlib
 import time
 
 import jax
 import numpy as np
-import tqdm
 from absl import logging
 
 from trackstar_jax import config as config_lib
@@ -39,7 +38,6 @@ from trackstar_jax.evaluation import tailpatch as tailpatch_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
@@ -135,9 +133,7 @@ def tailpatch_all(
         )
         bs = pair_batch_size(settings, mesh)
         fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
-        bar = tqdm.tqdm(
-            total=len(todo), desc="tail-patch", disable=jax.process_index() > 0, mininterval=2.0, dynamic_ncols=True
-        )
+        bar = logs.progress(total=len(todo), desc="tail-patch", unit="pair")
         slice_pairs = bs * 8  # results reach the cache every 8 batches
         for lo in range(0, len(todo), slice_pairs):
             part = todo[lo : lo + slice_pairs]
@@ -170,7 +166,7 @@ def _differs(saved: dict | None, settings: config_lib.Settings, what: str) -> li
     return config_lib.mismatches(saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
 
 
-def _finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | None:
+def finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | None:
     """The previous evaluation in `out_dir` if it was made with these settings (it is only
     reported); None when there is none, when it is this configuration's own unfinished
     evaluation (its `started.json` records the same settings: it is redone), or when
@@ -257,14 +253,12 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
     return out
 
 
-def _prepare(
-    settings: config_lib.Settings, workdir: pathlib.Path, methods: list[baselines_lib.Method]
-) -> tuple[rows_lib.Context, pathlib.Path]:
-    out_dir = report.eval_dir(settings, workdir)
-    mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
-    ctx = rows_lib.Context(settings, workdir, run, mesh)
+def prepare(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> pathlib.Path:
+    """Before the evaluation of a loaded run writes anything: its steps' memory checks
+    (`check_fits`), then the output folder (a previous evaluation's retrievals removed) and its
+    `started.json`. Returns the output folder (`report.eval_dir`)."""
+    settings = ctx.settings
+    out_dir = report.eval_dir(settings, ctx.workdir)
     check_fits(ctx, methods)  # before anything is written or replaced
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
     stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
@@ -274,7 +268,7 @@ def _prepare(
             f.unlink()
     if multihost.is_primary():
         files.atomic_write_json(out_dir / STARTED_FILE, {"settings": _settings_record(settings)})
-    return ctx, out_dir
+    return out_dir
 
 
 def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQueries:
@@ -305,32 +299,38 @@ def _queries(ctx: rows_lib.Context, out_dir: pathlib.Path) -> query_set.EvalQuer
     return eq
 
 
-@multihost.writes_workdir("evaluate")
-def evaluate(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
-    """Stage 4: the fact-tracing table for every row in `config.eval.methods` (see the module docstring).
+def evaluate_run(
+    ctx: rows_lib.Context,
+    methods: list[baselines_lib.Method],
+    *,
+    started: float | None = None,
+    load_seconds: float = 0.0,
+) -> dict:
+    """Stage 4's work on a loaded run (the stage is `stages.evaluate`, which refuses or reports a
+    finished evaluation first): the fact-tracing table for `methods` (see the module docstring).
+
+    Args:
+      ctx: the loaded run, checked against `ctx.settings`.
+      methods: the table's rows (`check_methods`).
+      started: `time.perf_counter()` when the stage started (the table's `seconds`; default now).
+      load_seconds: how long the caller took to open the run (counted in stage "load").
 
     Returns:
       The table.json content.
     """
-    t0 = time.perf_counter()
-    workdir = pathlib.Path(workdir)
-    logs.quiet_library_logs()
-    methods = check_methods(settings)
+    t0 = time.perf_counter() if started is None else started
+    settings, workdir = ctx.settings, ctx.workdir
     ev, tp = settings.eval, settings.tailpatch
-    with multihost.step("evaluate:checked"):  # every process decides on the same files
-        done = _finished(settings, report.eval_dir(settings, workdir))
-    if done is not None:
-        return done
     stage_seconds: dict[str, float] = {}  # wall time of each stage (logged as it ends)
 
     def timed(name, fn, *args):
         t1 = time.perf_counter()
         out = fn(*args)
-        stage_seconds[name] = time.perf_counter() - t1
+        stage_seconds[name] = time.perf_counter() - t1 + (load_seconds if name == "load" else 0.0)
         logging.info("stage %s: %.1fs", name, stage_seconds[name])
         return out
 
-    ctx, out_dir = timed("load", _prepare, settings, workdir, methods)
+    out_dir = timed("load", prepare, ctx, methods)
     run = ctx.run
     eq = timed("queries", _queries, ctx, out_dir)
 
@@ -469,42 +469,3 @@ def checkpoint_curve(settings: config_lib.Settings, workdir: pathlib.Path, eq: q
             summary["tailpatch_at_10"],
         )
     return out
-
-
-@multihost.writes_workdir("retrieve")
-def retrieve_fact_queries(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
-    """Stage 3 for the evaluation's fact queries (`launch.retrieve` without `retrieval.queries`).
-
-    Writes `workdir/retrieval/eval_<mode>_t<variant>.jsonl` with fact fields and
-    `proponent_correct`; refuses an existing output before any work (unless overwrite).
-    """
-    ev = settings.eval
-    name = settings.retrieval.output or f"eval_{ev.query_mode}_t{ev.template_variant}"
-    out, man = retrieval_stage.output_paths(workdir, name)
-    if not settings.retrieval.overwrite and (out.exists() or man.exists()):
-        raise FileExistsError(
-            f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
-            "or --config.retrieval.output=<another name>"
-        )
-    mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
-    eq = query_set.make_eval_queries(run, settings)
-    source = {"kind": "eval", "query_mode": ev.query_mode, "template_variant": ev.template_variant}
-    return retrieval_stage.retrieve(
-        settings,
-        workdir,
-        eq.text_queries(with_fact_fields=True),
-        name=name,
-        source=source,
-        run=run,
-        r_eval_queries=eq.r_eval_queries(),
-    )
-
-
-def retrieve(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
-    """Stage 3 as `launch.retrieve` runs it: the jsonl at `config.retrieval.queries`, or, when
-    that is empty, the evaluation's fact queries (`retrieve_fact_queries`)."""
-    if settings.retrieval.queries:
-        return retrieval_stage.retrieve(settings, workdir)
-    return retrieve_fact_queries(settings, workdir)

@@ -4,10 +4,10 @@
 - `builder`: `IndexBuilder` (resumable, several writers), `finalize` (R_train once).
 - `hessian`: R_train / R_eval / mixed R, R^{-1/2}, unit norm (§3, §A.1.3).
 - `scoring`: per-row scales for on-the-fly R^{-1/2} + unit norm.
-- `build`: the `build_index` stage.
+- `build`: `build_from_run`, the work of the `stages.build_index` stage.
 """
 
-from trackstar_jax.index.build import build_index, index_dir
+from trackstar_jax.index.build import build_from_run, index_dir
 from trackstar_jax.index.builder import BuildStats, IndexBuilder, finalize, finalized_by
 from trackstar_jax.index.scoring import Scoring, compute_row_scale, prepare_scoring, write_finalized
 from trackstar_jax.index.store import (

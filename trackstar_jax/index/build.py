@@ -1,4 +1,4 @@
-"""Stage 2, `build_index`: one pass over the corpus with the fast featurizer -> zarr3 index + R_train.
+"""Stage 2's work (`build_from_run`; the stage is `stages.build_index`): one pass over the corpus with the fast featurizer -> zarr3 index + R_train.
 
 Paper §3 ("Random projection"), §A.1.3: every training example's projected, corrected
 gradient is computed once and stored (`store.py`, `builder.py`); R_train accumulates in the
@@ -9,13 +9,13 @@ refuses an index of another model, projection, storage or corpus.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any
 
 import jax
 import numpy as np
-import tqdm
 from absl import logging
 
 from trackstar_jax import config as config_lib
@@ -134,23 +134,42 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     return rows_fn
 
 
-@multihost.writes_workdir("build_index")
-def build_index(
+def index_mesh(settings: config_lib.Settings) -> jax.sharding.Mesh:
+    """The mesh an index is featurized on: `settings.mesh.shape` over this process's devices
+    (per-example vectors need no communication, so on a pod each host is an independent
+    writer; in a single process these are all devices).
+
+    Raises:
+      config.ConfigError: `vectors.batch_size` cannot be split over the mesh (names the knob).
+    """
+    mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
+    bad_split = sharding_lib.batch_split_error(settings.vectors.batch_size, mesh, "config.vectors.batch_size")
+    if bad_split:
+        raise config_lib.ConfigError(bad_split)
+    return mesh
+
+
+def build_from_run(
+    run: checkpoint_lib.Run,
     settings: config_lib.Settings,
     workdir: str | os.PathLike,
     *,
+    mesh: jax.sharding.Mesh | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
-    step: int | None = None,
 ) -> dict:
-    """Stage 2: featurize every example of the run's corpus into the index (§3, §A.1.3).
+    """Stage 2's work on a loaded run: featurize every example of `run.corpus` into the index of
+    `settings` (§3, §A.1.3), or reuse it when it is finished.
 
-    `step` picks the checkpoint (default the latest; e.g. TrackStar over training, Fig. 2 right).
+    The caller has checked `run` against `settings` (`stages.open_run`); the run's vector,
+    index and Hessian settings may differ from the ones it was opened with (a table row's
+    `method_settings`). A finished index (`COMPLETE`) is checked against the manifest and
+    reused without compiling the featurize step.
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
     differ); with `process_count > 1`, this call writes only its share of whole R_train
-    segments. Each writer featurizes over its own (process-local) devices.
+    segments. Each writer featurizes over its own (process-local) devices (`index_mesh`).
 
     - Independent processes (single-process JAX each, e.g. one per GPU): pass
       `process_index` / `process_count`; the last one to finish finalises R_train.
@@ -159,58 +178,60 @@ def build_index(
       written, process 0 finalises R_train once, waiting at most `sync_timeout_s` for the
       others (a failing process makes the others fail at once).
 
+    Args:
+      run: the loaded run (its checkpoint is the index's).
+      settings: the index's settings (`vectors`, `index`).
+      workdir: the run directory.
+      mesh: the mesh `run`'s arrays are on; when it spans several processes (a pod's
+        evaluation) the run is loaded again onto this process's devices.
+
     Returns:
       Summary (also written to `index/build_summary-pXXXX.json`): rows, examples/s, tokens/s,
       write_fraction, bytes per example.
     """
-    logs.quiet_library_logs()
     path = index_dir(settings, workdir)
     vec_cfg, storage = settings.vectors, settings.index.storage
     process_index, process_count = multihost.writer_partition(process_index, process_count)
     spmd = multihost.is_multiprocess()
-    # Local devices only: per-example vectors need no communication, so on a pod each host
-    # is an independent writer (in a single process these are all devices).
-    mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
-    bad_split = sharding_lib.batch_split_error(vec_cfg.batch_size, mesh, "config.vectors.batch_size")
-    if bad_split:
-        raise config_lib.ConfigError(bad_split)
-    config_lib.check_matches_run(settings, workdir)
-    run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=settings)
-    vec_fn = vectors_lib.make_vector_fn(
-        run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"
-    )
-    manifest = index_manifest(run, vec_cfg, storage, vec_fn.dim)
+    local = index_mesh(settings)
+    if mesh is not None and mesh.is_multi_process:  # its arrays span processes; a writer needs its own copy
+        run = checkpoint_lib.load_run(run.workdir, step=run.step, mesh=local, runtime=settings)
+    finished = (path / "COMPLETE").exists()
+
+    @functools.cache
+    def featurizer() -> vectors_lib.VectorFn:  # made only when a chunk is to be written
+        return vectors_lib.make_vector_fn(
+            run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=local, role="index"
+        )
+
+    manifest = index_manifest(run, vec_cfg, storage, vec_cfg.dim)
     # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
     # the others, which then fail at once instead of waiting for it at the barrier.
     with multihost.step("build_index:written", sync_timeout_s):
-        # A featurize step of the longest batch that cannot fit is refused before anything is
-        # written (the compile is the one the longest batches reuse).
-        vec_fn.check_fits(run.params)
+        if not finished:
+            # A featurize step of the longest batch that cannot fit is refused before anything is
+            # written (the compile is the one the longest batches reuse).
+            featurizer().check_fits(run.params)
         builder = builder_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
         counters = {"tokens": 0, "truncated": 0}
-        rows_fn = make_rows_fn(run, vec_fn, counters)
+        rows_fn = functools.cache(lambda: make_rows_fn(run, featurizer(), counters))
         logging.info(
-            "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)",
+            "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)%s",
             path,
             builder.num_rows,
-            vec_fn.dim,
+            vec_cfg.dim,
             storage.dtype,
             builder.chunk_rows,
             builder.chunks.start,
             builder.chunks.stop,
+            "; finished, reused" if finished else "",
         )
-        bar = tqdm.tqdm(
-            total=len(builder.chunks),
-            desc="index",
-            unit="chunk",
-            disable=jax.process_index() > 0,
-            mininterval=2.0,
-            dynamic_ncols=True,
-        )
-        stats = builder.build(
-            rows_fn, progress=lambda done, total: bar.update(done - bar.n), finalize_when_done=not spmd
-        )
-        bar.close()
+        with logs.progress(total=len(builder.chunks), desc="index", unit="chunk") as bar:
+            stats = builder.build(
+                lambda lo, hi: rows_fn()(lo, hi),
+                progress=lambda done, total: bar.update(done - bar.n),
+                finalize_when_done=not spmd,
+            )
     if spmd:  # every writer is done: finalise exactly once, on process 0
         with multihost.step("build_index:finalized", sync_timeout_s):
             if multihost.is_primary():
@@ -220,7 +241,7 @@ def build_index(
         logging.warning(
             "%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len
         )
-    return _write_summary(path, builder, stats, counters, vec_fn.dim, storage, process_index, process_count)
+    return _write_summary(path, builder, stats, counters, vec_cfg.dim, storage, process_index, process_count)
 
 
 def _write_summary(

@@ -1,4 +1,4 @@
-"""Stage 3, `retrieve`: proponents and opponents of text queries over the whole index (exact, §4).
+"""Stage 3's work (`write_retrieval`; the stage is `stages.retrieve`): proponents and opponents of text queries over the whole index (exact, §4).
 
 Each query (prompt + target, loss on the target tokens only) is featurized with the same
 model, projection and correction as the index (checked against its manifest), finalised
@@ -356,59 +356,65 @@ def output_paths(workdir: str | os.PathLike, name: str) -> tuple[pathlib.Path, p
     return out_dir / f"{name}.jsonl", out_dir / f"{name}.manifest.json"
 
 
-@multihost.writes_workdir("retrieve")
-def retrieve(
+# The parts of a retrieval's wall time (`seconds_by_part` in its manifest, the final log line):
+# `retrieve_queries`' timings, by the part of the work they measure.
+TIME_PARTS = {
+    "featurize_queries": ("featurize_seconds",),
+    "score_topk": ("scoring_prep_seconds", "retrieval_seconds"),
+    "rerank": ("rerank_seconds",),
+    "token_scores": ("token_scores_seconds",),
+}
+
+
+def seconds_by_part(info: dict, load_seconds: float) -> dict[str, float]:
+    """`{"load_run", "featurize_queries", "score_topk"[, "rerank", "token_scores"]}` seconds of a
+    `retrieve_queries` call's `info` (an option's part only when it ran); `write_output` is added
+    when the output is written."""
+    out = {"load_run": float(load_seconds)}
+    for part, keys in TIME_PARTS.items():
+        if any(k in info for k in keys):
+            out[part] = float(sum(info.get(k, 0.0) for k in keys))
+    return out
+
+
+def write_retrieval(
+    run: checkpoint_lib.Run,
     settings: config_lib.Settings,
     workdir: str | os.PathLike,
-    queries: Sequence[TextQuery] | None = None,
+    queries: Sequence[TextQuery],
     *,
-    name: str | None = None,
+    name: str,
+    mesh: jax.sharding.Mesh,
     source: dict | None = None,
-    run: checkpoint_lib.Run | None = None,
     r_eval_queries: Sequence[TextQuery] | None = None,
+    load_seconds: float = 0.0,
+    started: float | None = None,
 ) -> dict:
-    """Stage 3: retrieve for a query set and write its jsonl + manifest.
+    """Stage 3's work on a loaded run (the stage is `stages.retrieve`): `retrieve_queries` for
+    `queries`, then `workdir/retrieval/<name>.jsonl` and its manifest.
 
     Args:
-      settings: the experiment's typed config.
-      workdir: the run directory.
-      queries: the queries; None reads the jsonl at `config.retrieval.queries` (for the
-        evaluation's fact queries, see `evaluation.retrieve_fact_queries`).
-      name: output name (default `config.retrieval.output`, else the query file's stem).
+      run: the loaded run (checked against `settings` by the caller).
+      name: output name (`output_paths`).
+      mesh: the mesh `run` is placed on.
       source: what the queries are (recorded in the manifest).
-      run: the loaded run, if the caller has it.
       r_eval_queries: R_eval's examples for hessian mode "mixed" (default: the queries), as in
         `retrieve_queries`.
+      load_seconds: how long the caller took to open the run (`seconds_by_part["load_run"]`).
+      started: `time.perf_counter()` when the stage started (default: now); the manifest's
+        `seconds` counts from it.
 
     Returns:
-      The manifest (also written), with counts and timings.
-
-    Raises:
-      FileExistsError: the output exists and `config.retrieval.overwrite` is not set.
+      The manifest (also written), with counts, timings (`seconds`, and `seconds_by_part`:
+      load run, featurize queries, score / top-k, write output) and what produced the output.
     """
-    logs.quiet_library_logs()
+    started = time.perf_counter() if started is None else started
     st = settings.retrieval
-    if queries is None:
-        if not st.queries:
-            raise config_lib.ConfigError('config.retrieval.queries is empty: give a jsonl of {"prompt", "target"}')
-        queries = load_text_queries(st.queries)  # a bad file is refused before the run loads
-        source = source or {"kind": "jsonl", "path": str(st.queries)}
-        name = name or st.output or pathlib.Path(st.queries).stem
-    name = st.output or name
-    if not name:
-        raise config_lib.ConfigError("no output name: set config.retrieval.output")
     out, man_path = output_paths(workdir, name)
-    if not st.overwrite and (out.exists() or man_path.exists()):
-        raise FileExistsError(
-            f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "
-            "or --config.retrieval.output=<another name>"
-        )
-    mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    config_lib.check_matches_run(settings, workdir)
-    run = run if run is not None else checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     recs, info = retrieve_queries(run, settings, workdir, queries, mesh=mesh, r_eval_queries=r_eval_queries)
     info.pop("process_rows", None)  # differs per process; the outputs do not
     reader = store_lib.open_index(info["index"])
+    parts = seconds_by_part(info, load_seconds)
     manifest = {
         "format": RETRIEVAL_FORMAT,
         "name": name,
@@ -425,21 +431,27 @@ def retrieve(
         "process_count": jax.process_count(),
         "jax_version": jax.__version__,
         **info,
+        "seconds_by_part": parts,
     }
     # Process 0 writes (a pod's processes hold the same records); the others wait, so that a
     # failed write fails the job. The jsonl first, the manifest last: it marks the output done.
     with multihost.step("retrieve:written"):
+        t0 = time.perf_counter()
         if multihost.is_primary():
             body = "".join(
                 json.dumps(records.ordered({**r, "query_set": name}), ensure_ascii=False) + "\n" for r in recs
             )
             files.atomic_write(out, body)
+        parts["write_output"] = time.perf_counter() - t0
+        manifest["seconds"] = time.perf_counter() - started
+        if multihost.is_primary():
             files.atomic_write(man_path, json.dumps(manifest, indent=1, default=str))
     logging.info(
-        "retrieve: %d queries x %d rows in %.2fs -> %s",
+        "retrieve: %d queries x %d rows in %.2fs (%s) -> %s",
         len(recs),
         info["index_rows"],
-        info.get("retrieval_seconds", 0.0),
+        manifest["seconds"],
+        ", ".join(f"{part.replace('_', ' ')} {s:.2f}s" for part, s in parts.items()),
         out,
     )
     return manifest

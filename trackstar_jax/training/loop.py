@@ -21,7 +21,6 @@ from typing import Any, Callable, Iterator
 
 import jax
 import numpy as np
-import tqdm
 from absl import logging
 
 from trackstar_jax import config as config_lib
@@ -467,14 +466,7 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         sharding_lib.device_batch(b, mesh)
         for b in data_lib.eval_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, t.num_eval_batches)
     ]
-    bar = tqdm.tqdm(
-        total=t.num_steps,
-        initial=start,
-        desc="train",
-        disable=jax.process_index() > 0,
-        mininterval=2.0,
-        dynamic_ncols=True,
-    )
+    bar = logs.progress(total=t.num_steps, initial=start, desc="train", unit="step")
     log = MetricsLog(
         workdir / METRICS_FILE if multihost.is_primary() else None,
         t.global_batch_size * model_cfg.max_len,

@@ -1,0 +1,60 @@
+"""Stage 4, `evaluate`: the fact-tracing table (`evaluation.evaluate_run`); and `validate` (LDS)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import time
+from typing import Sequence
+
+from trackstar_jax import config as config_lib
+from trackstar_jax.distributed import multihost
+from trackstar_jax.evaluation import lds as lds_lib
+from trackstar_jax.evaluation import report
+from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import stage as evaluation_lib
+from trackstar_jax.stages import run as run_lib
+from trackstar_jax.training import logs
+
+
+@multihost.writes_workdir("evaluate")
+def evaluate(
+    settings: config_lib.Settings, workdir: str | os.PathLike, *, loaded: run_lib.LoadedRun | None = None
+) -> dict:
+    """Stage 4: the fact-tracing table for every row in `config.eval.methods`.
+
+    Refuses unknown rows before any work, reports a finished evaluation of these settings
+    unchanged (`evaluation.stage.finished`), else opens the run once (`open_run`, unless the
+    caller hands it over) and runs `evaluation.evaluate_run`: each gradient row builds or
+    reuses its index from that loaded run.
+
+    Returns:
+      The table.json content.
+    """
+    started = time.perf_counter()
+    workdir = pathlib.Path(workdir)
+    logs.quiet_library_logs()
+    methods = evaluation_lib.check_methods(settings)
+    with multihost.step("evaluate:checked"):  # every process decides on the same files
+        done = evaluation_lib.finished(settings, report.eval_dir(settings, workdir))
+    if done is not None:
+        return done
+    t0 = time.perf_counter()
+    loaded = loaded if loaded is not None else run_lib.open_run(settings, workdir)
+    ctx = rows_lib.Context(settings, workdir, loaded.run, loaded.mesh)
+    return evaluation_lib.evaluate_run(ctx, methods, started=started, load_seconds=time.perf_counter() - t0)
+
+
+def validate(
+    settings: config_lib.Settings,
+    workdir: str | os.PathLike,
+    *,
+    process_index: int | None = None,
+    process_count: int | None = None,
+    subset_counts: Sequence[int] = (),
+) -> dict:
+    """The LDS stage: retrain this process's share of the subsets, then score every row
+    (`evaluation.lds.validate`, which still opens the run itself)."""
+    return lds_lib.validate(
+        settings, workdir, process_index=process_index, process_count=process_count, subset_counts=subset_counts
+    )

@@ -1,0 +1,16 @@
+"""The explorer's loading (`launch.serve`): a run and its indices behind `serving.engine.Engine`."""
+
+from __future__ import annotations
+
+import os
+
+from trackstar_jax import config as config_lib
+from trackstar_jax.serving import engine as engine_lib
+from trackstar_jax.training import logs
+
+
+def open_engine(settings: config_lib.Settings, workdir: str | os.PathLike, **kwargs) -> engine_lib.Engine:
+    """The explorer's engine over the run in `workdir` (`serving.engine.Engine`, which checks and
+    loads the run itself; `kwargs` go to it)."""
+    logs.quiet_library_logs()
+    return engine_lib.Engine(settings, workdir, **kwargs)
