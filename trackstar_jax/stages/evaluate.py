@@ -45,6 +45,7 @@ def evaluate(
     return evaluation_lib.evaluate_run(ctx, methods, started=started, load_seconds=time.perf_counter() - t0)
 
 
+@multihost.writes_workdir("validate")
 def validate(
     settings: config_lib.Settings,
     workdir: str | os.PathLike,
@@ -53,8 +54,12 @@ def validate(
     process_count: int | None = None,
     subset_counts: Sequence[int] = (),
 ) -> dict:
-    """The LDS stage: retrain this process's share of the subsets, then score every row
-    (`evaluation.lds.validate`, which still opens the run itself)."""
-    return lds_lib.validate(
-        settings, workdir, process_index=process_index, process_count=process_count, subset_counts=subset_counts
+    """The LDS stage: checks the settings (`evaluation.lds.check_settings`), opens the run once
+    and runs `evaluation.lds.validate_run` (retrain this process's share of the subsets, then
+    score every row through its kind's retriever)."""
+    settings = lds_lib.check_settings(settings)
+    loaded = run_lib.open_run(settings, workdir)
+    ctx = rows_lib.Context(settings, loaded.workdir, loaded.run, loaded.mesh)
+    return lds_lib.validate_run(
+        ctx, process_index=process_index, process_count=process_count, subset_counts=subset_counts
     )
