@@ -96,12 +96,19 @@ class Engine:
         *,
         mesh: jax.sharding.Mesh | None = None,
         dense: bool = True,
+        run: checkpoint_lib.Run | None = None,
     ):
+        """`run`: the run already checked and loaded on `mesh` (`stages.open_run`, as
+        `stages.open_engine` passes it); without it the engine checks and loads it itself."""
         disabled_kinds = () if dense else ("dense",)  # the dense row computes passage embeddings on first use
         self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
+        if run is not None and mesh is None:
+            raise ValueError("Engine: pass the mesh the given run is loaded on")
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
-        config_lib.check_matches_run(settings, self.workdir)
-        self.run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, runtime=settings)
+        if run is None:
+            config_lib.check_matches_run(settings, self.workdir)
+            run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, runtime=settings)
+        self.run = run
         self._lock = threading.Lock()
         self._ctx = rows_lib.Context(self.settings, self.workdir, self.run, self.mesh)
         self._r_eval_set: rows_lib.REvalSet | Exception | None = None  # built on the first mixed row
