@@ -38,6 +38,7 @@ from trackstar_jax import files
 from trackstar_jax.data import answers
 from trackstar_jax.data import templates as templates_lib
 from trackstar_jax.models import generate as generate_lib
+from trackstar_jax.training import logs
 
 # One definition of correctness (§4.2) for training reports and evaluation: data/answers.py.
 STOPWORDS, words, normalize_answer, is_correct = (
@@ -566,9 +567,14 @@ def predict(
     """
     # A prompt that leaves no room to generate gets no completion (its query cannot be
     # encoded either and is skipped, counted, by `encode_queries`).
-    completions = generate_lib.complete_batched(
-        graphdef, params, tokenizer, [q.prompt for q in queries], max_new_tokens, max_len, batch_size
-    )
+    prompts, completions = [q.prompt for q in queries], []
+    # batch by batch (one compiled shape, as `complete_batched`) behind a bar: minutes on a CPU
+    for lo in logs.progress(
+        range(0, len(prompts), batch_size), total=-(-len(prompts) // batch_size), desc="complete queries", unit="batch"
+    ):
+        completions += generate_lib.complete_batched(
+            graphdef, params, tokenizer, prompts[lo : lo + batch_size], max_new_tokens, max_len, batch_size
+        )
     completions = [cut_completion(c) for c in completions]
     return completions, [is_correct(c, q.aliases) for c, q in zip(completions, queries)]
 
