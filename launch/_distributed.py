@@ -7,6 +7,7 @@ tests) give `--coordinator_address=host:port --num_processes=N --process_id=i`.
 
 import os
 import sys
+import time
 import traceback
 
 from absl import flags, logging
@@ -27,6 +28,10 @@ _TIMEOUT = flags.DEFINE_integer(
 _HEARTBEAT = flags.DEFINE_integer(
     "heartbeat_timeout_s", 100, "With --distributed: a process silent this long counts as dead and ends the job."
 )
+
+
+# Seconds process 0 (the coordinator) waits before exiting on an error; see `run`.
+_EXIT_GRACE_S = 3.0
 
 
 def initialize() -> bool:
@@ -61,6 +66,11 @@ def run(fn):
     A Python error would otherwise leave this process in jax.distributed's shutdown barrier
     while the others wait in a collective for it: exiting hard lets the coordination service
     end the job (peers waiting at a `multihost.step` have already been told the error).
+
+    The error's one-line message is printed first. Process 0 hosts the coordination service,
+    whose end aborts every other process at once, so it waits `_EXIT_GRACE_S` before exiting:
+    a peer that failed at the same check (a bad flag refused on every host) prints its own
+    message instead of being aborted mid-way.
     """
     if not _DISTRIBUTED.value:
         return fn()
@@ -69,7 +79,9 @@ def run(fn):
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit) and not e.code:
             raise
-        logging.error("process failed: %s", "".join(traceback.format_exception(e)))
         print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        logging.error("process failed: %s", "".join(traceback.format_exception(e)))
         logging.flush()
+        if multihost.is_primary() and multihost.is_multiprocess():
+            time.sleep(_EXIT_GRACE_S)
         os._exit(1)
