@@ -17,7 +17,7 @@
 #   retrieve_1e6    exact top-k, 10^6 rows x 4096 resident in HBM, f32 and bf16, 1/64/1024
 #                   queries, ours vs torch (same device, same precision)
 #   retrieve_1e7    10^7 rows x 1024 bf16 resident (82 GB at 4096 would not fit an H100), 1/64 queries
-#   tailpatch       tail-patch pairs/s (small, 16 pairs per call)
+#   tailpatch       tail-patch pairs/s (small, 16 proponents per call, G = 1 and 8 queries each)
 # Featurize lines carry compile_s apart from step_s, tokens/s, GEMM FLOP/s and peak_fraction
 # (benchmarks/device_peaks.py); retrieve lines ours_over_torch and hbm_fraction_nominal.
 #
@@ -84,7 +84,7 @@ if (( SMOKE )); then  # toy sizes, CPU
                --config=experiments/tiny.py --train_steps=2 --max_examples=64 ;;
       retrieve_1e6) run_part retrieve_1e6 "${RET[@]}" --n=2000 --d=64 --queries=1,5 --dtypes=float32,bfloat16 ;;
       retrieve_1e7) run_part retrieve_1e7 "${RET[@]}" --n=3000 --d=32 --queries=1 --dtypes=bfloat16 --precision=bf16 ;;
-      tailpatch) run_part tailpatch -m benchmarks.tailpatch --configs=tiny --batch=2 --steps=1 --prop_len=16 --query_len=8 ;;
+      tailpatch) run_part tailpatch -m benchmarks.tailpatch --configs=tiny --batch=2 --queries_per_step=1,2 --steps=1 --prop_len=16 --query_len=8 ;;
       *) echo "[accelerator.sh] unknown part $part (parts: $ALL)" >&2; exit 2 ;;
     esac
   done

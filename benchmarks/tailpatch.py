@@ -1,8 +1,12 @@
 """Tail-patch throughput: (query, proponent) pairs per second of the jitted tail-patch step
-(`evaluation.tailpatch.make_jit_tailpatch`: one Adafactor step on the proponent per pair, the
-query's target log-probability before and after), one JSON line per config.
+(`evaluation.tailpatch.make_jit_tailpatch`: one Adafactor step per proponent, then the target
+log-probability of each of its G queries before and after), one JSON line per config and G,
+then per config the ratio of each G's pairs/s to G = 1's, measured side by side in this run.
 
-    python -m benchmarks.tailpatch [--configs tiny,small] [--batch 16] [--steps 3]
+    python -m benchmarks.tailpatch [--configs tiny,small] [--batch 16] [--queries_per_step 1,8] [--steps 3]
+
+pairs/s counts every query slot as a pair (full groups); an evaluation's groups are shorter
+when a proponent serves fewer than G queries.
 
 Random tokens (BOS first), every proponent position a target, the query's last quarter its
 target; the model at its initialisation with the optimizer state after one train step (a
@@ -28,24 +32,25 @@ from trackstar_jax.training import loop
 from trackstar_jax.training import step as step_lib
 
 
-def bench(name: str, batch: int, steps: int, prop_len: int, query_len: int) -> dict:
+def bench(name: str, batch: int, queries_per_step: int, steps: int, prop_len: int, query_len: int) -> dict:
     settings = config_lib.from_configdict(featurize_bench._config(name))
     cfg = settings.model
     opt = step_lib.make_optimizer(settings.train.optimizer)
     mesh = sharding.make_mesh()
     graphdef, state = loop.init_train_state(cfg, opt, 0, mesh)
     prop_len, query_len = prop_len or cfg.max_len, query_len or min(cfg.max_len, 32)
+    g = queries_per_step
     train_batch = sharding.device_batch(featurize_bench._batch(batch, prop_len, cfg.vocab_size), mesh)
     state, _ = step_lib.make_jit_train_step(graphdef, opt, mesh, state)(state, train_batch)
     props = featurize_bench._batch(batch, prop_len, cfg.vocab_size, seed=1)
-    queries = featurize_bench._batch(batch, query_len, cfg.vocab_size, seed=2)
+    queries = featurize_bench._batch(batch * g, query_len, cfg.vocab_size, seed=2)
     queries["loss_mask"][:, : query_len - max(1, query_len // 4)] = 0
-    pair = lambda b: {k: jax.numpy.asarray(b[k]) for k in ("tokens", "loss_mask")}  # noqa: E731
+    rows = lambda b, *shape: {k: jax.numpy.asarray(b[k].reshape(*shape, -1)) for k in ("tokens", "loss_mask")}  # noqa: E731
     fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
     t0 = time.perf_counter()
-    compiled = tailpatch.compile_tailpatch(fn, state.params, state.opt_state, batch, prop_len, query_len)
+    compiled = tailpatch.compile_tailpatch(fn, state.params, state.opt_state, batch, g, prop_len, query_len)
     compile_s = time.perf_counter() - t0
-    args = (state.params, state.opt_state, pair(props), pair(queries), np.float32(1.0))
+    args = (state.params, state.opt_state, rows(props, batch), rows(queries, batch, g), np.float32(1.0))
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(steps):
@@ -58,12 +63,13 @@ def bench(name: str, batch: int, steps: int, prop_len: int, query_len: int) -> d
         "bench": "tailpatch",
         "config": name,
         "params": model_lib.param_count(state.params),
-        "pairs_per_call": batch,
+        "proponents_per_call": batch,
+        "queries_per_step": g,
         "prop_len": prop_len,
         "query_len": query_len,
         "compile_s": round(compile_s, 3),
         "step_s": float(f"{secs:.5g}"),
-        "pairs_per_s": float(f"{batch / secs:.5g}"),
+        "pairs_per_s": float(f"{batch * g / secs:.5g}"),
         "device": f"{dev.platform}:{dev.device_kind} x{jax.device_count()}",
     }
 
@@ -71,13 +77,22 @@ def bench(name: str, batch: int, steps: int, prop_len: int, query_len: int) -> d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--configs", default="tiny,small")
-    parser.add_argument("--batch", type=int, default=16, help="pairs per call (tailpatch.batch_size)")
+    parser.add_argument("--batch", type=int, default=16, help="proponents per call (tailpatch.batch_size)")
+    parser.add_argument("--queries_per_step", default="1,8", help="G values, comma-separated (the first is the base)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prop_len", type=int, default=0, help="0: model.max_len")
     parser.add_argument("--query_len", type=int, default=0, help="0: min(model.max_len, 32)")
     args = parser.parse_args()
+    gs = [int(g) for g in args.queries_per_step.split(",")]
     for name in args.configs.split(","):
-        print(json.dumps(bench(name, args.batch, args.steps, args.prop_len, args.query_len)), flush=True)
+        rates = {}
+        for g in gs:
+            line = bench(name, args.batch, g, args.steps, args.prop_len, args.query_len)
+            rates[g] = line["pairs_per_s"]
+            print(json.dumps(line), flush=True)
+        if len(gs) > 1:
+            ratios = {f"G{g}_over_G{gs[0]}": round(rates[g] / rates[gs[0]], 3) for g in gs[1:]}
+            print(json.dumps({"bench": "tailpatch_ratio", "config": name, **ratios}), flush=True)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ trained on web text, not on them, as the paper's model was trained on C4. Querie
 paper-style template 0 ("[X] was born in the city of:"), gold targets, balanced as §A.4 (at
 most `max_per_bucket / 10` facts the model gets wrong per frequency bucket).
 
-Variants (`:arg`): "cpu" (default; 3,200 sentences, every query §A.4 admits (177 for SmolLM2), 40
+Variants (`:arg`): "cpu" (default; 3,200 sentences, every query §A.4 admits (177 for SmolLM2), 160
 of them tail-patched) and
 "tiny" (a few dozen sentences; for tests, with `--config.model.source=<a small HF folder>`).
 Any LAMA-format relation set: `--config.data.path=<folder> --config.data.relations=P36,P37`.
@@ -48,11 +48,12 @@ def get_config(arg: str | None = None):
     c.eval.max_per_relation_target = 25
     c.hessian.r_eval_source = "task_prompts"
     c.hessian.r_eval_prompts = 1000  # blocks are 256 wide (d = 4096 = 16 x 256)
-    # Tail-patch sets Run A's wall time: 63 distinct (query, proponent) pairs per query over the 9
-    # verdict rows, 1.1 pairs/s on the 2-core VM (one Adafactor step of 135M parameters per pair),
-    # so 40 queries take ~40 min and 160 would take 2.6 h (BUILD_NOTES §7). Cached pairs are
-    # reused by a larger value (`tailpatch_order`), so raising it only computes the new queries.
-    c.tailpatch.max_queries = 40
+    # Tail-patch sets Run A's wall time: ~63 distinct (query, proponent) pairs per query over the 9
+    # verdict rows, but only ~15 distinct proponents per query (rows and queries share them), and
+    # one Adafactor step of 135M parameters per proponent serves up to `queries_per_step` of its
+    # queries (BUILD_NOTES §7). Cached pairs are reused by a larger value (`tailpatch_order`), so
+    # raising it only computes the new queries.
+    c.tailpatch.max_queries = 160
     c.tailpatch.methods = VERDICT_ROWS
     if arg == "tiny":
         c.data.max_examples = 80

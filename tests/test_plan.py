@@ -66,7 +66,8 @@ def test_figures_equal_hand_arithmetic(tiny_config):
     for m in (f["fast"], f["reference"], out["tailpatch_step"]):
         assert m["argument_bytes"] >= out["params"]["per_device_bytes"]  # the parameters are an argument
         assert m["peak_bytes"] == m["argument_bytes"] + m["output_bytes"] + m["temp_bytes"] - m["alias_bytes"] > 0
-    assert out["tailpatch_step"]["pairs"] == 16  # tiny: tailpatch.batch_size 16, a multiple of the 8 data shards
+    # tiny: tailpatch.batch_size 16 (a multiple of the 8 data shards), 8 queries per proponent
+    assert (out["tailpatch_step"]["proponents"], out["tailpatch_step"]["queries_per_step"]) == (16, 8)
     r = out["retrieval_step"]
     assert r["chunk_rows"] == 256 and r["query_batch_size"] == 64  # tiny: read_chunk_rows 256, 64 queries a batch
     assert r["prefetch_bytes"] == (256 * d * 2 + 256 * 4) // 8  # the next bfloat16 chunk + its scales, per device

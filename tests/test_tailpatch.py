@@ -197,16 +197,36 @@ def test_learning_rate_override_rescales_the_update(trained):
         tailpatch.learning_rate_scale(OPT.__class__(**{**OPT.__dict__, "weight_decay_rate": 0.1}), step, 0.1)
 
 
-@pytest.mark.parametrize("num_devices", [1, 8])
-def test_jit_run_pairs_matches_unjitted(trained, num_devices):
+def test_group_pairs_shares_a_proponent_up_to_the_group_size():
+    pairs = np.array([[0, 5], [1, 2], [2, 5], [3, 5], [4, 2], [5, 7]])
+    assert tailpatch.group_pairs(pairs, 2) == [[0, 2], [1, 4], [3], [5]]
+    assert tailpatch.group_pairs(pairs, 1) == [[i] for i in range(6)]
+    assert tailpatch.group_pairs(pairs, 8) == [[0, 2, 3], [1, 4], [5]]
+
+
+@pytest.mark.parametrize("num_devices,queries_per_step", [(1, 1), (1, 3), (8, 1), (8, 2)])
+def test_jit_run_pairs_matches_unjitted(trained, num_devices, queries_per_step):
+    """Pairs grouped by proponent (one step, several queries measured under it; short groups and
+    the last call padded) give each pair the value of its own plain per-pair step."""
     skip_if_not_enough_devices(num_devices)
     graphdef, opt, state = trained
     mesh = sharding.make_mesh(devices=jax.devices()[:num_devices])
     rng = np.random.default_rng(5)
-    props, queries = _batch(rng, 6), _query_batch(rng, 3)
-    pairs = np.array([[0, 0], [0, 5], [1, 2], [2, 3], [2, 4]])  # 5 pairs, batch 8: padded
+    props, queries = _batch(rng, 6), _query_batch(rng, 4)
+    # proponent 5 is shared by 3 queries, 2 by 2: groups of up to 1-3 queries, batch 8 padded
+    pairs = np.array([[0, 0], [0, 5], [1, 2], [2, 3], [2, 5], [3, 2], [1, 5], [3, 4]])
     fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
-    got = tailpatch.run_pairs(fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0)
+    got = tailpatch.run_pairs(
+        fn,
+        state.params,
+        state.opt_state,
+        props,
+        queries,
+        pairs,
+        batch_size=8,
+        lr_scale=1.0,
+        queries_per_step=queries_per_step,
+    )
     want = _pairs(
         state.params,
         state.opt_state,
@@ -232,13 +252,13 @@ def test_fsdp_mesh_gives_the_same_deltas(trained):
         mesh = sharding.make_mesh(shape, devices=jax.devices()[:8])
         fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
         out[shape] = tailpatch.run_pairs(
-            fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0
+            fn, state.params, state.opt_state, props, queries, pairs, batch_size=8, lr_scale=1.0, queries_per_step=2
         )
     sh = sharding.fsdp_shardings((state.params, state.opt_state), mesh)
     specs = [s.spec for s in jax.tree.leaves(sh)]
     assert sum(s != jax.sharding.PartitionSpec() for s in specs) >= 10  # kernels, embeddings, full v
     placed = jax.device_put((state.params, state.opt_state), sh)
-    again = tailpatch.run_pairs(fn, *placed, props, queries, pairs, batch_size=8, lr_scale=1.0)
+    again = tailpatch.run_pairs(fn, *placed, props, queries, pairs, batch_size=8, lr_scale=1.0, queries_per_step=2)
     for k in out[(8, 1, 1)]:
         np.testing.assert_allclose(out[(2, 4, 1)][k], out[(8, 1, 1)][k], rtol=1e-5, atol=1e-7, err_msg=k)
         np.testing.assert_array_equal(again[k], out[(2, 4, 1)][k])

@@ -379,7 +379,8 @@ class TailpatchSettings:
 
     top_ks: tuple[int, ...] = (1, 3, 5, 10)
     learning_rate: float = -1.0  # < 0: the schedule's value at the final step
-    batch_size: int = 16
+    batch_size: int = 16  # proponents per vmapped step (each holds a parameter copy)
+    queries_per_step: int = 8  # queries measured under each proponent's patched parameters (pairs share its step)
     max_queries: int = 0  # tail-patch a seeded subset of this many queries (0 = every query)
     methods: tuple[str, ...] = ()  # rows tail-patched (() = every row); the others get no tail-patch column
     checkpoint_steps: tuple[int, ...] = ()  # also TrackStar's MRR and tail-patch@10 at these checkpoints (Fig. 2 right)
@@ -389,6 +390,8 @@ class TailpatchSettings:
             raise ValueError(f"tailpatch.top_ks must be positive integers, got {self.top_ks}")
         if self.batch_size < 1:
             raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
+        if self.queries_per_step < 1:
+            raise ValueError(f"tailpatch.queries_per_step must be >= 1, got {self.queries_per_step}")
         if self.max_queries < 0:
             raise ValueError(f"tailpatch.max_queries must be >= 0, got {self.max_queries}")
         for name in self.methods:

@@ -103,16 +103,18 @@ def featurize_step_memory(
 
 
 def tailpatch_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> dict:
-    """The compiled tail-patch step's memory per device: `tailpatch.batch_size` pairs (rounded up
-    to the data-parallel size, as `evaluate` does) of `model.max_len`-token proponents and queries."""
+    """The compiled tail-patch step's memory per device: `tailpatch.batch_size` proponents (rounded
+    up to the data-parallel size, as `evaluate` does), each with `tailpatch.queries_per_step`
+    queries, all of `model.max_len` tokens."""
     opt = step_lib.make_optimizer(settings.train.optimizer)
     graphdef, target = checkpoint_lib.abstract_state(settings.model, opt, mesh)
     dp = sharding_lib.data_parallel_size(mesh)
     bs = -(-settings.tailpatch.batch_size // dp) * dp
     fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
     n = settings.model.max_len
-    out = memory.compiled_memory(tailpatch_lib.compile_tailpatch(fn, target.params, target.opt_state, bs, n, n))
-    return {**out, "pairs": bs} if out else out
+    g = settings.tailpatch.queries_per_step
+    out = memory.compiled_memory(tailpatch_lib.compile_tailpatch(fn, target.params, target.opt_state, bs, g, n, n))
+    return {**out, "proponents": bs, "queries_per_step": g} if out else out
 
 
 def retrieval_step_memory(

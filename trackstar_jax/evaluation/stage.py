@@ -138,15 +138,27 @@ def tailpatch_all(
         query_rows = data_lib.pad_batch(
             eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
         )
-        bs = pair_batch_size(settings, mesh)
+        bs, g = pair_batch_size(settings, mesh), tp.queries_per_step
         fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
+        # one step per proponent, measured on up to g of its queries (groups ordered by their first query)
+        groups = tailpatch_lib.group_pairs(np.asarray([(q, row_of[p]) for q, p in todo], np.int64), g)
+        logging.info("eval: %d pairs in %d proponent steps (up to %d queries each)", len(todo), len(groups), g)
         bar = logs.progress(total=len(todo), desc="tail-patch", unit="pair")
-        slice_pairs = bs * 8  # results reach the cache every 8 batches
-        for lo in range(0, len(todo), slice_pairs):
-            part = todo[lo : lo + slice_pairs]
+        slice_groups = bs * 8  # results reach the cache every 8 batches
+        for lo in range(0, len(groups), slice_groups):
+            part = [todo[i] for grp in groups[lo : lo + slice_groups] for i in grp]
             idx = np.asarray([(q, row_of[p]) for q, p in part], np.int64)
-            res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the pairs split over every process's devices
-                fn, run.params, run.opt_state, prop_rows, query_rows, idx, batch_size=bs, lr_scale=lr_scale, mesh=mesh
+            res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the groups split over every process's devices
+                fn,
+                run.params,
+                run.opt_state,
+                prop_rows,
+                query_rows,
+                idx,
+                batch_size=bs,
+                queries_per_step=g,
+                lr_scale=lr_scale,
+                mesh=mesh,
             )
             got = {pq: float(d) for pq, d in zip(part, res["delta_prob"])}
             out.update(got)
@@ -215,7 +227,7 @@ def finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | Non
 
 
 def pair_batch_size(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> int:
-    """Tail-patch pairs per step: `tailpatch.batch_size` rounded up to the data-parallel size."""
+    """Tail-patch proponents per step: `tailpatch.batch_size` rounded up to the data-parallel size."""
     dp = sharding_lib.data_parallel_size(mesh)
     return -(-settings.tailpatch.batch_size // dp) * dp
 
@@ -226,7 +238,8 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
     (`vectors.batch_size` rows of `model.max_len` tokens, on the mesh `build_index` uses, whose
     compile it then reuses) and its retrieval read chunk (`retrieval.read_chunk_rows`, one
     query batch, `eval.num_proponents` candidates); then the tail-patch step
-    (`tailpatch.batch_size` pairs of `model.max_len` tokens).
+    (`tailpatch.batch_size` proponents, each with `tailpatch.queries_per_step` queries, all of
+    `model.max_len` tokens).
 
     Returns:
       `{step name: memory.compiled_memory}` of what was checked.
@@ -256,7 +269,8 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
     opt = step_lib.make_optimizer(run.settings.train.optimizer)
     fn = tailpatch_lib.make_jit_tailpatch(ctx.mesh, graphdef=run.graphdef, opt=opt)
     bs = pair_batch_size(settings, ctx.mesh)
-    out["tailpatch"] = tailpatch_lib.check_fits(fn, run.params, run.opt_state, bs, run.model_cfg.max_len)
+    g = settings.tailpatch.queries_per_step
+    out["tailpatch"] = tailpatch_lib.check_fits(fn, run.params, run.opt_state, bs, g, run.model_cfg.max_len)
     return out
 
 

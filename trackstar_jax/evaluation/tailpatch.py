@@ -17,11 +17,15 @@ final step, exactly as pretraining's next step would — and p(target | prompt) 
 of the target tokens' probabilities. The per-query score is the mean of delta over the top-k
 proponents (`metrics.tailpatch_at_k`).
 
-`tailpatch_step` is one (proponent, query) pair; `tailpatch_pairs` vmaps it over a batch of
-pairs; `make_jit_tailpatch` jits that with the pair batch split over the mesh's data axes and
-the model and optimizer state in the training shardings (split over `fsdp` when it is > 1).
-Every pair updates its own copy of the parameters, so memory grows as pairs x parameters
-(/ fsdp): size `tailpatch.batch_size` accordingly.
+The step depends only on the proponent, so pairs that share one share its step: a *group* is
+one proponent and up to G queries measured under its patched parameters (in a T-REx table the
+rows' top-10 lists hold ~4.5 queries per distinct proponent). `tailpatch_step` is one group;
+`tailpatch_groups` vmaps it over B groups; `tailpatch_pairs` is the plain per-pair form (groups
+of one); `make_jit_tailpatch` jits the groups with the batch split over the mesh's data axes
+and the model and optimizer state in the training shardings (split over `fsdp` when it is > 1);
+`run_pairs` groups any list of pairs. Every group updates its own copy of the parameters, so
+memory grows as B x parameters (/ fsdp): size `tailpatch.batch_size` (B) accordingly;
+`tailpatch.queries_per_step` is G.
 """
 
 from __future__ import annotations
@@ -54,36 +58,72 @@ def target_log_prob(params: Any, query: Mapping[str, Int[Array, " t"]], *, graph
     return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)[0]
 
 
+def target_log_probs(
+    params: Any, queries: Mapping[str, Int[Array, "g t"]], *, graphdef: nnx.GraphDef
+) -> Float[Array, " g"]:
+    """`target_log_prob` of G queries in one forward pass (`tokens`, `loss_mask` `[G, T]`)."""
+    return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), queries)
+
+
 def tailpatch_step(
     params: Any,
     opt_state: Any,
     proponent: Mapping[str, Int[Array, " t"]],
-    query: Mapping[str, Int[Array, " tq"]],
+    queries: Mapping[str, Int[Array, "g tq"]],
     *,
     graphdef: nnx.GraphDef,
     opt: optax.GradientTransformation,
     lr_scale: float | Array = 1.0,
-) -> Float[Array, ""]:
-    """One pretraining step on `proponent`, then log p(query target) under the new parameters.
+) -> Float[Array, " g"]:
+    """One pretraining step on `proponent`, then log p(target) of each of G queries under the
+    new parameters (one step, G measurements: the step does not depend on the query).
 
     Args:
       params: final-checkpoint parameters.
       opt_state: final-checkpoint optimizer state (its step count drives the schedule).
       proponent: `tokens [T]`, `loss_mask [T]` of one training example.
-      query: `tokens [Tq]`, `loss_mask [Tq]` of one query.
+      queries: `tokens [G, Tq]`, `loss_mask [G, Tq]` of G queries.
       graphdef: model graphdef.
       opt: the run's optimizer, `train.make_optimizer(optimizer_config)`.
       lr_scale: multiplies the update (1.0 = the schedule's learning rate; see
         `learning_rate_scale` for an override).
 
     Returns:
-      log p(target | prompt; theta') as a float32 scalar.
+      log p(target | prompt; theta') of each query, float32 `[G]`.
     """
     batch = {"tokens": proponent["tokens"][None], "loss_mask": proponent["loss_mask"][None]}
     grads = jax.grad(lambda p: train_lib.loss_fn(p, graphdef, batch)[0])(params)
     updates, _ = opt.update(grads, opt_state, params)
     updates = jax.tree.map(lambda u: u * lr_scale, updates)
-    return target_log_prob(optax.apply_updates(params, updates), query, graphdef=graphdef)
+    return target_log_probs(optax.apply_updates(params, updates), queries, graphdef=graphdef)
+
+
+def tailpatch_groups(
+    params: Any,
+    opt_state: Any,
+    proponents: Mapping[str, Int[Array, "b t"]],
+    queries: Mapping[str, Int[Array, "b g tq"]],
+    *,
+    graphdef: nnx.GraphDef,
+    opt: optax.GradientTransformation,
+    lr_scale: float | Array = 1.0,
+) -> dict[str, Float[Array, "b g"]]:
+    """`tailpatch_step` vmapped over B groups (group i: proponent i patched, its G queries measured).
+
+    Returns:
+      `{"log_prob_before": [B, G], "log_prob_after": [B, G], "delta_prob": [B, G]}` where
+      `delta_prob = exp(after) - exp(before)` is the change in the target's probability.
+    """
+    step = functools.partial(tailpatch_step, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
+    after = jax.vmap(step, in_axes=(None, None, 0, 0))(params, opt_state, proponents, queries)
+    flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), queries)
+    before = target_log_probs(params, flat, graphdef=graphdef).reshape(after.shape)
+    # p' - p = p (exp(log p' - log p) - 1): expm1 keeps small changes exact in float32.
+    return {
+        "log_prob_before": before,
+        "log_prob_after": after,
+        "delta_prob": jnp.exp(before) * jnp.expm1(after - before),
+    }
 
 
 def tailpatch_pairs(
@@ -96,43 +136,43 @@ def tailpatch_pairs(
     opt: optax.GradientTransformation,
     lr_scale: float | Array = 1.0,
 ) -> dict[str, Float[Array, " p"]]:
-    """`tailpatch_step` vmapped over pairs (row i: proponent i patched, query i measured).
+    """Per pair (row i: proponent i patched, query i measured): `tailpatch_groups` with groups of one.
 
     Returns:
-      `{"log_prob_before": [P], "log_prob_after": [P], "delta_prob": [P]}` where
-      `delta_prob = exp(after) - exp(before)` is the change in the target's probability.
+      `{"log_prob_before": [P], "log_prob_after": [P], "delta_prob": [P]}`.
     """
-    step = functools.partial(tailpatch_step, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
-    after = jax.vmap(step, in_axes=(None, None, 0, 0))(params, opt_state, proponents, queries)
-    before = jax.vmap(functools.partial(target_log_prob, graphdef=graphdef), in_axes=(None, 0))(params, queries)
-    # p' - p = p (exp(log p' - log p) - 1): expm1 keeps small changes exact in float32.
-    return {
-        "log_prob_before": before,
-        "log_prob_after": after,
-        "delta_prob": jnp.exp(before) * jnp.expm1(after - before),
-    }
+    out = tailpatch_groups(
+        params,
+        opt_state,
+        proponents,
+        jax.tree.map(lambda x: x[:, None], queries),
+        graphdef=graphdef,
+        opt=opt,
+        lr_scale=lr_scale,
+    )
+    return {k: v[:, 0] for k, v in out.items()}
 
 
 def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: optax.GradientTransformation):
-    """`jit(tailpatch_pairs)`: pairs split over (data, fsdp); parameters and optimizer state in
+    """`jit(tailpatch_groups)`: groups split over (data, fsdp); parameters and optimizer state in
     `sharding.fsdp_shardings` (replicated unless the mesh's fsdp axis has size > 1, then each
     leaf split over it by its own shape, as in training; XLA gathers what each layer needs).
 
-    The returned function takes `(params, opt_state, proponents, queries, lr_scale)`, places
-    the state in those shardings (a no-op when it already is, e.g. from `load_run(mesh=...)`)
-    and runs the step; the pair batch size must be a multiple of the mesh's data-parallel size
-    (pad with repeated pairs).
+    The returned function takes `(params, opt_state, proponents [B, T], queries [B, G, Tq],
+    lr_scale)`, places the state in those shardings (a no-op when it already is, e.g. from
+    `load_run(mesh=...)`) and runs the step; B must be a multiple of the mesh's data-parallel
+    size (pad with repeated groups).
     """
     rep = sharding_lib.replicated(mesh)
-    rows = sharding_lib.batch_sharding(mesh, 2)
-    vec = sharding_lib.batch_sharding(mesh, 1)
-    pair = {"tokens": rows, "loss_mask": rows}
+    props = {k: sharding_lib.batch_sharding(mesh, 2) for k in ("tokens", "loss_mask")}
+    queries = {k: sharding_lib.batch_sharding(mesh, 3) for k in ("tokens", "loss_mask")}
+    out = sharding_lib.batch_sharding(mesh, 2)
 
     def fn(params, opt_state, proponents, queries, lr_scale):
-        return tailpatch_pairs(params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
+        return tailpatch_groups(params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
 
     # None: the state's shardings are those it is placed in below (derived from its shapes).
-    jitted = jax.jit(fn, in_shardings=(None, None, pair, pair, rep), out_shardings=vec)
+    jitted = jax.jit(fn, in_shardings=(None, None, props, queries, rep), out_shardings=out)
 
     def call(params, opt_state, proponents, queries, lr_scale):
         params, opt_state = jax.device_put((params, opt_state), sharding_lib.fsdp_shardings((params, opt_state), mesh))
@@ -142,34 +182,40 @@ def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: 
     return call
 
 
-def compile_tailpatch(jit_fn, params: Any, opt_state: Any, batch_size: int, prop_len: int, query_len: int) -> Any:
-    """AOT-compiles `make_jit_tailpatch`'s step for `batch_size` pairs of a `prop_len`-token
-    proponent and a `query_len`-token query, on the shapes of `params` / `opt_state` (arrays or
-    ShapeDtypeStructs, placed as the call places them; nothing is computed or allocated)."""
+def compile_tailpatch(
+    jit_fn, params: Any, opt_state: Any, batch_size: int, queries_per_step: int, prop_len: int, query_len: int
+) -> Any:
+    """AOT-compiles `make_jit_tailpatch`'s step for `batch_size` groups of a `prop_len`-token
+    proponent and `queries_per_step` `query_len`-token queries, on the shapes of `params` /
+    `opt_state` (arrays or ShapeDtypeStructs, placed as the call places them; nothing is
+    computed or allocated)."""
     mesh = jit_fn.mesh
     state_sh = sharding_lib.fsdp_shardings((params, opt_state), mesh)
     state = jax.tree.map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), (params, opt_state), state_sh
     )
-    rows = sharding_lib.batch_sharding(mesh, 2)
 
-    def pair(t):
-        return {k: jax.ShapeDtypeStruct((batch_size, t), np.int32, sharding=rows) for k in ("tokens", "loss_mask")}
+    def rows(*shape):
+        sh = sharding_lib.batch_sharding(mesh, len(shape))
+        return {k: jax.ShapeDtypeStruct(shape, np.int32, sharding=sh) for k in ("tokens", "loss_mask")}
 
     lr = jax.ShapeDtypeStruct((), np.float32, sharding=sharding_lib.replicated(mesh))
-    return jit_fn.jitted.lower(*state, pair(prop_len), pair(query_len), lr).compile()
+    props, queries = rows(batch_size, prop_len), rows(batch_size, queries_per_step, query_len)
+    return jit_fn.jitted.lower(*state, props, queries, lr).compile()
 
 
-def check_fits(jit_fn, params: Any, opt_state: Any, batch_size: int, max_len: int) -> dict:
+def check_fits(jit_fn, params: Any, opt_state: Any, batch_size: int, queries_per_step: int, max_len: int) -> dict:
     """Refuses (`memory.DoesNotFitError`, naming `tailpatch.batch_size` and the other knobs) a
-    tail-patch step of `batch_size` pairs of `max_len`-token proponents and queries (the longest
-    rows) that does not fit in device memory; before any pair runs.
+    tail-patch step of `batch_size` groups (`max_len`-token proponents, each with
+    `queries_per_step` `max_len`-token queries: the longest rows) that does not fit in device
+    memory; before any pair runs.
 
     Returns:
       The step's `memory.compiled_memory` (`{}` without an analysis).
     """
-    mem = memory_lib.compiled_memory(compile_tailpatch(jit_fn, params, opt_state, batch_size, max_len, max_len))
-    what = f"{batch_size} pairs x {max_len} tokens on mesh {dict(jit_fn.mesh.shape)}"
+    compiled = compile_tailpatch(jit_fn, params, opt_state, batch_size, queries_per_step, max_len, max_len)
+    mem = memory_lib.compiled_memory(compiled)
+    what = f"{batch_size} proponents x {queries_per_step} queries x {max_len} tokens on mesh {dict(jit_fn.mesh.shape)}"
     memory_lib.check_fits("tailpatch", mem.get("peak_bytes"), what=what)
     return mem
 
@@ -195,6 +241,16 @@ def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_
     return float(learning_rate) / scheduled
 
 
+def group_pairs(pairs: np.ndarray, queries_per_step: int) -> list[list[int]]:
+    """Indices into `pairs` (`[P, 2]` rows of (query, proponent)) grouped by proponent, at most
+    `queries_per_step` per group; groups in the order of their first pair, pairs in input order."""
+    by_prop: dict[int, list[int]] = {}
+    for i, p in enumerate(np.asarray(pairs).reshape(-1, 2)[:, 1].tolist()):
+        by_prop.setdefault(p, []).append(i)
+    groups = [idx[j : j + queries_per_step] for idx in by_prop.values() for j in range(0, len(idx), queries_per_step)]
+    return sorted(groups, key=lambda g: g[0])
+
+
 def run_pairs(
     jit_fn,
     params: Any,
@@ -205,10 +261,13 @@ def run_pairs(
     *,
     batch_size: int,
     lr_scale: float,
+    queries_per_step: int = 1,
     progress=None,
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, np.ndarray]:
-    """Runs `jit_fn` over index pairs in fixed-size batches (the last one padded by repetition).
+    """Runs `jit_fn` over index pairs: grouped by proponent (`group_pairs`), `batch_size` groups
+    per call (static shapes: a short group is padded with its own first query, the last call
+    with repeated groups; padding is computed and dropped).
 
     Args:
       jit_fn: from `make_jit_tailpatch`.
@@ -216,32 +275,38 @@ def run_pairs(
       prop_rows: encoded proponents `{"tokens": [N, T], "loss_mask": [N, T]}`.
       query_rows: encoded queries `{"tokens": [Q, Tq], "loss_mask": [Q, Tq]}`.
       pairs: `[P, 2]` int rows (query row, proponent row).
-      batch_size: pairs per call (static shape; a multiple of the data-parallel size).
+      batch_size: groups per call (a multiple of the data-parallel size).
       lr_scale: see `learning_rate_scale`.
-      progress: optional callable(num_done) for progress reporting.
-      mesh: `jit_fn`'s mesh; when it spans several processes (a pod) the pairs of each batch
+      queries_per_step: G, queries measured per proponent step.
+      progress: optional callable(num_pairs_done) for progress reporting.
+      mesh: `jit_fn`'s mesh; when it spans several processes (a pod) the groups of each call
         are placed where its devices are and the results gathered to every process.
 
     Returns:
-      `{"log_prob_before", "log_prob_after", "delta_prob"}`, each `[P]` float64 numpy.
+      `{"log_prob_before", "log_prob_after", "delta_prob"}`, each `[P]` float64 numpy, in the
+      order of `pairs`.
     """
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     out = {k: np.zeros((len(pairs),), np.float64) for k in ("log_prob_before", "log_prob_after", "delta_prob")}
-    for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start : start + batch_size]
-        n = len(chunk)
-        if n < batch_size:
-            chunk = np.concatenate([chunk, np.repeat(chunk[-1:], batch_size - n, axis=0)])
-        props = {k: prop_rows[k][chunk[:, 1]] for k in ("tokens", "loss_mask")}
-        qs = {k: query_rows[k][chunk[:, 0]] for k in ("tokens", "loss_mask")}
-        if mesh is not None and mesh.is_multi_process:  # a pod: each process places its devices' pairs
+    groups = group_pairs(pairs, queries_per_step)
+    done = 0
+    for start in range(0, len(groups), batch_size):
+        real = groups[start : start + batch_size]
+        chunk = real + [real[-1]] * (batch_size - len(real))
+        slots = np.asarray([g + [g[0]] * (queries_per_step - len(g)) for g in chunk], np.int64)  # [B, G] pair indices
+        props = {k: prop_rows[k][pairs[slots[:, 0], 1]] for k in ("tokens", "loss_mask")}
+        qs = {k: query_rows[k][pairs[slots, 0]] for k in ("tokens", "loss_mask")}
+        if mesh is not None and mesh.is_multi_process:  # a pod: each process places its devices' groups
             props, qs = sharding_lib.device_batch(props, mesh), sharding_lib.device_batch(qs, mesh)
             lr = sharding_lib.put_global(np.float32(lr_scale), sharding_lib.replicated(mesh))
         else:
             props, qs, lr = jax.tree.map(jnp.asarray, (props, qs)) + (jnp.float32(lr_scale),)
         res = sharding_lib.to_host(jit_fn(params, opt_state, props, qs, lr))
-        for k in out:
-            out[k][start : start + n] = np.asarray(res[k][:n], np.float64)
+        for k in out:  # the real slots only
+            got = np.asarray(res[k], np.float64)
+            for b, g in enumerate(real):
+                out[k][g] = got[b, : len(g)]
+        done += sum(len(g) for g in real)
         if progress is not None:
-            progress(start + n)
+            progress(done)
     return out
