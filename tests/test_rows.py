@@ -116,6 +116,29 @@ def test_a_registered_kind_is_served_by_the_explorer(registered, ctx_eq):
         engine.query(prompt, target, k=5, method="toy", token_scores=True)
 
 
+def test_rows_on_one_index_featurize_the_queries_once(ctx_eq, monkeypatch):
+    """TrackStar at two λ share the index: the second row reuses the first one's raw query and
+    R_eval vectors (`retrieve_queries(memo=ctx.shared)`) and retrieves what it would alone."""
+    from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: PLC0415
+
+    settings, ctx, eq = ctx_eq
+    calls = []
+    real = retrieval_stage.query_vectors
+    monkeypatch.setattr(retrieval_stage, "query_vectors", lambda *a: calls.append(len(a[2])) or real(*a))
+    shared = rows.Context(settings, ctx.workdir, ctx.run, ctx.mesh)
+    a, b = (methods_lib.METHODS[n] for n in ("trackstar", "trackstar_l050"))
+    first = rows.make_retriever(a, shared).retrieve(eq, 5)
+    n_first = len(calls)
+    assert n_first in (1, 2)  # the queries, and R_eval's prompts unless they are the queries
+    second = rows.make_retriever(b, shared).retrieve(eq, 5)
+    assert len(calls) == n_first  # nothing featurized again
+    alone = rows.make_retriever(b, rows.Context(settings, ctx.workdir, ctx.run, ctx.mesh)).retrieve(eq, 5)
+    assert len(calls) == 2 * n_first
+    assert second.proponent_ids == alone.proponent_ids
+    np.testing.assert_array_equal(second.proponent_scores, alone.proponent_scores)
+    assert first.info["whitening"] != second.info["whitening"]  # other λ: another R
+
+
 def test_every_table_row_has_a_registered_kind():
     assert {m.kind for m in methods_lib.METHODS.values()} <= set(rows.ROW_KINDS)
     assert [k for k, v in rows.ROW_KINDS.items() if v.gold_attribution] == ["gold"]

@@ -303,6 +303,7 @@ class GradientRetriever(Retriever):
             mesh=self.ctx.mesh,
             k=k,
             r_eval_queries=eq.r_eval_queries(),
+            memo=self.ctx.shared,  # rows on one index (λ sweep, Exp. 4 / 5) featurize the queries once
         )
         return Retrieved(
             [r["proponent_ids"] for r in recs],

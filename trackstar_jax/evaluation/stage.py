@@ -140,7 +140,7 @@ def tailpatch_all(
         )
         bs, g = pair_batch_size(settings, mesh), tp.queries_per_step
         fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
-        # one step per proponent, measured on up to g of its queries (groups ordered by their first query)
+        # one step per proponent, measured on up to g of its queries (largest groups first)
         groups = tailpatch_lib.group_pairs(np.asarray([(q, row_of[p]) for q, p in todo], np.int64), g)
         logging.info("eval: %d pairs in %d proponent steps (up to %d queries each)", len(todo), len(groups), g)
         bar = logs.progress(total=len(todo), desc="tail-patch", unit="pair")

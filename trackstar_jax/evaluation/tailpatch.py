@@ -243,12 +243,19 @@ def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_
 
 def group_pairs(pairs: np.ndarray, queries_per_step: int) -> list[list[int]]:
     """Indices into `pairs` (`[P, 2]` rows of (query, proponent)) grouped by proponent, at most
-    `queries_per_step` per group; groups in the order of their first pair, pairs in input order."""
+    `queries_per_step` per group; largest groups first (so a call's groups are of like size and
+    `run_pairs` pads few query slots), ties in the order of their first pair; pairs in input order."""
     by_prop: dict[int, list[int]] = {}
     for i, p in enumerate(np.asarray(pairs).reshape(-1, 2)[:, 1].tolist()):
         by_prop.setdefault(p, []).append(i)
     groups = [idx[j : j + queries_per_step] for idx in by_prop.values() for j in range(0, len(idx), queries_per_step)]
-    return sorted(groups, key=lambda g: g[0])
+    return sorted(groups, key=lambda g: (-len(g), g[0]))
+
+
+def slots_for(largest: int, queries_per_step: int) -> int:
+    """Query slots of a call whose largest group has `largest` queries: the next power of two,
+    at most `queries_per_step` (a few compiled shapes; singletons pay for one forward, not G)."""
+    return min(queries_per_step, 1 << max(0, largest - 1).bit_length())
 
 
 def run_pairs(
@@ -266,8 +273,9 @@ def run_pairs(
     mesh: jax.sharding.Mesh | None = None,
 ) -> dict[str, np.ndarray]:
     """Runs `jit_fn` over index pairs: grouped by proponent (`group_pairs`), `batch_size` groups
-    per call (static shapes: a short group is padded with its own first query, the last call
-    with repeated groups; padding is computed and dropped).
+    per call, each call with `slots_for` its largest group query slots (static shapes: a short
+    group is padded with its own first query, the last call with repeated groups; padding is
+    computed and dropped).
 
     Args:
       jit_fn: from `make_jit_tailpatch`.
@@ -293,7 +301,8 @@ def run_pairs(
     for start in range(0, len(groups), batch_size):
         real = groups[start : start + batch_size]
         chunk = real + [real[-1]] * (batch_size - len(real))
-        slots = np.asarray([g + [g[0]] * (queries_per_step - len(g)) for g in chunk], np.int64)  # [B, G] pair indices
+        g_call = slots_for(max(len(g) for g in real), queries_per_step)
+        slots = np.asarray([g + [g[0]] * (g_call - len(g)) for g in chunk], np.int64)  # [B, g_call] pair indices
         props = {k: prop_rows[k][pairs[slots[:, 0], 1]] for k in ("tokens", "loss_mask")}
         qs = {k: query_rows[k][pairs[slots, 0]] for k in ("tokens", "loss_mask")}
         if mesh is not None and mesh.is_multi_process:  # a pod: each process places its devices' groups

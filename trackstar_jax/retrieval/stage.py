@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import os
 import pathlib
 import time
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -188,12 +189,17 @@ def retrieve_queries(
     mesh: jax.sharding.Mesh | None = None,
     k: int | None = None,
     r_eval_queries: Sequence[TextQuery] | None = None,
+    memo: Callable[[Any, Callable[[], np.ndarray]], np.ndarray] | None = None,
 ) -> tuple[list[dict], dict]:
     """Featurizes text queries like the index and retrieves their proponents / opponents.
 
     For hessian mode "mixed", R_eval comes from `r_eval_queries`, featurized the same way
     (§A.1.3: examples of the task, e.g. the evaluation's `EvalQueries.r_eval_queries()`);
     without them (or when they are the queries' texts) from `queries` themselves.
+
+    `memo(key, compute)` (e.g. `rows.Context.shared`) keeps the raw query and R_eval vectors
+    across calls: rows on the same index (TrackStar at several λ, Exp. 4 / 5) differ only in
+    R, so their raw vectors are the same; the key is the index folder and the tokens.
 
     Notebook use: `records, info = retrieval.retrieve_queries(run, settings, workdir,
     [retrieval.TextQuery(0, "Paris is the capital of", " France")])`.
@@ -248,8 +254,16 @@ def retrieve_queries(
         num_rows=reader.num_rows,
         query_batch_size=st.query_batch_size,
     )
-    q_raw = query_vectors(run, vec_fn, _pairs(encoded))
-    r_eval_raw = query_vectors(run, vec_fn, _pairs(enc_r)) if enc_r else q_raw
+
+    def raw_vectors(enc: list[dict]) -> np.ndarray:
+        pairs = _pairs(enc)
+        if memo is None:
+            return query_vectors(run, vec_fn, pairs)
+        digest = hashlib.sha256(b"".join(t.tobytes() + b"|" + m.tobytes() + b";" for t, m in pairs)).hexdigest()
+        return memo(("raw_query_vectors", str(reader.path), digest), lambda: query_vectors(run, vec_fn, pairs))
+
+    q_raw = raw_vectors(encoded)
+    r_eval_raw = raw_vectors(enc_r) if enc_r else q_raw
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
     rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
