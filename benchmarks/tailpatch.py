@@ -4,13 +4,15 @@ log-probability of each of its G queries before and after), one JSON line per co
 then per config the ratio of each G's pairs/s to G = 1's, measured side by side in this run.
 
     python -m benchmarks.tailpatch [--configs tiny,small] [--batch 16] [--queries_per_step 1,8] [--steps 3]
+    python -m benchmarks.tailpatch --configs=run:runs/smollm2_table1   # a run's own checkpoint
 
 pairs/s counts every query slot as a pair (full groups); an evaluation's groups are shorter
 when a proponent serves fewer than G queries.
 
 Random tokens (BOS first), every proponent position a target, the query's last quarter its
 target; the model at its initialisation with the optimizer state after one train step (a
-non-zero V). `compile_s` is apart from `step_s` (median of `--steps` calls after a warm-up).
+non-zero V), or a run's checkpoint and optimizer state (`run:<workdir>`). `compile_s` is apart
+from `step_s` (median of `--steps` calls after a warm-up).
 """
 
 from __future__ import annotations
@@ -28,20 +30,32 @@ from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import tailpatch
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.training import loop
+from trackstar_jax.training import checkpoint, loop
 from trackstar_jax.training import step as step_lib
 
 
-def bench(name: str, batch: int, queries_per_step: int, steps: int, prop_len: int, query_len: int) -> dict:
+def _state(name: str, batch: int, prop_len: int):
+    """`(model config, optimizer, graphdef, state)`: a run directory's checkpoint (`name` =
+    "run:<workdir>", e.g. an imported SmolLM2), else the config at init after one train step."""
+    mesh = sharding.make_mesh()
+    if name.startswith("run:"):
+        run = checkpoint.load_run(name[4:], mesh=mesh)
+        opt = step_lib.make_optimizer(run.settings.train.optimizer)
+        return run.model_cfg, opt, run.graphdef, step_lib.TrainState(run.step, run.params, run.opt_state)
     settings = config_lib.from_configdict(featurize_bench._config(name))
     cfg = settings.model
     opt = step_lib.make_optimizer(settings.train.optimizer)
-    mesh = sharding.make_mesh()
     graphdef, state = loop.init_train_state(cfg, opt, 0, mesh)
+    train_batch = sharding.device_batch(featurize_bench._batch(batch, prop_len or cfg.max_len, cfg.vocab_size), mesh)
+    state, _ = step_lib.make_jit_train_step(graphdef, opt, mesh, state)(state, train_batch)
+    return cfg, opt, graphdef, state
+
+
+def bench(name: str, batch: int, queries_per_step: int, steps: int, prop_len: int, query_len: int) -> dict:
+    cfg, opt, graphdef, state = _state(name, batch, prop_len)
+    mesh = sharding.make_mesh()
     prop_len, query_len = prop_len or cfg.max_len, query_len or min(cfg.max_len, 32)
     g = queries_per_step
-    train_batch = sharding.device_batch(featurize_bench._batch(batch, prop_len, cfg.vocab_size), mesh)
-    state, _ = step_lib.make_jit_train_step(graphdef, opt, mesh, state)(state, train_batch)
     props = featurize_bench._batch(batch, prop_len, cfg.vocab_size, seed=1)
     queries = featurize_bench._batch(batch * g, query_len, cfg.vocab_size, seed=2)
     queries["loss_mask"][:, : query_len - max(1, query_len // 4)] = 0
