@@ -46,22 +46,18 @@ from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
 
 
-def target_log_prob(params: Any, query: Mapping[str, Int[Array, " t"]], *, graphdef: nnx.GraphDef) -> Float[Array, ""]:
-    """log p(target | prompt) of one query: the sum of its target tokens' log-probabilities.
-
-    Args:
-      params: model parameters (pure dict).
-      query: `tokens [T]` (BOS + prompt + target, padded) and `loss_mask [T]` (1 on target tokens).
-      graphdef: the model's graphdef.
-    """
-    batch = {"tokens": query["tokens"][None], "loss_mask": query["loss_mask"][None]}
-    return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), batch)[0]
-
-
 def target_log_probs(
     params: Any, queries: Mapping[str, Int[Array, "g t"]], *, graphdef: nnx.GraphDef
 ) -> Float[Array, " g"]:
-    """`target_log_prob` of G queries in one forward pass (`tokens`, `loss_mask` `[G, T]`)."""
+    """log p(target | prompt) of G queries in one forward pass: per query, the sum of its
+    target tokens' log-probabilities.
+
+    Args:
+      params: model parameters (pure dict).
+      queries: `tokens [G, T]` (BOS + prompt + target, padded) and `loss_mask [G, T]` (1 on
+        target tokens).
+      graphdef: the model's graphdef.
+    """
     return -model_lib.example_losses(lambda x: model_lib.apply(graphdef, params, x), queries)
 
 

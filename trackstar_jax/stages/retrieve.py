@@ -76,7 +76,7 @@ def retrieve(
         queries = retrieval_lib.load_text_queries(st.queries)  # a bad file is refused before the run loads
         source = source or {"kind": "jsonl", "path": str(st.queries)}
         name = name or st.output or pathlib.Path(st.queries).stem
-    name = st.output or name
+    name = name or st.output  # an explicit name wins over the config's (as documented above)
     if not name:
         raise config_lib.ConfigError("no output name: set config.retrieval.output")
     _refuse_existing(settings, workdir, name)
