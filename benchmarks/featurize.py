@@ -52,6 +52,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import time
 
 import jax
@@ -159,6 +160,15 @@ def trak_style_vectors(params, batch, key, *, graphdef, plan, d: int, chunk: int
     return jax.lax.fori_loop(0, num_chunks, body, jnp.zeros((b, d), jnp.float32))
 
 
+_START = time.perf_counter()
+
+
+def _progress(msg: str) -> None:
+    """A timestamped stage line on stderr: a part killed at its limit (accelerator.sh) still shows
+    in its log where the time went (compile, FLOP count, timing)."""
+    print(f"[featurize +{time.perf_counter() - _START:.1f}s] {msg}", file=sys.stderr, flush=True)
+
+
 def _emit(row: dict) -> dict:
     row = {k_: (float(f"{v:.5g}") if isinstance(v, float) else v) for k_, v in row.items()}
     print(json.dumps(row), flush=True)
@@ -218,7 +228,9 @@ def _trained(config, name: str, b: int, t: int, timed: bool, steps: int, memory_
         "device": f"{dev.platform}:{dev.device_kind} x{jax.device_count()}",
     }
     step = step_lib.make_jit_train_step(graphdef, opt, mesh, state)
+    _progress(f"{name} {model_cfg.dtype}: train step compiling")
     train_c, compile_s = _compiled(step.lower(state, batch))
+    _progress(f"train step compiled in {compile_s:.1f} s")
     summary = {}
     row = {"train_peak_bytes": _peak(train_c)}
     if timed and memory_2x:
@@ -293,12 +305,17 @@ def bench_one(name: str, d: int, args) -> dict:
         vc = vectors.VectorConfig(num_blocks=nb, proj_dim=k, correction=True, path=path)
         vc = dataclasses.replace(vc, matmul_precision=args.precision)
         plan = vectors.make_block_plan(params, model_cfg, vc)
+        _progress(f"{path} d={d} k={k} blocks={nb}: correction and projections")
         precond = vectors.make_precond(params, opt_state, vc, plan)
         jitted = vectors.jit_vector_step(graphdef, vc, plan, mesh)
         projs = vectors.step_projections(vc, plan, precond)
+        jax.block_until_ready(projs)
         vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
+        _progress(f"{path} d={d}: compiling")
         compiled, compile_s = _compiled(jitted.lower(params, precond, vb, projs))
+        _progress(f"{path} d={d}: compiled in {compile_s:.1f} s; counting FLOPs")
         flops = plan_lib.dot_flops(jitted, params, precond, vb, projs)
+        _progress(f"{path} d={d}: timing")
         row = {}
         if args.memory_2x:
             host2 = _batch(2 * b, t, model_cfg.vocab_size)
