@@ -49,6 +49,10 @@ OUT="$(cd "$OUT" && pwd)"
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PYTHONUNBUFFERED=1
 LAMA="${LAMA_DIR:-.gpu_data/lama}"
+# the index part's run folder lives outside OUTDIR: OUTDIR holds only the lines and logs (the
+# device tool brings back a bounded number of files)
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
 
 # seconds per part on the accelerator (sum 480)
 declare -A LIMIT=([train]=30 [feat70_f32]=70 [feat70_bf16]=45 [feat154_bf16]=100 [feat154_f32]=40
@@ -82,7 +86,7 @@ if (( SMOKE )); then  # toy sizes, CPU
       feat154_bf16) run_part feat154_bf16 "${FEAT[@]}" --configs=tiny --batch=4 --seq_len=32 --dims=64,256 \
                       --matmul_dtype=bfloat16 --paths=fast ;;
       feat154_f32) run_part feat154_f32 "${FEAT[@]}" --dims=256 --dtypes=float32 --paths=fast --precision=bf16 ;;
-      index) run_part index -m benchmarks.lama_index --data="$LAMA" --workdir="$OUT/lama_run" \
+      index) run_part index -m benchmarks.lama_index --data="$LAMA" --workdir="$WORK/lama_run" \
                --config=experiments/tiny.py --train_steps=2 --max_examples=64 ;;
       retrieve_1e6) run_part retrieve_1e6 "${RET[@]}" --n=2000 --d=64 --queries=1,5 --dtypes=float32,bfloat16 ;;
       retrieve_1e7) run_part retrieve_1e7 "${RET[@]}" --n=3000 --d=32 --queries=1 --dtypes=bfloat16 --precision=bf16 ;;
@@ -105,7 +109,7 @@ for part in ${PARTS//,/ }; do
     feat154_bf16) run_part feat154_bf16 "${FEAT[@]}" --configs=paper_154m --dims=65536,4096 --dtypes=bfloat16 \
                     --paths=train,fast ;;
     feat154_f32) run_part feat154_f32 "${FEAT[@]}" --configs=paper_154m --dims=65536 --dtypes=float32 --paths=train,fast ;;
-    index) run_part index -m benchmarks.lama_index --data="$LAMA" --workdir="$OUT/lama_run" \
+    index) run_part index -m benchmarks.lama_index --data="$LAMA" --workdir="$WORK/lama_run" \
              --config=experiments/small.py --train_steps=20 ;;
     retrieve_1e6) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 run_part retrieve_1e6 "${RET[@]}" --n=1000000 --d=4096 \
                     --queries=1,64,1024 --dtypes=bfloat16,float32 --max_resident_gb=4 ;;
