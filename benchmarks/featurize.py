@@ -290,7 +290,9 @@ def bench_one(name: str, d: int, args) -> dict:
     nb = _num_blocks(d, int(config.vectors.num_blocks), model_cfg.num_layers)
     k = vectors.projection_dim_for(d, nb)
     gemm_prec = device_peaks.gemm_precision(op_dtype, args.precision, dev.platform)
-    trained = _trained(config, name, b, t, "train" in paths, args.steps, args.memory_2x, gemm_prec)
+    # the train step runs at JAX's default precision, not at vectors.matmul_precision
+    train_prec = device_peaks.gemm_precision(op_dtype, "default", dev.platform)
+    trained = _trained(config, name, b, t, "train" in paths, args.steps, args.memory_2x, train_prec)
     graphdef, mesh, params, opt_state, batch, host = (
         trained[k_] for k_ in ("graphdef", "mesh", "params", "opt_state", "batch", "host")
     )

@@ -24,11 +24,15 @@ import time
 
 
 def _run(cmd: list[str]) -> tuple[float, list[str]]:
+    """Runs a stage; its stderr (progress, errors) passes straight through, so a run killed at
+    its time limit still shows in the log how far it got."""
+    print(f"[lama_index] {' '.join(cmd[2:4])} ...", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     wall = time.perf_counter() - t0
+    print(f"[lama_index] {cmd[3]} took {wall:.1f} s", file=sys.stderr, flush=True)
     if proc.returncode:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-8000:])
+        sys.stderr.write(proc.stdout[-4000:])
         raise SystemExit(f"{' '.join(cmd[:4])} ... failed with exit code {proc.returncode}")
     return wall, proc.stdout.splitlines()
 

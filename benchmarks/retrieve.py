@@ -320,6 +320,7 @@ def main(argv):
                     "block_rows": plan.block_rows,
                     "query_major": plan.query_major,
                     "upcast": plan.upcast,
+                    "segment": plan.segment,
                     "precision": plan.precision,
                 }
                 ours = faiss_res = torch_res = None

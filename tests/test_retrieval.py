@@ -5,6 +5,7 @@ uneven row counts, k larger than a shard, real zarr indices, and bad input."""
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -145,19 +146,49 @@ def test_plan_picks_layout_by_regime():
 @pytest.mark.parametrize("num_devices", [1, 8])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("score_all", [None, 0])
-def test_accelerator_plan_forced_on_cpu_is_exact(num_devices, dtype, score_all):
+@pytest.mark.parametrize("segment", [None, 4, 16])
+def test_accelerator_plan_forced_on_cpu_is_exact(num_devices, dtype, score_all, segment):
     """The GPU/TPU plan (stored-dtype GEMMs, query-major scores, HBM tiles) run on the CPU:
     exact against the numpy lexsort, scored whole (`score_all` from the plan) or block by block
-    with the running merge (score_all=0, 64-row blocks, the last one clamped)."""
+    with the running merge (score_all=0, 64-row blocks, the last one clamped), selected in one
+    stage or in two (segments of 4 < k and of 16; 1001 rows and every block pad the last one)."""
     x, q = tied_data(1001)
     scale = 2.0 ** np.random.default_rng(1).integers(-2, 3, len(x)).astype(np.float32) if dtype == "int8" else None
     plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], backend="gpu")
     assert plan.query_major and plan.score_all == retrieval._ACCEL_SCORE_ALL
     assert plan.upcast == {"float32": "none", "bfloat16": "bf16_split3"}.get(dtype, "convert")
+    plan = dataclasses.replace(plan, segment=segment)
     if score_all == 0:
         plan = dataclasses.replace(plan, block_rows=64, score_all=0)
     res = retrieval.topk(q, x.astype(DTYPES[dtype]), 7, row_scale=scale, mesh=mesh_of(num_devices), plan=plan)
     assert_exact(res, retrieval.reference_topk(q, x, 7, scale))
+
+
+@pytest.mark.parametrize("n, k, segment", [(1, 1, 4), (37, 10, 4), (100, 3, 7), (1024, 10, 256), (3000, 50, 64)])
+def test_two_stage_selection_equals_one_top_k(n, k, segment):
+    """`_select` in two stages returns what one `lax.top_k` does, values and positions, on rows
+    full of ties and -inf (padding and masked rows), whatever the segment against k and n."""
+    rng = np.random.default_rng(n + k)
+    s = rng.integers(-3, 4, (5, n)).astype(np.float32)
+    s[rng.random((5, n)) < 0.2] = -np.inf
+    s[0] = -np.inf  # a row of nothing but -inf: positions in order
+    s = jnp.asarray(s)
+    kk = min(k, n)
+    want = jax.lax.top_k(s, kk)
+    got = retrieval._select(s, kk, segment)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+
+
+def test_gpu_plan_selects_few_queries_in_two_stages():
+    assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").segment == retrieval._SEGMENT
+    assert retrieval.make_score_plan(8, 4096, np.float32, backend="gpu").segment == retrieval._SEGMENT
+    assert retrieval.make_score_plan(64, 4096, np.float32, backend="gpu").segment is None
+    assert retrieval.make_score_plan(1, 4096, np.float32, backend="tpu").segment is None
+    assert retrieval.make_score_plan(1, 4096, np.float32, backend="cpu").segment is None
+    assert retrieval.make_score_plan(1, 4096, np.float32, backend="gpu", segment=None).segment is None
+    with pytest.raises(ValueError, match="segment"):
+        retrieval.Plan(block_rows=64, query_major=True, upcast="none", segment=0)
 
 
 def test_accelerator_plan_tiles_and_precision_checks():

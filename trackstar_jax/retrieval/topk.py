@@ -38,13 +38,20 @@ FFI kernel (`native.scores`: rows widened by integer shifts in registers, float3
 `"bf16_split3"`), or read as uint32 pairs widened by integer shifts before a float32 matmul
 (many queries, `"bf16_pairs"`). All are exact to float32 rounding.
 
-Accelerator formulations (GPU / TPU, `_accelerator_plan`; issue 36, not yet timed on a chip):
+Accelerator formulations (GPU / TPU, `_accelerator_plan`; issue 36):
 plain matmuls on the rows in their stored dtype with float32 accumulation
 (`preferred_element_type`), scores laid out `[queries, rows]` (query-major), so `lax.top_k`
 selects along the minor axis; float32 rows at `Precision.HIGHEST`, bfloat16 rows against the
 query split into bfloat16 terms (tensor-core GEMMs, no widened copy of the rows), other dtypes
 widened inside the fused dot. Score tiles are far larger than on the CPU (HBM, no page-fault
 cost per buffer): a shard is scored whole up to 2^27 scores, else in blocks of 2^26 scores.
+On a GPU, up to `_TWO_STAGE_MAX_QUERIES` queries are selected in two stages (`Plan.segment`):
+the top-k of every segment of `_SEGMENT` scores, then the top-k of those candidates. Exact and
+in the same order as one `lax.top_k` (a segment's top-k holds every global winner it contains;
+both stages are stable and see positions in ascending order). Measured on one H200
+(`benchmarks/retrieve_parts.py`, 10^6 scores per query): top-k + bottom-k of one query 3.8 ms in
+one stage (a single long row runs on few threads), 0.89 ms in two; the whole 10^6 x 4096 bf16
+search 5.3 -> 2.7 ms. At 64 queries one stage wins (4.1 vs 12.8 ms).
 
 Precision (`Plan.precision`, `config.retrieval.precision`): "float32" (default) is exact to
 float32 rounding on every platform; "tf32" scores float32 rows at `Precision.HIGH` (TF32 on
@@ -89,6 +96,11 @@ _DOT_PRECISION = {"float32": lax.Precision.HIGHEST, "tf32": lax.Precision.HIGH}
 _ACCEL_SCORE_TILE = 1 << 26
 _ACCEL_SCORE_ALL = 1 << 27
 _ACCEL_UPCAST_TILE = 1 << 28
+# GPU two-stage selection (module docstring): up to this many queries, segments of this many
+# scores. H200 crossover estimated from 1 and 64 queries (0.69 + 0.19 Q ms against ~3.8 ms):
+# near 16; 8 keeps a margin. Unmeasured on TPU, whose plan keeps one stage.
+_TWO_STAGE_MAX_QUERIES = 8
+_SEGMENT = 1024
 # Scores tile per block (queries x rows, float32) and widened-rows tile budgets, in elements.
 # 2M floats = 8 MB: small enough to be recycled by malloc (no page faults per call), large
 # enough that per-block overhead is negligible (BUILD_NOTES "Issue 5").
@@ -176,6 +188,8 @@ class Plan:
       precision: "float32" (exact), "tf32" or "bf16" (module docstring, "Precision").
       score_all: a shard with at most this many scores (queries x rows) is scored in one dot
         and selected once; None: `_SCORE_ALL` (the CPU's).
+      segment: None selects with one `lax.top_k` per score row; an int, in two stages: the
+        top-k of each segment of that many scores, then of the candidates (same result).
     """
 
     block_rows: int
@@ -184,6 +198,7 @@ class Plan:
     contract: str = "dot"
     precision: str = "float32"
     score_all: int | None = None
+    segment: int | None = None
 
     def __post_init__(self):
         if self.precision not in PRECISIONS:
@@ -200,6 +215,8 @@ class Plan:
             raise ValueError("contract='reduce' widens inside the fused reduce; use upcast='convert'")
         if self.block_rows < 1:
             raise ValueError(f"block_rows must be >= 1, got {self.block_rows}")
+        if self.segment is not None and self.segment < 1:
+            raise ValueError(f"segment must be >= 1 or None, got {self.segment}")
 
 
 def make_score_plan(
@@ -213,6 +230,7 @@ def make_score_plan(
     upcast: str | None = None,
     contract: str | None = None,
     precision: str = "float32",
+    segment: int | None | str = "auto",
 ) -> Plan:
     """Chooses the fastest known formulation for a regime and platform (`_PLATFORM_PLANS`; see
     the module docstring).
@@ -225,6 +243,7 @@ def make_score_plan(
         unless the planner targets another).
       block_rows, query_major, upcast, contract: overrides (benchmarks compare formulations with them).
       precision: "float32" | "tf32" | "bf16" (`config.retrieval.precision`).
+      segment: two-stage selection's segment (None: one stage); "auto": the platform's choice.
 
     Returns:
       Plan.
@@ -234,7 +253,7 @@ def make_score_plan(
     if precision not in PRECISIONS:
         raise ValueError(f"retrieval.precision must be one of {PRECISIONS}, got {precision!r}")
     choose = _PLATFORM_PLANS.get(backend, _accelerator_plan)
-    chosen, major, tile, upcast_tile, score_all = choose(num_queries, dim, name, precision)
+    chosen, major, tile, upcast_tile, score_all, seg = choose(num_queries, dim, name, precision)
     upcast = chosen if upcast is None else upcast
     if upcast == "native" and name not in native.TARGETS:
         raise ValueError(f"upcast='native' scores {tuple(native.TARGETS)} rows, not {name}")
@@ -250,12 +269,17 @@ def make_score_plan(
         contract=contract or "dot",
         precision=precision,
         score_all=score_all,
+        segment=seg if segment == "auto" else segment,
     )
 
 
-def _cpu_plan(num_queries: int, dim: int, name: str, precision: str) -> tuple[str, bool, int, int, int | None]:
+_Choice = tuple[str, bool, int, int, "int | None", "int | None"]
+
+
+def _cpu_plan(num_queries: int, dim: int, name: str, precision: str) -> _Choice:
     """XLA:CPU (module docstring, "CPU formulations"): `(upcast, query_major, score tile,
-    widened-rows tile, score_all)`. The native kernel and bf16 pairs score in float32 only."""
+    widened-rows tile, score_all, segment)`. The native kernel and bf16 pairs score in float32
+    only."""
     lo, hi = _NATIVE_QUERIES.get(name, (0, -1))
     exact = precision == "float32"
     if exact and lo <= num_queries <= hi and native.available() and native.isa() == "avx512":
@@ -268,19 +292,25 @@ def _cpu_plan(num_queries: int, dim: int, name: str, precision: str) -> tuple[st
         upcast = "bf16_split3"  # native bf16 x bf16 -> f32 dot against the query's bf16 terms
     else:
         upcast = "convert"
-    return upcast, num_queries > _ROWS_MAJOR_MAX_QUERIES, _SCORE_TILE, _UPCAST_TILE, None
+    return upcast, num_queries > _ROWS_MAJOR_MAX_QUERIES, _SCORE_TILE, _UPCAST_TILE, None, None
 
 
-def _accelerator_plan(num_queries: int, dim: int, name: str, precision: str) -> tuple[str, bool, int, int, int | None]:
+def _accelerator_plan(num_queries: int, dim: int, name: str, precision: str) -> _Choice:
     """GPU / TPU (module docstring, "Accelerator formulations"): the rows' stored dtype into the
-    GEMM, float32 accumulation, query-major scores, HBM-sized tiles."""
+    GEMM, float32 accumulation, query-major scores, HBM-sized tiles, one-stage selection."""
     del num_queries, dim, precision
     upcast = {"float32": "none", "bfloat16": "bf16_split3"}.get(name, "convert")
-    return upcast, True, _ACCEL_SCORE_TILE, _ACCEL_UPCAST_TILE, _ACCEL_SCORE_ALL
+    return upcast, True, _ACCEL_SCORE_TILE, _ACCEL_UPCAST_TILE, _ACCEL_SCORE_ALL, None
+
+
+def _gpu_plan(num_queries: int, dim: int, name: str, precision: str) -> _Choice:
+    """The accelerator plan, with two-stage selection for few queries (measured on an H200)."""
+    *rest, _ = _accelerator_plan(num_queries, dim, name, precision)
+    return (*rest, _SEGMENT if num_queries <= _TWO_STAGE_MAX_QUERIES else None)
 
 
 # backend -> plan chooser (unknown backends take the accelerator plan)
-_PLATFORM_PLANS = {"cpu": _cpu_plan, "gpu": _accelerator_plan, "tpu": _accelerator_plan}
+_PLATFORM_PLANS = {"cpu": _cpu_plan, "gpu": _gpu_plan, "tpu": _accelerator_plan}
 
 
 # --------------------------------------------------------------------------------------------
@@ -361,17 +391,33 @@ def _block_scores(q_parts: tuple[Array, ...], blk: Array, plan: Plan) -> Float[A
     return out
 
 
-def _merge(carry: tuple[Array, ...], cand: tuple[Array, ...], k: int) -> tuple[Array, ...]:
+def _select(s: Float[Array, "q n"], k: int, segment: int | None) -> tuple[Array, Array]:
+    """`lax.top_k(s, k)`: values and positions, ties to the lower position; with `segment`, in
+    two stages (the top-k of each segment, then of the candidates), the same result."""
+    nq, n = s.shape
+    if segment is None or n <= segment:
+        return lax.top_k(s, k)
+    pad = -n % segment
+    # -inf padding sits after every real position, so a real entry wins any tie with it
+    xs = jnp.pad(s, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(nq, -1, segment)
+    v, p = lax.top_k(xs, min(k, segment))  # [Q, n / segment, k1]
+    p = p + (jnp.arange(xs.shape[1], dtype=p.dtype) * segment)[None, :, None]
+    v2, q2 = lax.top_k(v.reshape(nq, -1), k)
+    return v2, jnp.take_along_axis(p.reshape(nq, -1), q2, axis=1)
+
+
+def _merge(carry: tuple[Array, ...], cand: tuple[Array, ...], k: int, segment: int | None = None) -> tuple[Array, ...]:
     """Stable merge of two candidate lists; `carry` must hold the lower ids.
 
     Both lists are `(top_scores, top_ids, neg_bottom_scores, bottom_ids)`, each `[Q, *]` and
     sorted by (value desc, id asc); bottoms are kept negated so one rule serves both.
+    `segment`: `_select`'s two-stage selection.
     """
     out = []
     for (cs, ci), (ns, ni) in ((carry[0:2], cand[0:2]), (carry[2:4], cand[2:4])):
         s = jnp.concatenate([cs, ns], axis=1)
         i = jnp.concatenate([ci, ni], axis=1)
-        v, p = lax.top_k(s, min(k, s.shape[1]))
+        v, p = _select(s, min(k, s.shape[1]), segment)
         out += [v, jnp.take_along_axis(i, p, axis=1)]
     return tuple(out)
 
@@ -422,7 +468,10 @@ def _device_topk(
         ids = jnp.broadcast_to(jnp.where(valid, ids, SENTINEL)[None, :], (nq, m))
         empty = (jnp.zeros((nq, 0), jnp.float32), jnp.zeros((nq, 0), jnp.int32)) * 2
         return _merge(
-            empty, (jnp.where(valid[None, :], s, -jnp.inf), ids, jnp.where(valid[None, :], -s, -jnp.inf), ids), kk
+            empty,
+            (jnp.where(valid[None, :], s, -jnp.inf), ids, jnp.where(valid[None, :], -s, -jnp.inf), ids),
+            kk,
+            plan.segment,
         )
 
     def block(i, carry):
@@ -439,7 +488,7 @@ def _device_topk(
         top = jnp.where(valid[None, :], s, -jnp.inf)
         bot = jnp.where(valid[None, :], -s, -jnp.inf)
         ids = jnp.broadcast_to(jnp.where(valid, ids, SENTINEL)[None, :], (nq, bs))
-        return _merge(carry, (top, ids, bot, ids), kk)
+        return _merge(carry, (top, ids, bot, ids), kk, plan.segment)
 
     neg_inf = jnp.full((nq, kk), -jnp.inf, jnp.float32)
     none = jnp.full((nq, kk), SENTINEL, jnp.int32)
