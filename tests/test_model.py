@@ -172,8 +172,9 @@ def test_tap_sees_every_attributed_layer_and_identity_tap_is_a_no_op():
 
     out = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t, tap=tap))(params, tokens)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(_apply(graphdef, params, tokens)))
-    assert sorted(seen) == sorted(model_lib.attributed_paths(params))
-    assert "embed" not in seen and seen["layer_1/mlp/down/kernel"] == ((1, 8, 24), (1, 8, 16))
+    # the embedding is tapped too (x = the token ids), though not attributed
+    assert sorted(seen) == sorted(model_lib.attributed_paths(params) + ["embed"])
+    assert seen["embed"] == ((1, 8), (1, 8, 16)) and seen["layer_1/mlp/down/kernel"] == ((1, 8, 24), (1, 8, 16))
 
 
 def test_lm_targets_and_example_losses():
@@ -297,7 +298,7 @@ def test_tap_sees_every_parameter_of_the_imported_architectures(arch):
     out = jax.jit(lambda p, t: model_lib.apply(graphdef, p, t, tap=tap))(params, tokens)
     assert out.shape == (1, 8, cfg.vocab_size)
     key_biases = [f"layer_{i}/attn/key/bias" for i in range(cfg.num_layers)]  # tapped, never attributed
-    assert sorted(seen) == sorted(model_lib.attributed_paths(params, unembed=True) + key_biases)
+    assert sorted(seen) == sorted(model_lib.attributed_paths(params, unembed=True) + key_biases + ["embed"])
     assert "unembed/kernel" not in model_lib.attributed_paths(params)  # only with vectors.unembed
     assert seen["layer_0/attn/query/bias"] is None and seen["layer_1/mlp/down/bias"] is None  # a bias multiplies 1
     flat = model_lib.flat_params(params)

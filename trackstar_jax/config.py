@@ -373,13 +373,17 @@ class EvalSettings:
         return tuple(r.strip() for r in self.relations.split(",") if r.strip())
 
 
+TAILPATCH_STEPS = ("lowrank", "dense")
+
+
 @dataclasses.dataclass(frozen=True)
 class TailpatchSettings:
     """`config.tailpatch` (§4.3)."""
 
     top_ks: tuple[int, ...] = (1, 3, 5, 10)
     learning_rate: float = -1.0  # < 0: the schedule's value at the final step
-    batch_size: int = 16  # proponents per vmapped step (each holds a parameter copy)
+    batch_size: int = 16  # proponents per vmapped step
+    step: str = "lowrank"  # "lowrank": exact, per-layer factors (evaluation/lowrank.py); "dense": the reference
     queries_per_step: int = 8  # queries measured under each proponent's patched parameters (pairs share its step)
     max_queries: int = 0  # tail-patch a seeded subset of this many queries (0 = every query)
     methods: tuple[str, ...] = ()  # rows tail-patched (() = every row); the others get no tail-patch column
@@ -392,6 +396,8 @@ class TailpatchSettings:
             raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
         if self.queries_per_step < 1:
             raise ValueError(f"tailpatch.queries_per_step must be >= 1, got {self.queries_per_step}")
+        if self.step not in TAILPATCH_STEPS:
+            raise ValueError(f"tailpatch.step must be one of {TAILPATCH_STEPS}, got {self.step!r}")
         if self.max_queries < 0:
             raise ValueError(f"tailpatch.max_queries must be >= 0, got {self.max_queries}")
         for name in self.methods:

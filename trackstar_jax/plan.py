@@ -110,7 +110,8 @@ def tailpatch_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh
     graphdef, target = checkpoint_lib.abstract_state(settings.model, opt, mesh)
     dp = sharding_lib.data_parallel_size(mesh)
     bs = -(-settings.tailpatch.batch_size // dp) * dp
-    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
+    lowrank = settings.train.optimizer if settings.tailpatch.step == "lowrank" else None
+    fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt, opt_cfg=lowrank)
     n = settings.model.max_len
     g = settings.tailpatch.queries_per_step
     out = memory.compiled_memory(tailpatch_lib.compile_tailpatch(fn, target.params, target.opt_state, bs, g, n, n))

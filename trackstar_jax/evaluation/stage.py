@@ -139,7 +139,12 @@ def tailpatch_all(
             eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
         )
         bs, g = pair_batch_size(settings, mesh), tp.queries_per_step
-        fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=run.graphdef, opt=step_lib.make_optimizer(opt_cfg))
+        fn = tailpatch_lib.make_jit_tailpatch(
+            mesh,
+            graphdef=run.graphdef,
+            opt=step_lib.make_optimizer(opt_cfg),
+            opt_cfg=opt_cfg if tp.step == "lowrank" else None,
+        )
         # one step per proponent, measured on up to g of its queries (largest groups first)
         groups = tailpatch_lib.group_pairs(np.asarray([(q, row_of[p]) for q, p in todo], np.int64), g)
         logging.info("eval: %d pairs in %d proponent steps (up to %d queries each)", len(todo), len(groups), g)
@@ -266,8 +271,13 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
             num_rows=len(run.corpus.examples),
             query_batch_size=qbs,
         )
-    opt = step_lib.make_optimizer(run.settings.train.optimizer)
-    fn = tailpatch_lib.make_jit_tailpatch(ctx.mesh, graphdef=run.graphdef, opt=opt)
+    opt_cfg = run.settings.train.optimizer
+    fn = tailpatch_lib.make_jit_tailpatch(
+        ctx.mesh,
+        graphdef=run.graphdef,
+        opt=step_lib.make_optimizer(opt_cfg),
+        opt_cfg=opt_cfg if settings.tailpatch.step == "lowrank" else None,
+    )
     bs = pair_batch_size(settings, ctx.mesh)
     g = settings.tailpatch.queries_per_step
     out["tailpatch"] = tailpatch_lib.check_fits(fn, run.params, run.opt_state, bs, g, run.model_cfg.max_len)

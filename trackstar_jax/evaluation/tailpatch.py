@@ -23,14 +23,20 @@ rows' top-10 lists hold ~4.5 queries per distinct proponent). `tailpatch_step` i
 `tailpatch_groups` vmaps it over B groups; `tailpatch_pairs` is the plain per-pair form (groups
 of one); `make_jit_tailpatch` jits the groups with the batch split over the mesh's data axes
 and the model and optimizer state in the training shardings (split over `fsdp` when it is > 1);
-`run_pairs` groups any list of pairs. Every group updates its own copy of the parameters, so
-memory grows as B x parameters (/ fsdp): size `tailpatch.batch_size` (B) accordingly;
-`tailpatch.queries_per_step` is G.
+`run_pairs` groups any list of pairs. `tailpatch.queries_per_step` is G.
+
+Two steps compute the same thing (`tailpatch.step`): "lowrank" (default; `evaluation/lowrank.py`)
+keeps each proponent's gradient and Adafactor update as per-layer factors of rank <= T and runs
+the queries through the shared parameters plus those factors: no per-proponent gradient or
+parameter copy; "dense" (this module's `tailpatch_step`, the reference) materialises both, so
+its memory grows as B x parameters (/ fsdp). Models the low-rank step does not cover
+(`lowrank.supported`) take the dense one. Size `tailpatch.batch_size` (B) with `launch.plan`.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Mapping
 
 import jax
@@ -42,6 +48,7 @@ from jaxtyping import Array, Float, Int
 
 from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import lowrank
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
 
@@ -103,14 +110,24 @@ def tailpatch_groups(
     graphdef: nnx.GraphDef,
     opt: optax.GradientTransformation,
     lr_scale: float | Array = 1.0,
+    opt_cfg: train_lib.OptimizerConfig | None = None,
 ) -> dict[str, Float[Array, "b g"]]:
     """`tailpatch_step` vmapped over B groups (group i: proponent i patched, its G queries measured).
+
+    With `opt_cfg` (the config `opt` was made from) the exact low-rank step runs instead
+    (`lowrank.tailpatch_step`), where the model is one it covers (`lowrank.supported`).
 
     Returns:
       `{"log_prob_before": [B, G], "log_prob_after": [B, G], "delta_prob": [B, G]}` where
       `delta_prob = exp(after) - exp(before)` is the change in the target's probability.
     """
     step = functools.partial(tailpatch_step, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
+    if opt_cfg is not None:
+        why = lowrank.supported(graphdef, params)
+        if why is None:
+            step = functools.partial(lowrank.tailpatch_step, graphdef=graphdef, opt_cfg=opt_cfg, lr_scale=lr_scale)
+        else:
+            logging.warning("tail-patch: the dense step (the low-rank one does not cover this model: %s)", why)
     after = jax.vmap(step, in_axes=(None, None, 0, 0))(params, opt_state, proponents, queries)
     flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), queries)
     before = target_log_probs(params, flat, graphdef=graphdef).reshape(after.shape)
@@ -149,7 +166,13 @@ def tailpatch_pairs(
     return {k: v[:, 0] for k, v in out.items()}
 
 
-def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: optax.GradientTransformation):
+def make_jit_tailpatch(
+    mesh: jax.sharding.Mesh,
+    *,
+    graphdef: nnx.GraphDef,
+    opt: optax.GradientTransformation,
+    opt_cfg: train_lib.OptimizerConfig | None = None,
+):
     """`jit(tailpatch_groups)`: groups split over (data, fsdp); parameters and optimizer state in
     `sharding.fsdp_shardings` (replicated unless the mesh's fsdp axis has size > 1, then each
     leaf split over it by its own shape, as in training; XLA gathers what each layer needs).
@@ -157,7 +180,7 @@ def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: 
     The returned function takes `(params, opt_state, proponents [B, T], queries [B, G, Tq],
     lr_scale)`, places the state in those shardings (a no-op when it already is, e.g. from
     `load_run(mesh=...)`) and runs the step; B must be a multiple of the mesh's data-parallel
-    size (pad with repeated groups).
+    size (pad with repeated groups). `opt_cfg`: the low-rank step (`tailpatch_groups`).
     """
     rep = sharding_lib.replicated(mesh)
     props = {k: sharding_lib.batch_sharding(mesh, 2) for k in ("tokens", "loss_mask")}
@@ -165,7 +188,9 @@ def make_jit_tailpatch(mesh: jax.sharding.Mesh, *, graphdef: nnx.GraphDef, opt: 
     out = sharding_lib.batch_sharding(mesh, 2)
 
     def fn(params, opt_state, proponents, queries, lr_scale):
-        return tailpatch_groups(params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale)
+        return tailpatch_groups(
+            params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale, opt_cfg=opt_cfg
+        )
 
     # None: the state's shardings are those it is placed in below (derived from its shapes).
     jitted = jax.jit(fn, in_shardings=(None, None, props, queries, rep), out_shardings=out)

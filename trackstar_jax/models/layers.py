@@ -11,6 +11,9 @@ Parameter kinds, by the last path component:
 * `scale [n]`: norm `y = xhat * scale`; the tap sees `xhat` (the normalised input);
 * `bias [n]`: `y = ... + bias`; the tap sees `x = None` (a bias multiplies a constant 1,
   so its per-example gradient is the sum over tokens of the output gradient).
+* `embed [V, d]` (a `DecoderLM`'s token embedding, path `embed`): `y = embed[tokens]`; the tap
+  sees `x = tokens [B, T]` int (the one-hot rows that multiply the table). Taps that do not
+  attribute the embedding return `y` unchanged (`lm.is_attributed("embed")` is False).
 
 Batch convention (shared by training, featurization, retrieval and tail-patch):
 `tokens [B, T] int32` (BOS first, `data.tokenizer.PAD_ID` padding at the end), `loss_mask [B, T]`

@@ -393,6 +393,8 @@ class DecoderLM(nnx.Module):
         """The final norm's output `[B, T, d]` (compute dtype): what the output head reads."""
         check_length(self.cfg, tokens)
         x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
+        if tap is not None:  # the tap sees the token ids (the one-hot rows that multiply `embed`)
+            x = tap("embed", tokens, x)
         # The tap (and the tracers it closes over, e.g. featurize's capture dummies) is closed
         # over, so a rematerialised forward routes through it exactly as the first.
         call = lambda lyr, h: lyr(h, tap)  # noqa: E731
