@@ -9,7 +9,8 @@ the low-rank step's over the dense one's.
     python -m benchmarks.tailpatch --configs=run:runs/smollm2_table1   # a run's own checkpoint
 
 pairs/s counts every query slot as a pair (full groups); an evaluation's groups are shorter
-when a proponent serves fewer than G queries.
+when a proponent serves fewer than G queries. The step is timed without the queries' unpatched
+log-probabilities, which `run_pairs` computes once per query.
 
 Random tokens (BOS first), every proponent position a target, the query's last quarter its
 target; the model at its initialisation with the optimizer state after one train step (a
@@ -83,7 +84,8 @@ def bench(name: str, batch: int, queries_per_step: int, steps: int, prop_len: in
     t0 = time.perf_counter()
     compiled = tailpatch.compile_tailpatch(fn, state.params, state.opt_state, batch, g, prop_len, query_len)
     compile_s = time.perf_counter() - t0
-    args = (state.params, state.opt_state, rows(props, batch), rows(queries, batch, g), np.float32(1.0))
+    before = np.zeros((batch, g), np.float32)  # run_pairs computes these once per query, not per step
+    args = (state.params, state.opt_state, rows(props, batch), rows(queries, batch, g), np.float32(1.0), before)
     jax.block_until_ready(compiled(*args))
     times = []
     for _ in range(steps):

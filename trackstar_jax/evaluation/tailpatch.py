@@ -111,11 +111,14 @@ def tailpatch_groups(
     opt: optax.GradientTransformation,
     lr_scale: float | Array = 1.0,
     opt_cfg: train_lib.OptimizerConfig | None = None,
+    before: Float[Array, "b g"] | None = None,
 ) -> dict[str, Float[Array, "b g"]]:
     """`tailpatch_step` vmapped over B groups (group i: proponent i patched, its G queries measured).
 
     With `opt_cfg` (the config `opt` was made from) the exact low-rank step runs instead
     (`lowrank.tailpatch_step`), where the model is one it covers (`lowrank.supported`).
+    `before`: the queries' log p(target) under the unpatched parameters when already known
+    (`run_pairs` computes each query's once); None: computed here.
 
     Returns:
       `{"log_prob_before": [B, G], "log_prob_after": [B, G], "delta_prob": [B, G]}` where
@@ -129,14 +132,22 @@ def tailpatch_groups(
         else:
             logging.warning("tail-patch: the dense step (the low-rank one does not cover this model: %s)", why)
     after = jax.vmap(step, in_axes=(None, None, 0, 0))(params, opt_state, proponents, queries)
-    flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), queries)
-    before = target_log_probs(params, flat, graphdef=graphdef).reshape(after.shape)
+    if before is None:
+        before = grouped_log_probs(params, queries, graphdef=graphdef)
     # p' - p = p (exp(log p' - log p) - 1): expm1 keeps small changes exact in float32.
     return {
         "log_prob_before": before,
         "log_prob_after": after,
         "delta_prob": jnp.exp(before) * jnp.expm1(after - before),
     }
+
+
+def grouped_log_probs(
+    params: Any, queries: Mapping[str, Int[Array, "b g tq"]], *, graphdef: nnx.GraphDef
+) -> Float[Array, "b g"]:
+    """`target_log_probs` of `[B, G]` queries under `params` (one forward pass over all)."""
+    flat = jax.tree.map(lambda x: x.reshape(-1, x.shape[-1]), queries)
+    return target_log_probs(params, flat, graphdef=graphdef).reshape(queries["tokens"].shape[:2])
 
 
 def tailpatch_pairs(
@@ -178,28 +189,46 @@ def make_jit_tailpatch(
     leaf split over it by its own shape, as in training; XLA gathers what each layer needs).
 
     The returned function takes `(params, opt_state, proponents [B, T], queries [B, G, Tq],
-    lr_scale)`, places the state in those shardings (a no-op when it already is, e.g. from
-    `load_run(mesh=...)`) and runs the step; B must be a multiple of the mesh's data-parallel
-    size (pad with repeated groups). `opt_cfg`: the low-rank step (`tailpatch_groups`).
+    lr_scale, before [B, G])` (`before`: the queries' unpatched log-probabilities, e.g. from its
+    `.log_probs(params, queries)`, `grouped_log_probs` jitted alike), places the state in those
+    shardings (a no-op when it already is, e.g. from `load_run(mesh=...)`) and runs the step; B
+    must be a multiple of the mesh's data-parallel size (pad with repeated groups). `opt_cfg`:
+    the low-rank step (`tailpatch_groups`).
     """
     rep = sharding_lib.replicated(mesh)
     props = {k: sharding_lib.batch_sharding(mesh, 2) for k in ("tokens", "loss_mask")}
     queries = {k: sharding_lib.batch_sharding(mesh, 3) for k in ("tokens", "loss_mask")}
     out = sharding_lib.batch_sharding(mesh, 2)
 
-    def fn(params, opt_state, proponents, queries, lr_scale):
+    def fn(params, opt_state, proponents, queries, lr_scale, before):
         return tailpatch_groups(
-            params, opt_state, proponents, queries, graphdef=graphdef, opt=opt, lr_scale=lr_scale, opt_cfg=opt_cfg
+            params,
+            opt_state,
+            proponents,
+            queries,
+            graphdef=graphdef,
+            opt=opt,
+            lr_scale=lr_scale,
+            opt_cfg=opt_cfg,
+            before=before,
         )
 
     # None: the state's shardings are those it is placed in below (derived from its shapes).
-    jitted = jax.jit(fn, in_shardings=(None, None, props, queries, rep), out_shardings=out)
+    jitted = jax.jit(fn, in_shardings=(None, None, props, queries, rep, out), out_shardings=out)
+    jit_before = jax.jit(
+        functools.partial(grouped_log_probs, graphdef=graphdef), in_shardings=(None, queries), out_shardings=out
+    )
 
-    def call(params, opt_state, proponents, queries, lr_scale):
-        params, opt_state = jax.device_put((params, opt_state), sharding_lib.fsdp_shardings((params, opt_state), mesh))
-        return jitted(params, opt_state, proponents, queries, lr_scale)
+    def place(params, opt_state):
+        return jax.device_put((params, opt_state), sharding_lib.fsdp_shardings((params, opt_state), mesh))
 
-    call.jitted, call.mesh = jitted, mesh
+    def call(params, opt_state, proponents, queries, lr_scale, before):
+        return jitted(*place(params, opt_state), proponents, queries, lr_scale, before)
+
+    def log_probs(params, queries):
+        return jit_before(place(params, {})[0], queries)
+
+    call.jitted, call.mesh, call.log_probs = jitted, mesh, log_probs
     return call
 
 
@@ -222,7 +251,10 @@ def compile_tailpatch(
 
     lr = jax.ShapeDtypeStruct((), np.float32, sharding=sharding_lib.replicated(mesh))
     props, queries = rows(batch_size, prop_len), rows(batch_size, queries_per_step, query_len)
-    return jit_fn.jitted.lower(*state, props, queries, lr).compile()
+    before = jax.ShapeDtypeStruct(
+        (batch_size, queries_per_step), np.float32, sharding=sharding_lib.batch_sharding(mesh, 2)
+    )
+    return jit_fn.jitted.lower(*state, props, queries, lr, before).compile()
 
 
 def check_fits(jit_fn, params: Any, opt_state: Any, batch_size: int, queries_per_step: int, max_len: int) -> dict:
@@ -317,6 +349,21 @@ def run_pairs(
     """
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
     out = {k: np.zeros((len(pairs),), np.float64) for k in ("log_prob_before", "log_prob_after", "delta_prob")}
+    multi = mesh is not None and mesh.is_multi_process  # a pod: each process places its devices' groups
+
+    def put(rows):
+        return sharding_lib.device_batch(rows, mesh) if multi else jax.tree.map(jnp.asarray, rows)
+
+    # Each query's unpatched log p(target) once (it does not depend on the proponent), in
+    # [batch_size, queries_per_step] blocks of the step's own shapes and shardings.
+    qids = np.unique(pairs[:, 0])
+    before_q = np.zeros((int(qids.max()) + 1 if len(qids) else 0,), np.float32)
+    per = batch_size * queries_per_step
+    for lo in range(0, len(qids), per):
+        ids = qids[lo : lo + per]
+        ids = np.concatenate([ids, np.repeat(ids[-1:], per - len(ids))]).reshape(batch_size, queries_per_step)
+        qs = put({k: query_rows[k][ids] for k in ("tokens", "loss_mask")})
+        before_q[ids.ravel()] = np.asarray(sharding_lib.to_host(jit_fn.log_probs(params, qs))).ravel()
     groups = group_pairs(pairs, queries_per_step)
     done = 0
     for start in range(0, len(groups), batch_size):
@@ -326,12 +373,14 @@ def run_pairs(
         slots = np.asarray([g + [g[0]] * (g_call - len(g)) for g in chunk], np.int64)  # [B, g_call] pair indices
         props = {k: prop_rows[k][pairs[slots[:, 0], 1]] for k in ("tokens", "loss_mask")}
         qs = {k: query_rows[k][pairs[slots, 0]] for k in ("tokens", "loss_mask")}
-        if mesh is not None and mesh.is_multi_process:  # a pod: each process places its devices' groups
-            props, qs = sharding_lib.device_batch(props, mesh), sharding_lib.device_batch(qs, mesh)
+        before = before_q[pairs[slots, 0]]
+        props, qs = put(props), put(qs)
+        if multi:
             lr = sharding_lib.put_global(np.float32(lr_scale), sharding_lib.replicated(mesh))
+            before = sharding_lib.put_global(before, sharding_lib.batch_sharding(mesh, 2))
         else:
-            props, qs, lr = jax.tree.map(jnp.asarray, (props, qs)) + (jnp.float32(lr_scale),)
-        res = sharding_lib.to_host(jit_fn(params, opt_state, props, qs, lr))
+            lr, before = jnp.float32(lr_scale), jnp.asarray(before)
+        res = sharding_lib.to_host(jit_fn(params, opt_state, props, qs, lr, before))
         for k in out:  # the real slots only
             got = np.asarray(res[k], np.float64)
             for b, g in enumerate(real):
