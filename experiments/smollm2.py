@@ -25,7 +25,5 @@ def get_config(arg: str | None = None):
     c.index.chunk_rows = 64
     c.retrieval.read_chunk_rows = 1024
     c.tailpatch.learning_rate = 1e-4  # an import has no schedule to read a final learning rate from
-    c.tailpatch.batch_size = (
-        8  # low-rank step: per proponent its activations and rank-T factors (the dense step held a 135M copy: 2)
-    )
+    c.tailpatch.batch_size = 8  # the low-rank step keeps no 135M parameter copy per proponent
     return c
