@@ -172,7 +172,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.tailpatch = ml_collections.ConfigDict()
     c.tailpatch.top_ks = (1, 3, 5, 10)
     c.tailpatch.learning_rate = -1.0  # < 0: the schedule's value at the final step
-    c.tailpatch.batch_size = 16  # proponents per vmapped step (each holds a parameter copy)
+    c.tailpatch.batch_size = 16  # proponents per vmapped step (the dense step holds a parameter copy each)
     c.tailpatch.queries_per_step = 8  # queries measured under each proponent's step (pairs share it)
     c.tailpatch.max_queries = 0  # tail-patch a seeded subset of this many queries (0 = all); pairs are cached per run
     c.tailpatch.methods = ()  # rows tail-patched (() = every row of eval.methods)

@@ -47,5 +47,5 @@ def get_config(arg: str | None = None):
     c.eval.max_new_tokens = 6  # greedy completion judged by data.is_correct
     c.eval.completion_batch_size = 16
     c.tailpatch.learning_rate = 1e-4  # an import has no schedule to read a final learning rate from
-    c.tailpatch.batch_size = 2  # each pair holds a 135M-parameter copy
+    c.tailpatch.batch_size = 2  # sized for the dense step (a 135M-parameter copy per proponent)
     return c

@@ -26,8 +26,9 @@ KNOBS = {
     "featurize": "config.vectors.batch_size (fewer rows per device), config.mesh.shape with a larger fsdp axis "
     "(e.g. --config.mesh.shape='(1,-1,1)'), config.vectors.path='fast' (the reference path materialises "
     "per-example gradients), config.model.remat=True, config.model.dtype",
-    "tailpatch": "config.tailpatch.batch_size (each pair holds a parameter copy), config.mesh.shape with a larger "
-    "fsdp axis, config.model.remat=True, config.model.dtype",
+    "tailpatch": "config.tailpatch.batch_size (proponents per step; the dense step holds a parameter copy "
+    "each), config.tailpatch.step='lowrank', config.mesh.shape with a larger fsdp axis, "
+    "config.model.remat=True, config.model.dtype",
     "retrieve": "config.retrieval.read_chunk_rows (index rows on the devices at once), "
     "config.retrieval.query_batch_size, config.index.dtype (narrower stored rows)",
 }
