@@ -2,6 +2,7 @@
 same process; and memory. One JSON object per line, one per model.
 
     python -m benchmarks.imported [--models smollm2,tiny_llama] [--batch 8] [--seq_len 64] [--steps 3]
+        [--matmul_dtypes=,bfloat16]   # side by side: float32 operands, then bfloat16 (model.matmul_dtype)
 
 * forward: jitted logits of the batch (`lm.apply`).
 * forward_backward: jitted `value_and_grad` of the training loss (`training.step.loss_fn`) with
@@ -76,11 +77,16 @@ def _load(name: str, max_len: int):
     raise ValueError(f"unknown model {name!r} (smollm2, tiny_llama)")
 
 
-def bench_one(name: str, args) -> dict:
+def bench_one(name: str, args, matmul_dtype: str = "") -> dict:
     t0 = time.perf_counter()
     cfg, params = _load(name, args.seq_len)
+    if matmul_dtype:  # `model.matmul_dtype`: bf16 operands, float32 accumulation (a runtime key)
+        import dataclasses  # noqa: PLC0415
+
+        cfg = dataclasses.replace(cfg, matmul_dtype=matmul_dtype)
     load_s = time.perf_counter() - t0
-    row = {"model": name, "params": model_lib.param_count(params), "load_seconds": round(load_s, 1)}
+    row = {"model": name, "matmul_dtype": matmul_dtype or "float32", "params": model_lib.param_count(params)}
+    row["load_seconds"] = round(load_s, 1)
     row["rss_mib_after_load"] = _rss_mib()
     graphdef, _ = model_lib.abstract_params(cfg)
     b, t = args.batch, args.seq_len
@@ -89,32 +95,50 @@ def bench_one(name: str, args) -> dict:
     vb = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
     row.update({"batch": b, "seq_len": t})
 
-    fwd = jax.jit(lambda p, x: model_lib.apply(graphdef, p, x))
-    fwd_c = fwd.lower(params, vb["tokens"]).compile()
-    row["forward_peak_bytes"] = _peak(fwd_c)
-    row["forward_tokens_per_s"] = b * t / _time(fwd_c, (params, vb["tokens"]), args.steps)
-    row["rss_mib_after_forward"] = _rss_mib()
+    def measured(key, fn):
+        # XLA:CPU runs no bf16 x bf16 GEMM below some size (BUILD_NOTES §13): that step gets an
+        # error field instead of a rate, and the others are still measured
+        try:
+            fn()
+        except jax.errors.JaxRuntimeError as e:
+            row[f"{key}_tokens_per_s"] = None
+            row[f"{key}_error"] = str(e).splitlines()[0][:160]
 
-    fb = jax.jit(jax.value_and_grad(functools.partial(step_lib.loss_fn, graphdef=graphdef), has_aux=True))
-    fb_c = fb.lower(params, batch=vb).compile()
-    row["forward_backward_peak_bytes"] = _peak(fb_c)
-    row["forward_backward_tokens_per_s"] = b * t / _time(lambda p, x: fb_c(p, batch=x), (params, vb), args.steps)
-    row["rss_mib_after_forward_backward"] = _rss_mib()
+    def forward():
+        fwd_c = jax.jit(lambda p, x: model_lib.apply(graphdef, p, x)).lower(params, vb["tokens"]).compile()
+        row["forward_peak_bytes"] = _peak(fwd_c)
+        row["forward_tokens_per_s"] = b * t / _time(fwd_c, (params, vb["tokens"]), args.steps)
+        row["rss_mib_after_forward"] = _rss_mib()
+
+    def forward_backward():
+        fb = jax.jit(jax.value_and_grad(functools.partial(step_lib.loss_fn, graphdef=graphdef), has_aux=True))
+        fb_c = fb.lower(params, batch=vb).compile()
+        row["forward_backward_peak_bytes"] = _peak(fb_c)
+        row["forward_backward_tokens_per_s"] = b * t / _time(lambda p, x: fb_c(p, batch=x), (params, vb), args.steps)
+        row["rss_mib_after_forward_backward"] = _rss_mib()
+
+    measured("forward", forward)
+    measured("forward_backward", forward_backward)
 
     nb = args.num_blocks or NUM_BLOCKS[name]
     vc = vectors.VectorConfig(num_blocks=nb, proj_dim=args.proj_dim, correction=True, path="fast")
     plan = vectors.make_block_plan(params, cfg, vc)
     precond = precond_lib.identity(params, plan.paths)
-    t0 = time.perf_counter()
-    projs = vectors.step_projections(vc, plan, precond)
-    fast_c = vectors.jit_vector_step(graphdef, vc, plan, mesh).lower(params, precond, vb, projs).compile()
-    row["fast_compile_seconds"] = round(time.perf_counter() - t0, 1)
-    row["fast_peak_bytes"] = _peak(fast_c)
-    row["fast_tokens_per_s"] = b * t / _time(fast_c, (params, precond, vb, projs), args.steps)
-    row["rss_mib_after_fast"] = _rss_mib()
+
+    def fast():
+        t0 = time.perf_counter()
+        projs = vectors.step_projections(vc, plan, precond)
+        fast_c = vectors.jit_vector_step(graphdef, vc, plan, mesh).lower(params, precond, vb, projs).compile()
+        row["fast_compile_seconds"] = round(time.perf_counter() - t0, 1)
+        row["fast_peak_bytes"] = _peak(fast_c)
+        row["fast_tokens_per_s"] = b * t / _time(fast_c, (params, precond, vb, projs), args.steps)
+        row["rss_mib_after_fast"] = _rss_mib()
+
+    measured("fast", fast)
     row["d"] = plan.dim
-    row["fast_over_forward_backward"] = row["fast_tokens_per_s"] / row["forward_backward_tokens_per_s"]
-    row["fast_over_forward"] = row["fast_tokens_per_s"] / row["forward_tokens_per_s"]
+    for other in ("forward_backward", "forward"):
+        if row["fast_tokens_per_s"] and row[f"{other}_tokens_per_s"]:
+            row[f"fast_over_{other}"] = row["fast_tokens_per_s"] / row[f"{other}_tokens_per_s"]
     dev = jax.devices()[0]
     row["device"] = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
     row["loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -129,9 +153,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--num_blocks", type=int, default=0, help="0: NUM_BLOCKS of the model")
     parser.add_argument("--proj_dim", type=int, default=16)
+    parser.add_argument(
+        "--matmul_dtypes", default="", help="e.g. ',bfloat16': each model at each (''= float32), then their ratios"
+    )
     args = parser.parse_args()
+    dtypes = args.matmul_dtypes.split(",") if args.matmul_dtypes else [""]
     for name in args.models.split(","):
-        print(json.dumps(bench_one(name, args)), flush=True)
+        rows = [bench_one(name, args, dt) for dt in dtypes]
+        for row in rows:
+            print(json.dumps(row), flush=True)
+        for row in rows[1:]:
+            ratio = {
+                k: round(row[f"{k}_tokens_per_s"] / rows[0][f"{k}_tokens_per_s"], 3)
+                for k in ("forward", "forward_backward", "fast")
+                if row[f"{k}_tokens_per_s"] and rows[0][f"{k}_tokens_per_s"]
+            }
+            print(json.dumps({"model": name, "ratio_to": rows[0]["matmul_dtype"], "of": row["matmul_dtype"], **ratio}))
 
 
 if __name__ == "__main__":
