@@ -24,6 +24,8 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
+from trackstar_jax.retrieval import topk
+
 _N = flags.DEFINE_integer("n", 1_000_000, "Rows.")
 _D = flags.DEFINE_integer("d", 4096, "Row dimension.")
 _Q = flags.DEFINE_list("queries", ["1", "64"], "Query counts.")
@@ -43,18 +45,9 @@ def _time(fn, *args) -> float:
     return statistics.median(ts)
 
 
-def _split3(q):
-    parts, r = [], q.T
-    for _ in range(3):
-        t = r.astype(jnp.bfloat16)
-        parts.append(t)
-        r = r - t.astype(jnp.float32)
-    return jnp.stack(parts, axis=-1).reshape(q.shape[1], -1)  # [d, 3Q]
-
-
 def _dot(q, rows):
     if rows.dtype == jnp.bfloat16:
-        s = lax.dot_general(_split3(q), rows, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(topk._split3(q), rows, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return s.reshape(q.shape[0], 3, rows.shape[0]).sum(axis=1)
     return jnp.dot(q, rows.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -74,18 +67,8 @@ def _topk(s, k):
 
 
 def _topk2(s, k, seg):
-    """Exact: a segment's top-k holds every global top-k member it contains, and ties keep the
-    lower index first at both stages (segments are concatenated in index order)."""
-    nq, n = s.shape
-    pad = -n % seg
-    out = []
-    for x in (s, -s):
-        xp = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(nq, -1, seg)
-        v, i = lax.top_k(xp, k)  # [Q, n/seg, k]
-        i = i + (jnp.arange(xp.shape[1], dtype=jnp.int32) * seg)[None, :, None]
-        v2, p = lax.top_k(v.reshape(nq, -1), k)
-        out.append((v2, jnp.take_along_axis(i.reshape(nq, -1), p, axis=1)))
-    return tuple(out)
+    """The library's two-stage selection (`topk._select`) of the top-k and the bottom-k."""
+    return topk._select(s, k, seg), topk._select(-s, k, seg)
 
 
 def main(argv):
