@@ -1,6 +1,7 @@
 """Prompt templates (paper style / LAMA / subject inside), the train / eval fact split with
 templated statements, and a query set drawn from the eval split only (issue 12)."""
 
+import collections
 import json
 import pathlib
 
@@ -255,6 +256,43 @@ def test_queries_come_from_the_eval_split_only(lama_dir, monkeypatch):
     assert eq.r_eval_queries() == eq.r_eval_prompts
     eq.r_eval_prompts = []
     assert eq.r_eval_queries() == eq.text_queries() and len(eq.r_eval_queries()) == len(eq.queries)
+
+
+def test_the_wrong_fact_cap_completes_each_fact_once(lama_dir, monkeypatch):
+    """With §A.4's cap every candidate is completed once; the selection reports those flags."""
+    from trackstar_jax.evaluation import query_set
+
+    corpus = data.build_corpus(_cfg(lama_dir))
+    settings = config_lib.from_dict(
+        {
+            "data": {"source": "lama", "path": str(lama_dir)},
+            "eval": {"max_per_relation_target": 0, "max_per_relation_target_per_bucket": 0, "max_per_bucket": 10},
+        }
+    )
+    run = _Run(corpus, settings)
+    run.model_cfg = type("M", (), {"max_len": 64})()
+    run.graphdef = run.params = None
+    run.tokenizer = type("T", (), {"encode": lambda self, t: list(range(len(t.split())))})()
+    calls = []
+
+    def predict(*a, **k):  # right on every other fact, by position in this call
+        calls.append([q.fact_id for q in a[-1]])
+        return [f"c{i}" for i in range(len(a[-1]))], [i % 2 == 0 for i in range(len(a[-1]))]
+
+    monkeypatch.setattr(queries, "predict", predict)
+    monkeypatch.setattr(
+        query_set.data_lib,
+        "encode_query",
+        lambda tok, p, t, max_len, query_id=None: {"tokens": [1, 2, 3], "loss_mask": [0, 0, 1]},
+    )
+    eq = query_set.make_eval_queries(run, settings)
+    assert settings.eval.max_incorrect_per_bucket == -1 and len(calls) == 1  # the cap's pass only
+    first = dict(zip(calls[0], range(len(calls[0]))))
+    want = [(f"c{first[q.fact_id]}", first[q.fact_id] % 2 == 0) for q in eq.queries]
+    assert eq.queries and list(zip(eq.completions, eq.correct)) == want
+    # the cap held: at most max(1, round(10 / 10)) = 1 wrong fact per bucket
+    wrong = collections.Counter(q.bucket for q, ok in zip(eq.queries, eq.correct) if not ok)
+    assert wrong and max(wrong.values()) == 1
 
 
 # ---------------------------------------------------------------------------------------

@@ -153,8 +153,8 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
             mentions=mentions,
             bucket_edges=sel.bucket_edges,
         )
-        _, flags = predict(cand)
-        correct_all = {q.fact_id: c for q, c in zip(cand, flags)}
+        done = dict(zip(((q.fact_id, q.prompt) for q in cand), zip(*predict(cand))))
+        correct_all = {fid: ok for (fid, _), (_, ok) in done.items()}
     report = queries_lib.QueryReport(corpus=dict(corpus.info), selection_seed=sel.seed)
     report.dropped_relation_filter = len(corpus.facts) - len(facts) - len(in_train)
     report.dropped_train_split = len(in_train)
@@ -170,7 +170,12 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
         bucket_edges=sel.bucket_edges,
         report=report,
     )
-    completions, correct = predict(qs)
+    # The cap already completed every candidate: the selected prompts are among them, so the
+    # flags that selected a fact are the ones reported (no second pass over the selection).
+    if correct_all is not None and all((q.fact_id, q.prompt) in done for q in qs):
+        completions, correct = [done[q.fact_id, q.prompt][0] for q in qs], [done[q.fact_id, q.prompt][1] for q in qs]
+    else:
+        completions, correct = predict(qs)
     by_fact = {q.fact_id: (c, ok) for q, c, ok in zip(qs, completions, correct)}
     if ev.query_mode == "prediction":
         qs = queries_lib.with_targets(qs, completions, report)
