@@ -287,6 +287,10 @@ def test_the_wrong_fact_cap_completes_each_fact_once(lama_dir, monkeypatch):
     )
     eq = query_set.make_eval_queries(run, settings)
     assert settings.eval.max_incorrect_per_bucket == -1 and len(calls) == 1  # the cap's pass only
+    rep = eq.report.to_dict()
+    assert (
+        rep["num_completed_candidates"] == len(calls[0]) and rep["num_correct_candidates"] == (len(calls[0]) + 1) // 2
+    )
     first = dict(zip(calls[0], range(len(calls[0]))))
     want = [(f"c{first[q.fact_id]}", first[q.fact_id] % 2 == 0) for q in eq.queries]
     assert eq.queries and list(zip(eq.completions, eq.correct)) == want
@@ -388,3 +392,22 @@ def test_smollm2_variant_resolves_to_the_same_table():
     assert s.candidates.passages == t.candidates.passages == "natural"
     assert s.eval.methods == t.eval.methods and s.eval.template_variant == t.eval.template_variant == 0
     assert s.hessian.r_eval_source == "task_prompts"
+
+
+def test_query_budget_counts_what_the_wrong_fact_cap_admits(lama_dir):
+    """benchmarks/query_budget: every fact right = every cap but the wrong-fact one; every fact
+    wrong = at most max(1, round(max_per_bucket / 10)) per bucket."""
+    from benchmarks import query_budget
+
+    settings = config_lib.from_dict(
+        {
+            "data": {"source": "lama", "path": str(lama_dir), "eval_fact_fraction": 0.0},
+            "eval": {"max_per_relation_target": 0, "max_per_relation_target_per_bucket": 0, "max_per_bucket": 20},
+        }
+    )
+    right = query_budget.budget(settings, 0, accuracy=1.0, draws=2)
+    buckets = right["per_bucket_before_wrong_cap"]
+    assert right["facts"] == 36 and right["queries_min"] == right["queries_max"] == sum(buckets.values()) > 0
+    wrong = query_budget.budget(settings, 0, accuracy=0.0, draws=1)
+    assert wrong["max_incorrect_per_bucket"] == 2 and wrong["queries_mean"] == sum(min(n, 2) for n in buckets.values())
+    assert query_budget.budget(settings, 20, accuracy=1.0, draws=1)["sentences"] <= 20

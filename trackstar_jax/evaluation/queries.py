@@ -116,6 +116,10 @@ class QueryReport:
     dropped_incorrect_cap: int = 0
     dropped_max_queries: int = 0
     num_selected: int = 0
+    # the wrong-fact cap completes every candidate fact first: the model's accuracy over all of
+    # them (the selection's own accuracy is biased upward by the cap)
+    num_completed_candidates: int = 0
+    num_correct_candidates: int = 0
     no_evidence_fact_ids: list[str] = dataclasses.field(default_factory=list)
     empty_target_fact_ids: list[str] = dataclasses.field(default_factory=list)
     per_bucket: dict[str, int] = dataclasses.field(default_factory=dict)

@@ -156,6 +156,8 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
         done = dict(zip(((q.fact_id, q.prompt) for q in cand), zip(*predict(cand))))
         correct_all = {fid: ok for (fid, _), (_, ok) in done.items()}
     report = queries_lib.QueryReport(corpus=dict(corpus.info), selection_seed=sel.seed)
+    if correct_all is not None:
+        report.num_completed_candidates, report.num_correct_candidates = len(correct_all), sum(correct_all.values())
     report.dropped_relation_filter = len(corpus.facts) - len(facts) - len(in_train)
     report.dropped_train_split = len(in_train)
     report.num_facts = len(corpus.facts) - len(facts)  # select_facts adds len(facts): the total is the corpus's

@@ -97,7 +97,7 @@ def retrieval_lines(
             query_set=m.name,
             fact_id=q.fact_id,
             relation=q.relation,
-            frequency=q.frequency,
+            fact_frequency=q.frequency,  # the viewer's name for a non-C4 count (`c4_frequency ?? fact_frequency`)
             frequency_bucket=q.bucket,
             has_trex_sentence=q.has_evidence,
             model_completion=eq.completions[qi],
