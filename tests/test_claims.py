@@ -122,3 +122,19 @@ def test_unjudged_claims_are_marked_in_the_markdown():
     assert out[0]["verdict"] == "holds" and out[0]["judged"] is False
     md = claims.markdown(out)
     assert "_holds (reported, not judged)_" in md and "**holds**" not in md
+
+
+def test_the_rerank_row_is_compared_to_trackstar_when_present_reported_not_judged():
+    def recs(values):
+        return [
+            {"query_id": i, "mrr": v, "recall_at_10": v, "tailpatch_at_10": v / 10, "has_evidence": True}
+            for i, v in enumerate(values)
+        ]
+
+    both = {"trackstar": recs([0.0, 0.5] * 20), "trackstar_rerank": recs([1.0, 0.5] * 20)}
+    out = claims.compare(both)  # the default claims: the paper's, then the rerank's
+    assert [(c["better"], c["worse"], c["metric"]) for c in out] == [
+        ("trackstar_rerank", "trackstar", m) for m in ("mrr", "recall_at_10", "tailpatch_at_10")
+    ]
+    assert [c["diff"] for c in out] == pytest.approx([0.5, 0.5, 0.05]) and not any(c["judged"] for c in out)
+    assert claims.compare({"trackstar": both["trackstar"]}) == []  # no rerank row: no comparison

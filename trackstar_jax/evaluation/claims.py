@@ -19,6 +19,9 @@ The orderings (issue 12; §4.3, Table 1):
   (c) BM25 > TrackStar on MRR; TrackStar > BM25 and > T-REx gold on tail-patch@10;
   (d) TRAK's MRR is far below gradient cosine's (paper: 0.001 vs 0.266).
 
+Beyond the paper (issue 39), when the table has the `trackstar_rerank` row: its difference to
+TrackStar on MRR, recall@10 and tail-patch@10 (`rerank_claims`), reported, not judged.
+
 Tail-patch is judged at k = 10, Table 1's column (§4.3, §A.3.2). The same comparisons at
 k = 1 (Table A.2's first column) are still computed and shown, marked as not judged
 (`Claim.judged = False`).
@@ -34,6 +37,7 @@ import numpy as np
 
 from trackstar_jax.evaluation import metrics as metrics_lib
 
+ATTRIBUTION_AND_TAILPATCH = ("mrr", "recall_at_10", "tailpatch_at_10")  # Table 1's judged columns
 FAR_BELOW_RATIO = 0.5  # (d): "far below" = at most half of the other row's mean (paper: 0.001 / 0.266)
 
 
@@ -66,6 +70,11 @@ def paper_claims() -> list[Claim]:
     out += [Claim("c", "trackstar", other, "tailpatch_at_1", judged=False) for other in ("bm25", "trex_gold")]
     out.append(Claim("d", "exp2", "trak", "mrr", "far_below"))
     return out
+
+
+def rerank_claims() -> list[Claim]:
+    """TrackStar with its top 100 reranked exactly vs TrackStar: reported, not judged."""
+    return [Claim("rerank", "trackstar_rerank", "trackstar", m, judged=False) for m in ATTRIBUTION_AND_TAILPATCH]
 
 
 def paired_values(
@@ -150,14 +159,14 @@ def compare(
 
     Args:
       records: `{row name: per-query records}` (`report.query_records`).
-      claims: defaults to `paper_claims()`.
+      claims: defaults to `paper_claims()` and `rerank_claims()`.
       seed: bootstrap seed (the same for every claim, like the rows' own intervals).
 
     Returns:
       JSON-able dicts (claim fields, `n`, `mean_better`, `mean_worse`, `diff`, `diff_ci`, `verdict`).
     """
     out = []
-    for c in paper_claims() if claims is None else claims:
+    for c in paper_claims() + rerank_claims() if claims is None else claims:
         if c.better not in records or c.worse not in records:
             continue
         a, b = paired_values(records[c.better], records[c.worse], c.metric)
