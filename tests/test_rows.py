@@ -82,6 +82,24 @@ def test_a_registered_kind_runs_in_the_evaluation_and_lds(registered, ctx_eq):
     assert res.mean == 1.0 and res.num_queries == len(eq.queries)
 
 
+def test_the_memory_check_asks_each_rows_kind(registered, ctx_eq, monkeypatch):
+    """`evaluation.stage.check_fits` names no kind: a registered kind's `check_fits` is called with
+    its row, the gradient kind checks its featurize step and read chunk, and the tail-patch step
+    is checked once."""
+    from trackstar_jax.evaluation import stage
+
+    _, ctx, _ = ctx_eq
+    seen = []
+    monkeypatch.setitem(
+        rows.ROW_KINDS,
+        "reverse_id",
+        dataclasses.replace(rows.row_kind("reverse_id"), check_fits=lambda m, c: seen.append((m, c)) or {"toy": 1}),
+    )
+    out = stage.check_fits(ctx, [TOY, methods_lib.METHODS["bm25"], methods_lib.METHODS["trackstar"]])
+    assert seen == [(TOY, ctx)]
+    assert sorted(out) == ["featurize:trackstar", "retrieve:trackstar", "tailpatch", "toy"]
+
+
 def test_built_in_kinds_give_their_scores_through_the_interface(ctx_eq):
     """Gold: 1 on the fact's evidence; BM25: its top-k is the top of its own score matrix."""
     _, ctx, eq = ctx_eq

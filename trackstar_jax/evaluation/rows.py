@@ -32,11 +32,14 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import multihost
+from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
+from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk
@@ -173,12 +176,17 @@ class RowKind:
         optional model, with the command that installs it), None when it can.
       gold_attribution: its proponents are the fact's evidence by definition (the gold row):
         the table shows "gold" for its attribution metrics instead of measuring them.
+      check_fits: `(method, ctx) -> {step name: memory.compiled_memory}`: the row's compiled
+        steps checked against device memory before an evaluation does any work (raising
+        `memory.DoesNotFitError` naming the step and its knob); rows with no compiled step of
+        their own check nothing.
     """
 
     name: str
     make: Callable[[baselines_lib.Method, Context], Retriever]
     unavailable: Callable[[], str | None] = lambda: None
     gold_attribution: bool = False
+    check_fits: Callable[[baselines_lib.Method, Context], dict] = lambda m, ctx: {}
 
 
 ROW_KINDS: dict[str, RowKind] = {}
@@ -463,7 +471,34 @@ def _dense_unavailable() -> str | None:
 
 
 # Registration order is the explorer's order of rows: gradient rows, then the text baselines.
-register(RowKind("gradient", lambda m, ctx: GradientRetriever(ctx, m)))
+def _gradient_fits(m: baselines_lib.Method, ctx: Context) -> dict:
+    """The gradient row's featurize step (`vectors.batch_size` rows of `model.max_len` tokens, on
+    the mesh `build_index` uses, whose compile it then reuses) and its retrieval read chunk
+    (`retrieval.read_chunk_rows`, one query batch, `eval.num_proponents` candidates)."""
+    run, settings = ctx.run, ctx.settings
+    index_mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())  # as build_index's
+    score_mesh = index_mesh if multihost.is_multiprocess() else ctx.mesh  # as retrieve_queries'
+    ms = method_settings(settings, m)
+    vec_fn = vectors_lib.make_vector_fn(
+        run.graphdef, run.model_cfg, ms.vectors, run.params, run.opt_state, mesh=index_mesh, role="index"
+    )
+    qbs = settings.retrieval.query_batch_size
+    return {
+        f"featurize:{m.name}": vec_fn.check_fits(run.params),
+        f"retrieve:{m.name}": topk.check_fits(
+            qbs,
+            vec_fn.dim,
+            store_lib.NP_DTYPES[ms.index.dtype],
+            settings.eval.num_proponents,
+            settings.retrieval.read_chunk_rows,
+            score_mesh,
+            num_rows=len(run.corpus.examples),
+            query_batch_size=qbs,
+        ),
+    }
+
+
+register(RowKind("gradient", lambda m, ctx: GradientRetriever(ctx, m), check_fits=_gradient_fits))
 register(RowKind("bm25", _bm25))
 register(RowKind("dense", _dense, unavailable=_dense_unavailable))
 register(RowKind("gold", lambda m, ctx: GoldRetriever(ctx), gold_attribution=True))

@@ -34,10 +34,7 @@ from trackstar_jax.evaluation import plots as plots_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
-from trackstar_jax.features import vectors as vectors_lib
-from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.retrieval import topk
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import step as step_lib
@@ -138,7 +135,7 @@ def tailpatch_all(
         query_rows = data_lib.pad_batch(
             eq.encoded, list(range(len(eq.encoded))), len(eq.encoded), max(len(t) for t, _ in eq.encoded)
         )
-        bs, g = pair_batch_size(settings, mesh), tp.queries_per_step
+        bs, g = tailpatch_lib.pair_batch_size(settings.tailpatch.batch_size, mesh), tp.queries_per_step
         fn = tailpatch_lib.make_jit_tailpatch(
             mesh,
             graphdef=run.graphdef,
@@ -231,46 +228,19 @@ def finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | Non
     return table
 
 
-def pair_batch_size(settings: config_lib.Settings, mesh: jax.sharding.Mesh) -> int:
-    """Tail-patch proponents per step: `tailpatch.batch_size` rounded up to the data-parallel size."""
-    dp = sharding_lib.data_parallel_size(mesh)
-    return -(-settings.tailpatch.batch_size // dp) * dp
-
-
 def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> dict:
     """Refuses (`memory.DoesNotFitError`, naming the step and its knob) an evaluation whose steps
-    cannot fit in device memory, before any work: for every gradient row, its featurize step
-    (`vectors.batch_size` rows of `model.max_len` tokens, on the mesh `build_index` uses, whose
-    compile it then reuses) and its retrieval read chunk (`retrieval.read_chunk_rows`, one
-    query batch, `eval.num_proponents` candidates); then the tail-patch step
-    (`tailpatch.batch_size` proponents, each with `tailpatch.queries_per_step` queries, all of
-    `model.max_len` tokens).
+    cannot fit in device memory, before any work: each row's own compiled steps (its kind's
+    `RowKind.check_fits`: a gradient row's featurize step and retrieval read chunk), then the
+    tail-patch step (`tailpatch.batch_size` proponents, each with `tailpatch.queries_per_step`
+    queries, all of `model.max_len` tokens).
 
     Returns:
       `{step name: memory.compiled_memory}` of what was checked.
     """
     run, settings, out = ctx.run, ctx.settings, {}
-    index_mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())  # as build_index's
-    score_mesh = index_mesh if multihost.is_multiprocess() else ctx.mesh  # as retrieve_queries'
     for m in methods:
-        if m.kind != "gradient":
-            continue
-        ms = rows_lib.method_settings(settings, m)
-        vec_fn = vectors_lib.make_vector_fn(
-            run.graphdef, run.model_cfg, ms.vectors, run.params, run.opt_state, mesh=index_mesh, role="index"
-        )
-        out[f"featurize:{m.name}"] = vec_fn.check_fits(run.params)
-        qbs = settings.retrieval.query_batch_size
-        out[f"retrieve:{m.name}"] = topk.check_fits(
-            qbs,
-            vec_fn.dim,
-            store_lib.NP_DTYPES[ms.index.dtype],
-            settings.eval.num_proponents,
-            settings.retrieval.read_chunk_rows,
-            score_mesh,
-            num_rows=len(run.corpus.examples),
-            query_batch_size=qbs,
-        )
+        out.update(rows_lib.row_kind(m.kind).check_fits(m, ctx))
     opt_cfg = run.settings.train.optimizer
     fn = tailpatch_lib.make_jit_tailpatch(
         ctx.mesh,
@@ -278,7 +248,7 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
         opt=step_lib.make_optimizer(opt_cfg),
         opt_cfg=opt_cfg if settings.tailpatch.step == "lowrank" else None,
     )
-    bs = pair_batch_size(settings, ctx.mesh)
+    bs = tailpatch_lib.pair_batch_size(settings.tailpatch.batch_size, ctx.mesh)
     g = settings.tailpatch.queries_per_step
     out["tailpatch"] = tailpatch_lib.check_fits(fn, run.params, run.opt_state, bs, g, run.model_cfg.max_len)
     return out
