@@ -108,8 +108,7 @@ def tailpatch_step_memory(settings: config_lib.Settings, mesh: jax.sharding.Mesh
     queries, all of `model.max_len` tokens."""
     opt = step_lib.make_optimizer(settings.train.optimizer)
     graphdef, target = checkpoint_lib.abstract_state(settings.model, opt, mesh)
-    dp = sharding_lib.data_parallel_size(mesh)
-    bs = -(-settings.tailpatch.batch_size // dp) * dp
+    bs = tailpatch_lib.pair_batch_size(settings.tailpatch.batch_size, mesh)
     lowrank = settings.train.optimizer if settings.tailpatch.step == "lowrank" else None
     fn = tailpatch_lib.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt, opt_cfg=lowrank)
     n = settings.model.max_len

@@ -273,6 +273,13 @@ def check_fits(jit_fn, params: Any, opt_state: Any, batch_size: int, queries_per
     return mem
 
 
+def pair_batch_size(batch_size: int, mesh: jax.sharding.Mesh) -> int:
+    """Proponents per jitted step: `tailpatch.batch_size` rounded up to the data-parallel size
+    (the step splits them over `(data, fsdp)`)."""
+    dp = sharding_lib.data_parallel_size(mesh)
+    return -(-batch_size // dp) * dp
+
+
 def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_rate: float) -> float:
     """Factor that turns the schedule's step-`step` learning rate into `learning_rate`.
 
