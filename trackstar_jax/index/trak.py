@@ -26,6 +26,7 @@ from trackstar_jax.features import grads as grads_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import logs
 
 Q_FILE = "trak_q.npy"  # in <index>/scoring/, keyed by the index's manifest fingerprint
 
@@ -43,7 +44,10 @@ def mean_probs(run: checkpoint_lib.Run, texts: list[str], batch_size: int = 32) 
     """
     out = np.zeros(len(texts), np.float32)
     max_len = run.model_cfg.max_len
-    for lo in range(0, len(texts), batch_size):
+    # one forward per candidate: minutes for a 135M model over a few thousand passages
+    for lo in logs.progress(
+        range(0, len(texts), batch_size), total=-(-len(texts) // batch_size), desc="TRAK Q = 1 - p̄", unit="batch"
+    ):
         hi = min(lo + batch_size, len(texts))
         items, _ = data_lib.encode_passages(run.tokenizer, texts[lo:hi], max_len)
         seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)

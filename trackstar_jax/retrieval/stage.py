@@ -305,7 +305,12 @@ def retrieve_queries(
             zip(
                 *(
                     rerank_lib.rerank(scorer, encoded_pairs, cand, scores, rerank_lib.encode_rows(run, cand), k)
-                    for encoded_pairs, cand, scores in zip(_pairs(encoded), res.top_ids, res.top_scores)
+                    for encoded_pairs, cand, scores in logs.progress(
+                        zip(_pairs(encoded), res.top_ids, res.top_scores),
+                        total=len(queries),
+                        desc=f"rerank top {k_index}",
+                        unit="query",
+                    )
                 )
             ),
         )
