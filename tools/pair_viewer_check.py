@@ -11,6 +11,9 @@ viewer's `app.ts`), and this prints one JSON report:
   each file, against the number of lines in it;
 - `shown`: whether the selected example's prompt and each of its proponents' text (both files in
   side-by-side mode) appear in the rendered page (text collected through the shadow roots);
+- `viewer_metrics` / `our_metrics`: the recall@10, precision@10 and MRR the viewer computes over
+  the main file (its `metrics.ts`) and ours (`evaluation.metrics.ground_truth_metrics`) on the
+  same lines, to the viewer's 3 decimals;
 - `errors`: SEVERE console entries other than failed font downloads (the machine is offline).
 
     python tools/pair_viewer_check.py --viewer=<checkout>/docs/demo \\
@@ -36,6 +39,8 @@ import tempfile
 import threading
 import time
 
+from trackstar_jax.evaluation import metrics
+
 # All text of the page, through open shadow roots (the viewer is lit elements).
 DEEP_TEXT_JS = """
 function walk(n, out) {
@@ -51,10 +56,14 @@ def _norm(text: str) -> str:
     return " ".join(text.split())
 
 
+class _Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # one JSON report on stdout, no access log
+        pass
+
+
 @contextlib.contextmanager
 def _serve(root: pathlib.Path):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
-    handler.log_message = lambda *a, **k: None
+    handler = functools.partial(_Quiet, directory=str(root))
     with socketserver.ThreadingTCPServer(("127.0.0.1", 0), handler) as httpd:
         threading.Thread(target=httpd.serve_forever, daemon=True).start()
         try:
@@ -114,6 +123,19 @@ def check(viewer: pathlib.Path, jsonl: pathlib.Path, sxs: pathlib.Path | None, e
         }
         for name, recs in lines.items()
     }
+    # The viewer's own metrics (its metrics.ts, over all examples of the main file) against ours
+    # (`evaluation.metrics.ground_truth_metrics`, a port of it) on the same lines.
+    shown_metrics = {
+        name: float(m.group(1))
+        for name in ("recall@10", "precision@10", "mrr_first")
+        if (m := re.search(rf"{re.escape(name)}\s+([0-9.]+)", text))
+    }
+    recs = [r for r in lines["main.jsonl"] if "proponent_correct" in r]
+    ours = [metrics.ground_truth_metrics(r["proponent_correct"]) for r in recs]
+    our_metrics = {
+        name: round(sum(o[key] for o in ours) / max(len(ours), 1), 3)
+        for name, key in (("recall@10", "recall_at_10"), ("precision@10", "precision_at_10"), ("mrr_first", "mrr"))
+    }
     errors = [
         e["message"]
         for e in logs
@@ -123,8 +145,17 @@ def check(viewer: pathlib.Path, jsonl: pathlib.Path, sxs: pathlib.Path | None, e
         all(v["viewer"] == v["lines"] for v in parsed.values())
         and all(s["prompt"] and s["proponents"] == s["of"] for s in shown.values())
         and not errors
+        and all(abs(shown_metrics.get(k, -1.0) - v) <= 0.0015 for k, v in our_metrics.items())
     )
-    return {"ok": ok, "parsed": parsed, "shown": shown, "errors": errors, "example_id": example_id}
+    return {
+        "ok": ok,
+        "parsed": parsed,
+        "shown": shown,
+        "viewer_metrics": shown_metrics,
+        "our_metrics": our_metrics,
+        "errors": errors,
+        "example_id": example_id,
+    }
 
 
 def main(argv=None) -> int:
