@@ -62,6 +62,7 @@ import numpy as np
 from benchmarks import device_peaks
 from trackstar_jax import config as config_lib
 from trackstar_jax import plan as plan_lib
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import grads, vectors
@@ -395,9 +396,8 @@ def rank_one_gap(workdir: str, rows: int, batch: int, d: int) -> dict:
     """Fast path (rank-one V) vs exact reference (element-wise V) on a trained run's corpus rows."""
     from trackstar_jax import data as data
     from trackstar_jax.features import factored, preconditioner
-    from trackstar_jax.training import checkpoint
 
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     cfg = run.model_cfg
     nb = _num_blocks(d, int(run.config.vectors.num_blocks), cfg.num_layers)
     vc = vectors.VectorConfig(num_blocks=nb, proj_dim=vectors.projection_dim_for(d, nb))

@@ -35,7 +35,7 @@ from ml_collections import config_flags
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax import data as data_pkg
-from trackstar_jax import index, training
+from trackstar_jax import index, stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import metrics, queries
@@ -104,7 +104,7 @@ def main(argv):
     config, workdir = _CONFIG.value, pathlib.Path(_WORKDIR.value)
     if not (workdir / checkpoint.CHECKPOINT_DIR).is_dir():
         t0 = time.perf_counter()
-        training.train(config_lib.from_configdict(config), workdir)
+        stages.train(config_lib.from_configdict(config), workdir)
         _emit(
             {
                 "kind": "train",
@@ -114,7 +114,7 @@ def main(argv):
             }
         )
     mesh = sharding.make_mesh(tuple(config.mesh.shape))
-    run = checkpoint.load_run(workdir, mesh=mesh)
+    run = stages.load_run(workdir, mesh=mesh)
     vec_cfg = config_lib.from_configdict(config).vectors
     vec_fn = vectors.make_vector_fn(
         run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=mesh, role="index"

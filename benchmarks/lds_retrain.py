@@ -17,9 +17,9 @@ import time
 import jax
 
 from trackstar_jax import config as config_lib
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import lds, retrain
-from trackstar_jax.training import checkpoint
 
 
 def _settings(path: str) -> config_lib.Settings:
@@ -38,7 +38,7 @@ def main() -> None:
     args = ap.parse_args()
     settings = _settings(args.config)
     mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    run = checkpoint.load_run(args.workdir, mesh=mesh)
+    run = stages.load_run(args.workdir, mesh=mesh)
     ks = [int(k) for k in args.ks.split(",")]
     n = len(run.corpus.examples)
     masks = [lds.draw_subset(n, settings.validate.fraction, settings.validate.seed, i) for i in range(max(ks + [1]))]

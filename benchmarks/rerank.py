@@ -39,11 +39,10 @@ def main(argv=None) -> None:
 
     from experiments import tiny
     from trackstar_jax import config as config_lib
-    from trackstar_jax import stages, training
+    from trackstar_jax import stages
     from trackstar_jax.evaluation import query_set
     from trackstar_jax.retrieval import rerank
     from trackstar_jax.retrieval import stage as retrieval_stage
-    from trackstar_jax.training import checkpoint
 
     c = tiny.get_config()
     c.data.embedded.num_distractors = args.num_distractors
@@ -53,9 +52,9 @@ def main(argv=None) -> None:
     wd = pathlib.Path(args.workdir)
     t0 = time.perf_counter()
     if not (wd / "config.json").exists():
-        training.train(settings, wd)
+        stages.train(settings, wd)
     train_s = time.perf_counter() - t0
-    run = checkpoint.load_run(wd)
+    run = stages.load_run(wd)
     n = len(run.corpus.examples)
     eq = query_set.make_eval_queries(run, settings)
     queries = eq.text_queries()[: args.num_queries]

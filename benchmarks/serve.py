@@ -32,7 +32,7 @@ _METHODS = flags.DEFINE_list("methods", ["trackstar", "exp5", "bm25"], "Methods 
 def _tiny_run(workdir):
     from experiments import tiny
     from trackstar_jax import config as config_lib
-    from trackstar_jax import stages, training
+    from trackstar_jax import stages
 
     c = tiny.get_config()
     c.data.embedded.num_facts, c.data.embedded.num_distractors = 12, 30
@@ -40,7 +40,7 @@ def _tiny_run(workdir):
     c.train.log_every_steps = c.train.eval_every_steps = c.train.checkpoint_every_steps = 60
     c.train.num_completions, c.train.max_new_tokens = 0, 2  # as tests/test_serve.py
     settings = config_lib.from_configdict(c)
-    training.train(settings, workdir)
+    stages.train(settings, workdir)
     stages.build_index(settings, workdir)
     return settings
 
@@ -50,8 +50,8 @@ def main(argv):
     from starlette.testclient import TestClient
 
     from trackstar_jax import config as config_lib
+    from trackstar_jax import stages
     from trackstar_jax.serving import app as app_lib
-    from trackstar_jax.serving import engine as engine_lib
 
     if _WORKDIR.value:
         workdir = _WORKDIR.value
@@ -62,7 +62,7 @@ def main(argv):
         workdir = tempfile.mkdtemp(prefix="serve_bench_")
         settings = _tiny_run(workdir)
     t_start = time.perf_counter()
-    engine = engine_lib.Engine(settings, workdir, dense=False)
+    engine = stages.open_engine(settings, workdir, dense=False)
     start_s = time.perf_counter() - t_start  # load run + indices + scoring (incl. R_eval of mixed rows)
     client = TestClient(app_lib.make_app(engine), base_url="http://127.0.0.1")  # a loopback Host (the guard)
     texts = engine.run.corpus.texts

@@ -30,10 +30,11 @@ import numpy as np
 
 from benchmarks import featurize as featurize_bench
 from trackstar_jax import config as config_lib
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import tailpatch
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.training import checkpoint, loop
+from trackstar_jax.training import loop
 from trackstar_jax.training import step as step_lib
 
 _STATES: dict = {}
@@ -48,10 +49,10 @@ def _state(name: str, batch: int, prop_len: int):
         return _STATES[key]
     mesh = sharding.make_mesh()
     if name.startswith("run:"):
-        run = checkpoint.load_run(name[4:], mesh=mesh)
+        run = stages.load_run(name[4:], mesh=mesh)
         out = (
             run.model_cfg,
-            run.settings.train.optimizer,
+            run.optimizer,
             run.graphdef,
             step_lib.TrainState(run.step, run.params, run.opt_state),
         )

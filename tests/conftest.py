@@ -148,7 +148,7 @@ def tiny_run(tmp_path_factory):
     """`tiny_run(config) -> workdir`: the one place tests train a run. Runs are cached per
     config for the whole session, so modules asking for the same run share it."""
     from trackstar_jax import config as config_lib
-    from trackstar_jax import training
+    from trackstar_jax import stages
 
     runs: dict[str, pathlib.Path] = {}
 
@@ -157,7 +157,7 @@ def tiny_run(tmp_path_factory):
         key = repr(config_lib.to_dict(settings))
         if key not in runs:
             workdir = tmp_path_factory.mktemp("run")
-            training.train(settings, workdir)
+            stages.train(settings, workdir)
             runs[key] = workdir
         return runs[key]
 

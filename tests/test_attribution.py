@@ -27,7 +27,6 @@ from trackstar_jax.index import hessian
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import attribution, rerank
 from trackstar_jax.retrieval import stage as retrieval_stage
-from trackstar_jax.training import checkpoint
 
 GRADIENT_ROWS = [n for n, m in methods_lib.METHODS.items() if m.kind == "gradient" and not m.rerank_k]
 # The fixed-λ TrackStar rows differ from "trackstar" only in λ, which `_settings` fixes for all
@@ -70,7 +69,7 @@ def test_token_scores_sum_to_the_retrieval_score(run_dir, name, num_devices):
     settings = _settings(c, name, token_scores=True)
     mesh = sharding.make_mesh(devices=jax.devices()[:num_devices])
     stages.build_index(settings, workdir)
-    run = checkpoint.load_run(workdir, mesh=mesh)
+    run = stages.load_run(workdir, mesh=mesh)
     recs, info = retrieval_stage.retrieve_queries(run, settings, workdir, QUERIES, mesh=mesh, k=3)
     assert info["token_scores_seconds"] >= 0
     for r in recs:
@@ -115,7 +114,7 @@ def _per_token_reference(params, graphdef, plan, correction, tokens, mask, seed)
 @pytest.mark.parametrize("path", vectors_lib.PATHS)
 def test_token_vectors_and_shares_match_a_per_token_reference(run_dir, path):
     c, workdir = run_dir
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     vec_cfg = dataclasses.replace(config_lib.from_configdict(c).vectors, path=path, exact_v=True)
     fn = vectors_lib.make_vector_fn(run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, role="index")
     prop = rerank.encode_rows(run, [0])[0]
@@ -159,7 +158,7 @@ def _query_pair(run):
 
 def test_token_strings_read_as_the_text(run_dir):
     _, workdir = run_dir
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     for i in range(5):
         tokens, mask = rerank.encode_rows(run, [i])[0]
         s = attribution.token_strings(run.tokenizer, tokens, attribution.target_positions(mask))
@@ -203,7 +202,7 @@ def _exact_reference(run, vec_cfg, query, rows, unit_norm):
 @pytest.mark.parametrize("unit_norm", [True, False])
 def test_exact_scorer_matches_a_float64_reference(run_dir, unit_norm):
     c, workdir = run_dir
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     vec_cfg = config_lib.from_configdict(c).vectors
     scorer = rerank.ExactScorer(run.graphdef, run.model_cfg, run.params, run.opt_state, vec_cfg, unit_norm)
     rows = rerank.encode_rows(run, range(20))  # more than one batch of 16
@@ -214,7 +213,7 @@ def test_exact_scorer_matches_a_float64_reference(run_dir, unit_norm):
 
 def test_rerank_of_every_row_is_the_exact_ranking(run_dir):
     c, workdir = run_dir
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     n = len(run.corpus.examples)
     base = _settings(c, "trackstar_l090")
     stages.build_index(base, workdir)

@@ -40,7 +40,7 @@ def f32_index(run_dir):
 
 def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
     c, summary = f32_index
-    run = checkpoint.load_run(run_dir)
+    run = stages.load_run(run_dir)
     n = len(run.corpus.examples)
     assert summary["rows"] == summary["rows_written"] == n and summary["complete"]
     assert summary["tokens"] > n and 0 <= summary["write_fraction"] < 1
@@ -71,7 +71,7 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
 
 def test_manifest_identifies_the_run(run_dir, f32_index):
     c, _ = f32_index
-    run = checkpoint.load_run(run_dir)
+    run = stages.load_run(run_dir)
     m = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir)).manifest
     assert m["model"]["checkpoint_step"] == 3
     assert m["model"]["fingerprint"] == index.tree_fingerprint({"params": run.params, "opt_state": run.opt_state})
@@ -199,7 +199,7 @@ def test_a_stage_may_set_remat_on_a_run_made_without_it(run_dir):
     the same vectors and leaves the index identity as it was."""
     settings = config_lib.from_configdict(_config())
     remat = settings.replace({"model.remat": True})
-    plain, rem = checkpoint.load_run(run_dir), checkpoint.load_run(run_dir, runtime=remat)
+    plain, rem = stages.load_run(run_dir), stages.load_run(run_dir, runtime=remat)
     assert not plain.model_cfg.remat and rem.model_cfg.remat
     assert build.expected_identity(rem, remat, 256) == build.expected_identity(plain, settings, 256)
     tokens = np.random.default_rng(0).integers(4, 100, (8, 16)).astype(np.int32)  # one row per fake device
@@ -217,7 +217,7 @@ def test_a_stage_may_set_matmul_dtype_and_an_index_is_not_resumed_across_it(run_
     by a bf16 build (the rows' bits differ), and the refusal names the key."""
     c, _ = f32_index
     settings = config_lib.from_configdict(c).replace({"model.matmul_dtype": "bfloat16"})
-    run = checkpoint.load_run(run_dir, runtime=settings)
+    run = stages.load_run(run_dir, runtime=settings)
     assert run.model_cfg.matmul_dtype == "bfloat16"
     assert "matmul_dtype" not in build.expected_identity(run, settings, 256)["model"]["config"]
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'featurizer.matmul_dtype'"):

@@ -205,7 +205,7 @@ class _Run:
     """What `query_set.make_eval_queries` reads from a run, with a model that answers "Paris"."""
 
     def __init__(self, corpus, settings):
-        self.corpus, self.settings = corpus, settings
+        self.corpus, self.data = corpus, settings.data
 
 
 def test_queries_come_from_the_eval_split_only(lama_dir, monkeypatch):
@@ -338,10 +338,9 @@ def _any_relations_config(lama_dir, relations):
 
 @pytest.mark.slow
 def test_trex_table1_runs_on_another_relation_set(lama_dir, tmp_path, compile_cache):
-    from trackstar_jax import training
 
     settings = config_lib.from_configdict(_any_relations_config(lama_dir, "P19,P103"))
-    training.train(settings, tmp_path / "run")
+    stages.train(settings, tmp_path / "run")
     table = stages.evaluate(settings, tmp_path / "run")
     split = table["query_report"]["corpus"]["fact_split"]
     assert table["num_queries"] == split["num_eval_facts"] > 0  # every eval fact, no train fact
@@ -359,14 +358,13 @@ def test_trex_table1_runs_on_another_relation_set(lama_dir, tmp_path, compile_ca
 
 
 def test_a_relation_without_templates_is_named(lama_dir, tmp_path):
-    from trackstar_jax import training
 
     (lama_dir / "TREx" / "P7777.jsonl").write_text(
         (lama_dir / "TREx" / "P103.jsonl").read_text().replace("P103", "P7777")
     )
     settings = config_lib.from_configdict(_any_relations_config(lama_dir, "P19,P7777"))
     with pytest.raises(ValueError, match=r"relation 'P7777' has no prompt template.*config.data.templates_file"):
-        training.train(settings, tmp_path / "run")
+        stages.train(settings, tmp_path / "run")
     user = tmp_path / "mine.jsonl"
     user.write_text(
         json.dumps(

@@ -25,7 +25,7 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
-from trackstar_jax import files, stages, training
+from trackstar_jax import files, stages
 from trackstar_jax import index as index_lib
 from trackstar_jax.evaluation import results as results_lib
 from trackstar_jax.index import store
@@ -73,7 +73,7 @@ def _write_queries(path: pathlib.Path, rows: list) -> pathlib.Path:
 def run_dir(tmp_path_factory):
     """Trained, indexed (bfloat16, chunks of 4 rows) and retrieved once (scoring cache written)."""
     workdir = tmp_path_factory.mktemp("run")
-    training.train(_settings(), workdir)
+    stages.train(_settings(), workdir)
     stages.build_index(_settings(), workdir)
     q = _write_queries(workdir / "queries.jsonl", QUERIES)
     stages.retrieve(_settings(**{"retrieval.queries": str(q)}), workdir)
@@ -120,10 +120,10 @@ def _snapshot(workdir: pathlib.Path) -> dict:
 
 def test_finished_train_rerun_writes_nothing_and_refuses_a_changed_run(work):
     before = _snapshot(work)
-    training.train(_settings(**{"vectors.proj_seed": 5}), work)  # a later stage's key: kept as recorded, logged
+    stages.train(_settings(**{"vectors.proj_seed": 5}), work)  # a later stage's key: kept as recorded, logged
     assert _snapshot(work) == before
     with pytest.raises(config_lib.ConfigError, match=r"model\.embed_dim: saved \d+, now 48"):
-        training.train(_settings(**{"model.embed_dim": 48}), work)
+        stages.train(_settings(**{"model.embed_dim": 48}), work)
 
 
 # ---------------------------------------------------------------------------------------
@@ -140,11 +140,11 @@ def test_damaged_config_json(work):
     assert lr in text
     cfg.write_text(text.replace(lr, lr.replace("0.01", "0.03")))
     with pytest.raises(ValueError, match=r"train\.learning_rate: saved 0\.01, now 0\.03"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
     cfg.write_text(text)
     _truncate(cfg)
     with pytest.raises(config_lib.ConfigError, match=r"config\.json is not valid JSON"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
 
 
 def test_damaged_index_manifest(work):
@@ -190,13 +190,13 @@ def test_damaged_corpus(work):
     letter = next(i for i in range(start, len(text)) if chr(text[i]).isalpha())
     _flip(ex, offset=letter, bit=5)  # a letter of a passage changes case: still valid JSON
     with pytest.raises(files.InputError, match=r"corpus at .* was modified"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
     ex.write_bytes(text[: len(text) // 2])
     with pytest.raises(files.InputError, match=rf"{ex}:\d+: not valid JSON"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
     ex.write_bytes(text.replace(b'"text": "', b'"text": "\xff', 1))
     with pytest.raises(files.InputError, match=rf"{ex}:1: not valid UTF-8"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
 
 
 def test_damaged_evaluation_retrievals(tmp_path):
@@ -290,7 +290,7 @@ def test_a_checkpoint_the_disk_cannot_hold_is_refused_before_writing(work, monke
     with pytest.raises(
         files.WriteError, match=rf"cannot write checkpoint {work / 'checkpoints' / str(step + 1)}: the disk is full"
     ):
-        mngr.save(state.replace(step=jnp.asarray(step + 1, jnp.int32)), s)
+        mngr.save(state.replace(step=jnp.asarray(step + 1, jnp.int32)), config_lib.to_dict(s))
     mngr.close()
     assert sorted(p.name for p in (work / "checkpoints").iterdir()) == before
 
@@ -312,7 +312,7 @@ def test_nan_checkpoint_is_neither_saved_nor_resumed(work):
     (path,) = [p.removeprefix("params/") for p in checkpoint.nonfinite_leaves({"params": bad})]
     nan_state = state.replace(params=bad, step=jnp.asarray(step + 1, jnp.int32))
     with pytest.raises(FloatingPointError, match=rf"refusing to save step {step + 1}.*params/{path}"):
-        mngr.save(nan_state, s)
+        mngr.save(nan_state, config_lib.to_dict(s))
     # Written past the check (as a crashed older version might have): never resumed.
     mngr._mngr.save(
         step + 1,
@@ -322,9 +322,9 @@ def test_nan_checkpoint_is_neither_saved_nor_resumed(work):
     )
     mngr.close()
     with pytest.raises(FloatingPointError, match=rf"checkpoint .*/{step + 1} holds non-finite values in params/{path}"):
-        training.train(_settings(**{"train.num_steps": step + 3}), work)
+        stages.train(_settings(**{"train.num_steps": step + 3}), work)
     with pytest.raises(FloatingPointError, match=r"non-finite"):
-        checkpoint.load_run(work)
+        stages.load_run(work)
 
 
 # ---------------------------------------------------------------------------------------
@@ -469,7 +469,6 @@ def _hold_workdir_lock(workdir: pathlib.Path) -> subprocess.Popen:
 
 
 def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_dies(work):
-    from trackstar_jax.training import importer
 
     def files_now():  # the lock file itself names its holder while held
         return {**_snapshot(work), "metrics": (work / "metrics.jsonl").read_bytes(), ".writer-0000.lock": None}
@@ -479,8 +478,8 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
     try:
         busy = rf"{work} is being written by another process \(train, pid {proc.pid} on host"
         writers = {
-            "train": lambda: training.train(_settings(**{"train.num_steps": 6}), work),
-            "import_model": lambda: importer.import_model(_settings(), work),
+            "train": lambda: stages.train(_settings(**{"train.num_steps": 6}), work),
+            "import_model": lambda: stages.import_model(_settings(), work),
             "build_index": lambda: stages.build_index(_settings(**{"index.dir": "index2"}), work),
             "retrieve": lambda: _retrieve(work),
             "evaluate": lambda: stages.evaluate(_settings(**{"eval.methods": ("bm25",)}), work),
@@ -569,9 +568,9 @@ def test_damaged_model_and_tokenizer_files_are_named(tmp_path):
 def test_diverged_first_run_can_be_rerun_as_its_message_says(tmp_path):
     wd = tmp_path / "run"
     with pytest.raises(FloatingPointError, match=r"rerun with a lower --config\.train\.learning_rate") as e:
-        training.train(_settings(**{"train.learning_rate": 1e30}), wd)
+        stages.train(_settings(**{"train.learning_rate": 1e30}), wd)
     assert "holds no checkpoint yet" in str(e.value)
-    assert training.train(_settings(), wd)["step"] == 3  # what the message says works
+    assert stages.train(_settings(), wd)["step"] == 3  # what the message says works
 
 
 def test_query_files_are_checked_like_corpora(tmp_path):

@@ -20,15 +20,14 @@ tokenizers = pytest.importorskip("tokenizers", reason="the imported tokenizer ne
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import data as data_lib  # noqa: E402
 from trackstar_jax import (
-    stages,
-    training,  # noqa: E402
+    stages,  # noqa: E402
 )
 from trackstar_jax.data import hf_tokenizer  # noqa: E402
 from trackstar_jax.index import build, store  # noqa: E402
 from trackstar_jax.models import hf as hf_lib  # noqa: E402
 from trackstar_jax.models import lm  # noqa: E402
 from trackstar_jax.retrieval import stage as retrieval_stage  # noqa: E402
-from trackstar_jax.training import checkpoint, importer  # noqa: E402
+from trackstar_jax.training import checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -98,7 +97,7 @@ def _config(folder):
 def test_import_build_index_retrieve(hf_folder, tmp_path):
     c = _config(hf_folder)
     workdir = tmp_path / "run"
-    summary = importer.import_model(config_lib.from_configdict(c), workdir)
+    summary = stages.import_model(config_lib.from_configdict(c), workdir)
     m = summary["model"]
     assert (m["arch"], m["num_kv_heads"], m["tie_embeddings"], m["norm_eps"], m["source"]) == (
         "llama",
@@ -109,18 +108,18 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     )
     assert summary["second_moment"]["kind"] == "estimated" and summary["second_moment"]["num_examples"] == 24
 
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     assert isinstance(run.tokenizer, hf_tokenizer.HFTokenizer) and run.step == 0
     assert run.opt_state_info["estimate_v_examples"] == 24 and run.opt_state_info["estimate_v_seed"] == 5
     _, want = hf_lib.load_hf(hf_folder, max_len=c.model.max_len)
     for p, x in lm.flat_params(want).items():
         np.testing.assert_array_equal(np.asarray(lm.flat_params(run.params)[p]), x, err_msg=p)
-    assert run.settings.model.arch == "llama" and not (workdir / checkpoint.TOKENIZER_FILE).exists()
+    assert run.model_cfg.arch == "llama" and not (workdir / checkpoint.TOKENIZER_FILE).exists()
 
     # A rerun only reports: same summary, checkpoint untouched.
     ckpt = workdir / checkpoint.CHECKPOINT_DIR
     before = sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*"))
-    assert importer.import_model(config_lib.from_configdict(c), workdir) == summary
+    assert stages.import_model(config_lib.from_configdict(c), workdir) == summary
     assert sorted((p.name, p.stat().st_mtime_ns) for p in ckpt.rglob("*")) == before
 
     # Later stages take the same (unresolved) experiment config.
@@ -153,19 +152,19 @@ def test_refusals(hf_folder, tmp_path):
     c = _config(hf_folder)
     c.model.mlp_dim = 128
     with pytest.raises(config_lib.ConfigError, match=r"model.mlp_dim=128 but the imported model has 256"):
-        importer.import_model(config_lib.from_configdict(c), tmp_path / "a")
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "a")
     c = _config(hf_folder)
     c.model.max_len = 128
     with pytest.raises(config_lib.ConfigError, match=r"model.max_len=128 exceeds the imported model's 64"):
-        importer.import_model(config_lib.from_configdict(c), tmp_path / "b")
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "b")
     with pytest.raises(config_lib.ConfigError, match="launch.import_model"):
-        training.train(config_lib.from_configdict(_config(hf_folder)), tmp_path / "c")
+        stages.train(config_lib.from_configdict(_config(hf_folder)), tmp_path / "c")
     c.model.source = ""
     with pytest.raises(config_lib.ConfigError, match="model.source is empty"):
-        importer.import_model(config_lib.from_configdict(c), tmp_path / "d")
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "d")
     c.model.source = str(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        importer.import_model(config_lib.from_configdict(c), tmp_path / "e")
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "e")
 
     # A tokenizer with more ids (400) than the embedding has rows (300): both sizes named.
     small = tmp_path / "small_vocab"
@@ -181,7 +180,7 @@ def test_refusals(hf_folder, tmp_path):
     c = _config(small)
     c.model.vocab_size, c.model.num_layers = 300, 1
     with pytest.raises(ValueError, match=r"has 400 ids but the model's embedding has 300 rows"):
-        importer.import_model(config_lib.from_configdict(c), tmp_path / "f")
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "f")
     assert not (tmp_path / "f" / "config.json").exists()  # refused before writing anything
 
 
@@ -189,19 +188,19 @@ def test_no_estimate_refuses_the_correction(hf_folder, tmp_path):
     c = _config(hf_folder)
     c.vectors.estimate_v_examples = 0
     workdir = tmp_path / "run"
-    importer.import_model(config_lib.from_configdict(c), workdir)
-    run = checkpoint.load_run(workdir)
+    stages.import_model(config_lib.from_configdict(c), workdir)
+    run = stages.load_run(workdir)
     assert run.opt_state is None and run.opt_state_info["kind"] == "none"
     with pytest.raises(ValueError, match="vectors.correction=False"):
         stages.build_index(config_lib.from_configdict(c), workdir)
     c.vectors.estimate_v_examples = 8  # a different estimate on a finished import is refused, not redone
     with pytest.raises(config_lib.ConfigError, match="estimate_v_examples=8"):
-        importer.import_model(config_lib.from_configdict(c), workdir)
+        stages.import_model(config_lib.from_configdict(c), workdir)
 
 
 @pytest.mark.slow  # ~140 s on the shared 2-core CPU (train + completions + index compiles)
 def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
-    """`training.train` on an import: starts from the imported parameters with a fresh Adafactor,
+    """`stages.train` on an import: starts from the imported parameters with a fresh Adafactor,
     trains on the run's corpus, and the run then has a measured optimizer state."""
     import jax
 
@@ -209,15 +208,15 @@ def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
 
     c = _config(hf_folder)
     workdir = tmp_path / "run"
-    importer.import_model(config_lib.from_configdict(c), workdir)
+    stages.import_model(config_lib.from_configdict(c), workdir)
     c.train.num_steps, c.train.checkpoint_every_steps, c.train.max_checkpoints_to_keep = 2, 1, 5
-    summary = training.train(config_lib.from_configdict(c), workdir)
+    summary = stages.train(config_lib.from_configdict(c), workdir)
     assert summary["step"] == 2 and np.isfinite(summary["train_loss"])
 
     # Step 1 is one train step from the imported parameters with optax's initial state.
-    imported = checkpoint.load_run(workdir, step=0)
-    run1 = checkpoint.load_run(workdir, step=1)
-    settings = run1.settings
+    imported = stages.load_run(workdir, step=0)
+    run1 = stages.load_run(workdir, step=1)
+    settings = config_lib.load_run_settings(workdir)
     opt = step_lib.make_optimizer(settings.train.optimizer)
     state0 = step_lib.TrainState(
         step=jax.numpy.zeros((), jax.numpy.int32), params=imported.params, opt_state=opt.init(imported.params)
@@ -236,7 +235,7 @@ def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
     for p, x in lm.flat_params(want.params).items():
         np.testing.assert_allclose(np.asarray(lm.flat_params(run1.params)[p]), x, rtol=1e-5, atol=1e-6, err_msg=p)
 
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     assert run.step == 2 and run.opt_state is not None
     assert run.opt_state_info["kind"] == "measured" and run.opt_state_info["steps"] == 2
     assert run.opt_state_info["imported"]["kind"] == "estimated"

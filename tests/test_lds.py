@@ -14,10 +14,9 @@ import pytest
 import scipy.stats
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import stages, training
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import lds, retrain
-from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -169,7 +168,7 @@ def planted(tmp_path_factory):
 
     workdir = tmp_path_factory.mktemp("lds_run")
     settings = _planted_settings(tiny.get_config())
-    training.train(settings, workdir)
+    stages.train(settings, workdir)
     first = stages.validate(settings, workdir, subset_counts=(3, M))
     return settings, workdir, first
 
@@ -255,7 +254,7 @@ def test_side_by_side_retraining_equals_one_at_a_time(planted):
     """`retrain_subsets` (vmap over K models) against `retrain_subset` (the training loop), per model."""
     settings, workdir, _ = planted
     mesh = sharding.make_mesh(settings.mesh.shape)
-    run = checkpoint.load_run(workdir, mesh=mesh)
+    run = stages.load_run(workdir, mesh=mesh)
     masks = np.stack([lds.draw_subset(len(run.corpus.examples), 0.5, 9, i) for i in range(3)])
     steps = retrain.SCAN_STEPS + 7  # a full scan chunk and a partial one
     graphdef, stacked = retrain.retrain_subsets(settings, run.corpus, run.tokenizer, masks, steps, mesh)

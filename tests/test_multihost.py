@@ -17,9 +17,8 @@ import pytest
 from test_build_index import _config  # the small run of the index tests (30 facts, 3 steps)
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import index, stages, training
+from trackstar_jax import index, stages
 from trackstar_jax.distributed import multihost
-from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -45,8 +44,8 @@ def two_host_run(tmp_path_factory):
 def test_two_processes_train_like_one(two_host_run, tmp_path):
     workdir, _ = two_host_run
     ref_dir = tmp_path / "one_process"
-    training.train(config_lib.from_configdict(_config()), ref_dir)  # one process, 8 devices
-    two, one = checkpoint.load_run(workdir), checkpoint.load_run(ref_dir)
+    stages.train(config_lib.from_configdict(_config()), ref_dir)  # one process, 8 devices
+    two, one = stages.load_run(workdir), stages.load_run(ref_dir)
     assert two.step == one.step == 3 and two.corpus.fingerprint == one.corpus.fingerprint
     # Same batches and updates; only the all-reduce differs (4 devices over gloo vs 8 in one process).
     jax.tree.map(

@@ -20,7 +20,6 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax import stages
 from trackstar_jax.evaluation import embedding, metrics, report, results, tailpatch
-from trackstar_jax.training import checkpoint
 from trackstar_jax.training import step as train
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -106,14 +105,14 @@ def test_rows_equal_metrics_recomputed_from_retrievals(evaluated):
 def test_stored_tailpatch_equals_a_fresh_step(evaluated):
     workdir, _ = evaluated
     res = results.load_results(workdir)
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     row = res.retrievals["trackstar"][1]
     q = res.queries[1]
     pid = row["proponent_ids"][0]
     query = data.encode_query(run.tokenizer, q.prompt, q.target, run.model_cfg.max_len)
     t, _ = data.encode_example(run.tokenizer, run.corpus.texts[pid], run.model_cfg.max_len)
     prop = {"tokens": t, "loss_mask": np.r_[0, np.ones(len(t) - 1, np.int32)]}
-    opt = train.make_optimizer(run.settings.train.optimizer)
+    opt = train.make_optimizer(run.optimizer)
     fresh = jax.jit(tailpatch.tailpatch_pairs, static_argnames=("graphdef", "opt"))
     got = fresh(
         run.params,

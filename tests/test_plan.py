@@ -11,7 +11,7 @@ import pytest
 from conftest import skip_if_not_enough_devices, tiny_run_config
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import index, plan, stages, training
+from trackstar_jax import index, plan, stages
 from trackstar_jax.distributed import memory, runtime, sharding
 from trackstar_jax.features import vectors
 from trackstar_jax.models import layers
@@ -89,7 +89,7 @@ def test_a_step_that_does_not_fit_is_refused_before_training(tmp_path, monkeypat
     c = tiny_run_config(num_facts=4, num_distractors=4, num_steps=2, chunk_rows=8)
     monkeypatch.setenv(memory.MEMORY_ENV, "100000")  # 100 kB: far below the train step's ~50 MB
     with pytest.raises(memory.DoesNotFitError, match=r"lower config\.train\.global_batch_size .* fsdp axis"):
-        training.train(config_lib.from_configdict(c), tmp_path)
+        stages.train(config_lib.from_configdict(c), tmp_path)
     assert not list(tmp_path.glob("checkpoints/*"))  # no step ran, nothing saved
     monkeypatch.delenv(memory.MEMORY_ENV)
     assert memory.device_memory_limit() is None  # CPU reports no limit of its own

@@ -442,10 +442,8 @@ def trained_run(tiny_run):
 def test_end_to_end_learned_facts_rank_their_passages_first(trained_run):
     import json
 
-    from trackstar_jax.training import checkpoint
-
     c, workdir = trained_run
-    n = len(checkpoint.load_run(workdir).corpus.examples)
+    n = len(stages.load_run(workdir).corpus.examples)
     c.retrieval.top_k = n  # full ranking: every row's rank is known
     man = stages.retrieve(config_lib.from_configdict(c), workdir)  # default query source: the evaluation's fact queries
     recs = [json.loads(line) for line in open(man["output"])]
@@ -508,8 +506,6 @@ def test_retrieve_manifest_says_where_the_time_went(trained_run, monkeypatch):
 
 def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
 
-    from trackstar_jax.training import checkpoint
-
     c, workdir = trained_run
     qfile = tmp_path / "mine.jsonl"
     qfile.write_text("\n")  # an empty query set is refused by name, before the run loads
@@ -525,7 +521,7 @@ def test_pipeline_refusals_and_custom_queries(trained_run, tmp_path):
     with pytest.raises(ValueError, match=r"mine.jsonl:1: expected an object with string fields"):
         stages.retrieve(config_lib.from_configdict(c), workdir)
     # The same checks through the Python API, on one loaded run.
-    run = checkpoint.load_run(workdir)
+    run = stages.load_run(workdir)
     mine = [retrieval_stage.TextQuery("q7", "The", " capital")]
     recs, info = retrieval_stage.retrieve_queries(run, config_lib.from_configdict(c), workdir, mine, k=3)
     assert recs[0]["example_id"] == "q7" and len(recs[0]["proponent_ids"]) == len(recs[0]["opponent_ids"]) == 3

@@ -14,9 +14,9 @@ from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import methods as methods_lib
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import baselines, lds, query_set, rows
-from trackstar_jax.training import checkpoint
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -52,7 +52,7 @@ def ctx_eq(tiny_run):
     config = tiny_run_config(num_facts=12, num_distractors=12, num_steps=3, chunk_rows=32, **{"eval.max_new_tokens": 2})
     settings, workdir = config_lib.from_configdict(config), tiny_run(config)
     mesh = sharding.make_mesh(settings.mesh.shape)
-    run = checkpoint.load_run(workdir, mesh=mesh, runtime=settings)
+    run = stages.load_run(workdir, mesh=mesh, runtime=settings)
     ctx = rows.Context(settings, workdir, run, mesh)
     return settings, ctx, query_set.make_eval_queries(run, settings)
 
@@ -119,7 +119,7 @@ def test_a_registered_kind_is_served_by_the_explorer(registered, ctx_eq):
     from trackstar_jax.serving import engine as engine_lib
 
     settings, ctx, _ = ctx_eq
-    engine = engine_lib.Engine(settings, ctx.workdir, dense=False)  # no index: gradient rows skipped
+    engine = stages.open_engine(settings, ctx.workdir, dense=False)  # no index: gradient rows skipped
     assert engine.methods == ["bm25", "toy"]  # by kind, in registration order
     assert "no index" in engine.skipped["exp1"] and "typed query has no fact" in engine.skipped["trex_gold"]
     (toy,) = [m for m in engine.describe()["methods"] if m["name"] == "toy"]

@@ -27,8 +27,7 @@ from starlette.websockets import WebSocketDisconnect  # noqa: E402
 from trackstar_jax import config as config_lib  # noqa: E402
 from trackstar_jax import (
     evaluation,  # noqa: E402
-    stages,
-    training,  # noqa: E402
+    stages,  # noqa: E402
 )
 from trackstar_jax import methods as methods_lib  # noqa: E402
 from trackstar_jax.evaluation import embedding, rows  # noqa: E402
@@ -40,7 +39,6 @@ from trackstar_jax.serving import (
     browse,  # noqa: E402
     guard,  # noqa: E402
 )
-from trackstar_jax.serving import engine as engine_lib  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -71,7 +69,7 @@ def served(tmp_path_factory, fast_compile):
     """A tiny trained run with its default (TrackStar) index, an engine and a TestClient over it."""
     workdir = tmp_path_factory.mktemp("run")
     settings = config_lib.from_configdict(_config())
-    training.train(settings, workdir)
+    stages.train(settings, workdir)
     stages.build_index(settings, workdir)
     engine = stages.open_engine(settings, workdir, dense=False)  # what launch.serve loads
     return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
@@ -166,7 +164,7 @@ def test_mixed_rows_without_an_r_eval_set_are_not_offered(served, monkeypatch):
         raise ValueError(f"corpus {run.corpus.name} has no facts to query")
 
     monkeypatch.setattr(evaluation.query_set, "make_eval_queries", no_facts)
-    engine2 = engine_lib.Engine(settings, workdir, dense=False)
+    engine2 = stages.open_engine(settings, workdir, dense=False)
     assert engine2.methods == ["exp4", "exp5", "bm25"]
     for name in ("trackstar", "trackstar_l090"):
         assert "has no facts to query" in engine2.skipped[name] and "retrieval.queries" in engine2.skipped[name]
@@ -187,7 +185,7 @@ def test_r_eval_from_the_retrieval_query_file(served, tmp_path):
     path = tmp_path / "task.jsonl"
     path.write_text("".join(json.dumps({"prompt": p, "target": t}) + "\n" for p, t in facts))
     s2 = settings.replace({"retrieval.queries": str(path)})
-    engine2 = engine_lib.Engine(s2, workdir, dense=False)
+    engine2 = stages.open_engine(s2, workdir, dense=False)
     d = {m["name"]: m for m in engine2.describe()["methods"]}
     assert d["trackstar"]["r_eval"]["kind"] == "retrieval_queries" and d["trackstar"]["r_eval"]["num_examples"] == 4
     prompt, target = _fact(engine, 3)
@@ -573,7 +571,7 @@ def evaluated(tiny_run):
     settings = config_lib.from_configdict(_eval_config())
     workdir = tiny_run(_eval_config())
     stages.evaluate(settings, workdir)
-    engine = engine_lib.Engine(settings, workdir, dense=False)
+    engine = stages.open_engine(settings, workdir, dense=False)
     return workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
 

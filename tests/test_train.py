@@ -1,4 +1,4 @@
-"""Stage 1 (training.train): sharded train step, loss decrease, resume, refusals, load_run."""
+"""Stage 1 (stages.train): sharded train step, loss decrease, resume, refusals, load_run."""
 
 import json
 import logging
@@ -11,7 +11,7 @@ from conftest import skip_if_not_enough_devices
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax import training
+from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import generate
@@ -37,8 +37,8 @@ def run(tmp_path_factory):
     from experiments import tiny
 
     workdir = tmp_path_factory.mktemp("run")
-    first = training.train(config_lib.from_configdict(_config(tiny.get_config(), 60)), workdir)
-    summary = training.train(config_lib.from_configdict(_config(tiny.get_config(), 100)), workdir)
+    first = stages.train(config_lib.from_configdict(_config(tiny.get_config(), 60)), workdir)
+    summary = stages.train(config_lib.from_configdict(_config(tiny.get_config(), 100)), workdir)
     return workdir, first, summary
 
 
@@ -119,7 +119,7 @@ def test_rerun_of_a_finished_run_does_not_retrain_or_overwrite(run, tiny_config)
     workdir, _, summary = run
     ckpts = sorted(p.name for p in (workdir / "checkpoints").iterdir())
     mtimes = {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()}
-    again = training.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
+    again = stages.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
     assert again == summary  # a finished run only reports: train_summary.json is not rewritten
     assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ckpts
     assert {p.name: p.stat().st_mtime for p in (workdir / "checkpoints").iterdir()} == mtimes
@@ -127,8 +127,9 @@ def test_rerun_of_a_finished_run_does_not_retrain_or_overwrite(run, tiny_config)
 
 def test_load_run_gives_the_trained_model(run):
     workdir, _, summary = run
-    r = checkpoint.load_run(workdir)
-    assert r.step == 100 and r.model_cfg == config_lib.from_configdict(r.settings).model
+    r = stages.load_run(workdir)
+    saved = config_lib.load_run_settings(workdir)
+    assert r.step == 100 and (r.model_cfg, r.optimizer, r.data) == (saved.model, saved.train.optimizer, saved.data)
     assert r.corpus.fingerprint == data.load_corpus(workdir / "corpus").fingerprint
     assert r.tokenizer.vocab_size <= r.model_cfg.vocab_size
     import optax
@@ -144,7 +145,7 @@ def test_refuses_a_workdir_of_another_run(run, tiny_config):
     workdir, _, _ = run
     tiny_config.model.embed_dim = 32
     with pytest.raises(ValueError, match=r"different run.*model\.embed_dim: saved 64, now 32"):
-        training.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
+        stages.train(config_lib.from_configdict(_config(tiny_config, 100)), workdir)
 
 
 def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
@@ -156,7 +157,7 @@ def test_checkpoint_of_another_model_is_refused(run, tiny_config, tmp_path):
     shutil.copytree(workdir / "checkpoints", other / "checkpoints")
     tiny_config.model.mlp_dim = 128
     with pytest.raises(ValueError, match=r"does not match the config: model\.mlp_dim: saved 256, now 128"):
-        training.train(config_lib.from_configdict(_config(tiny_config, 100)), other)
+        stages.train(config_lib.from_configdict(_config(tiny_config, 100)), other)
 
 
 @pytest.mark.parametrize(
@@ -173,23 +174,28 @@ def test_bad_config_is_named(tiny_config, tmp_path, key, value, match):
     with tiny_config.unlocked():
         setattr(getattr(tiny_config, section), name, value)
     with pytest.raises(ValueError, match=match):
-        training.train(config_lib.from_configdict(tiny_config), tmp_path)
+        stages.train(config_lib.from_configdict(tiny_config), tmp_path)
+
+
+def _prepare_data(config, workdir):
+    s = config_lib.from_configdict(config)
+    return loop.prepare_data(s.model, s.data, s.seed, workdir)
 
 
 def test_overlong_passages_are_truncated_and_counted(tiny_config, tmp_path, caplog):
     tiny_config.model.max_len = 12
     with caplog.at_level(logging.WARNING):
-        corpus, tok = loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)
+        corpus, tok = _prepare_data(tiny_config, tmp_path)
     n = len(data.truncation_report(corpus.texts, tok, 12))
     assert n > 0 and f"{n} of {len(corpus.examples)} passages exceed model.max_len=12" in caplog.text
 
 
 def test_tokenizer_larger_than_the_model_vocab_is_refused(tiny_config, tmp_path):
     tiny_config.model.vocab_size = 600
-    loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)  # trains a tokenizer of <= 600 pieces
+    _prepare_data(tiny_config, tmp_path)  # trains a tokenizer of <= 600 pieces
     tiny_config.model.vocab_size = 100
     with pytest.raises(ValueError, match=r"pieces > config\.model\.vocab_size=100"):
-        loop.prepare_data(config_lib.from_configdict(tiny_config), tmp_path)
+        _prepare_data(tiny_config, tmp_path)
 
 
 def test_greedy_generate_matches_a_step_by_step_argmax(tiny_config):
@@ -282,8 +288,8 @@ def test_load_run_into_an_fsdp_mesh(run):
     from trackstar_jax.features import vectors
 
     workdir, _, _ = run
-    rep = checkpoint.load_run(workdir)
-    got = checkpoint.load_run(workdir, mesh=sharding.make_mesh((2, 4, 1)))
+    rep = stages.load_run(workdir)
+    got = stages.load_run(workdir, mesh=sharding.make_mesh((2, 4, 1)))
     specs = [x.sharding.spec for x in jax.tree.leaves((got.params, got.opt_state))]
     assert sum(s != jax.sharding.PartitionSpec() for s in specs) >= len(jax.tree.leaves(got.params)) // 2
     for a, b in zip(jax.tree.leaves((rep.params, rep.opt_state)), jax.tree.leaves((got.params, got.opt_state))):

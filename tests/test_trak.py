@@ -12,7 +12,6 @@ from trackstar_jax.index import build, store
 from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
-from trackstar_jax.training import checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def _numpy_mean_probs(run):
 
 def test_trak_scores_equal_a_plain_numpy_trak(trak_run):
     s, workdir = trak_run
-    run = checkpoint.load_run(workdir, runtime=s)
+    run = stages.load_run(workdir, runtime=s)
     reader = store.open_index(build.index_dir(s, workdir))
     phi = np.asarray(reader.read_dequantized(0, reader.num_rows), np.float64)  # stored rows: plain margin grads
     queries = [retrieval_stage.TextQuery(i, p, t) for i, (p, t) in enumerate([("The", " capital"), ("A", " city")])]
@@ -87,6 +86,6 @@ def test_trak_scores_equal_a_plain_numpy_trak(trak_run):
 
 def test_a_trak_index_with_q_folded_in_is_refused(trak_run):
     s, workdir = trak_run
-    run = checkpoint.load_run(workdir, runtime=s)
+    run = stages.load_run(workdir, runtime=s)
     man = build.index_manifest(run, s.vectors, s.index.storage, 64)
     assert man["vectors"]["trak_q"] == "scores"  # an old trak index (no such key) fails the identity check

@@ -8,12 +8,12 @@ config came from:
 
     settings = config.from_configdict(get_config(), source="experiments/tiny.py")
     settings.model          # models.lm.LMConfig (hashable: a jit static argument)
-    settings.train.optimizer  # OptimizerConfig (also training.step.OptimizerConfig)
+    settings.train.optimizer  # training.step.OptimizerConfig
 
-The roles below config (models, data, features) own the type of their section (`LMConfig`,
-`DataConfig`, `VectorConfig`); the roles whose packages also hold stages (training, index)
-import config, so their section types live here (`OptimizerConfig`, `HessianConfig`,
-`StorageConfig`; each re-exported under its old name in its role). A section that extends a
+The roles below config (models, data, features, training) own the type of their section
+(`LMConfig`, `DataConfig`, `VectorConfig`, `OptimizerConfig`); the role whose package still
+holds stage work reading `Settings` (index) imports config, so its section types live here
+(`HessianConfig`, `StorageConfig`; each re-exported under its old name in index). A section that extends a
 role's type (`TrainSettings` the optimizer's, `IndexSettings` the storage's) inherits its
 fields: one list of keys. The sections that only a stage reads (mesh, retrieval, eval,
 tail-patch, validate) are defined here. `to_dict(settings)` gives back the nested dict a
@@ -39,6 +39,7 @@ from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.distributed import runtime
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.models import lm as model_lib
+from trackstar_jax.training import step as step_lib
 
 CONFIG_FILE = "config.json"  # the run directory's resolved config
 
@@ -119,17 +120,7 @@ class ConfigError(ValueError):
 # ---------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerConfig:
-    """Adafactor + schedule hyperparameters (hashable; the optimizer keys of `config.train`)."""
-
-    learning_rate: float = 0.01
-    warmup_steps: int = 10_000
-    decay_rate: float = 0.8  # Adafactor second-moment decay exponent (optax default)
-    min_dim_size_to_factor: int = 128  # optax default; smaller dims keep a full v
-    clipping_threshold: float | None = 1.0
-    multiply_by_parameter_scale: bool = True
-    weight_decay_rate: float | None = None
+OptimizerConfig = step_lib.OptimizerConfig  # `config.train`'s optimizer keys (training/step.py)
 
 
 HESSIAN_MODES = ("none", "train", "mixed")

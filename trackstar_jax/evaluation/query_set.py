@@ -90,14 +90,14 @@ def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relatio
         if missing:
             raise ValueError(f"relations {missing} have no prompt template in the run's corpus ({run.corpus.name})")
         return {k: list(v) for k, v in run.corpus.templates.items()}
-    lama = ev.lama_dir or run.settings.data.path
+    lama = ev.lama_dir or run.data.path
     if not lama:
         raise config_lib.ConfigError(
             "the corpus has no prompt templates: set config.eval.lama_dir to a folder with LAMA relations.jsonl"
         )
     root = pathlib.Path(lama)
     root = root if (root / "relations.jsonl").is_file() else root.parent  # data.path may point at TREx/
-    data = run.settings.data
+    data = run.data
     return queries_lib.load_templates(
         root, ev.pararel_dir or data.pararel_dir or None, relations, user_file=data.templates_file or None
     )

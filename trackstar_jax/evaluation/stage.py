@@ -110,7 +110,7 @@ def tailpatch_all(
     pairs = sorted({(qi, int(p)) for r in rows for qi in queries for p in r.proponent_ids[qi][:kmax]})
     if not pairs:
         return {}
-    opt_cfg = run.settings.train.optimizer
+    opt_cfg = run.optimizer
     lr_scale = tailpatch_lib.learning_rate_scale(opt_cfg, run.step, tp.learning_rate)
     texts = run.corpus.texts
     keys = {(q, p): pair_cache.pair_key(eq.queries[q].prompt, eq.queries[q].target, texts[p]) for q, p in pairs}
@@ -241,7 +241,7 @@ def check_fits(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> di
     run, settings, out = ctx.run, ctx.settings, {}
     for m in methods:
         out.update(rows_lib.row_kind(m.kind).check_fits(m, ctx))
-    opt_cfg = run.settings.train.optimizer
+    opt_cfg = run.optimizer
     fn = tailpatch_lib.make_jit_tailpatch(
         ctx.mesh,
         graphdef=run.graphdef,
@@ -409,7 +409,7 @@ def evaluate_run(
         "settings": _settings_record(settings),
     }
     if tp.checkpoint_steps:  # Fig. 2 right: TrackStar over training (Run B)
-        table["checkpoints"] = timed("checkpoints", checkpoint_curve, settings, workdir, eq)
+        table["checkpoints"] = timed("checkpoints", checkpoint_curve, settings, workdir, run, eq)
     # Process 0 writes; table.json last but one, table.md last (a table.json marks a finished
     # evaluation). The others wait for it, so a failed write fails the job.
     with multihost.step("evaluate:written"):
@@ -427,11 +427,14 @@ def evaluate_run(
     return table
 
 
-def checkpoint_curve(settings: config_lib.Settings, workdir: pathlib.Path, eq: query_set.EvalQueries) -> list[dict]:
+def checkpoint_curve(
+    settings: config_lib.Settings, workdir: pathlib.Path, final: checkpoint_lib.Run, eq: query_set.EvalQueries
+) -> list[dict]:
     """TrackStar's MRR, recall@10 and tail-patch@10 at each of `tailpatch.checkpoint_steps` (Fig. 2 right).
 
     The queries are the evaluation's (chosen with the final model); each checkpoint gets its
-    own TrackStar index (`<index.dir>_step<N>`; the final step reuses the main one) and its
+    own TrackStar index (`<index.dir>_step<N>`; the final step reuses the main one), `final`
+    restored at that step (`checkpoint.reload`), and its
     tail-patch steps start from that checkpoint, on the same tail-patched queries.
 
     Raises:
@@ -456,7 +459,7 @@ def checkpoint_curve(settings: config_lib.Settings, workdir: pathlib.Path, eq: q
     out = []
     for step in sorted(tp.checkpoint_steps):
         s = settings if step == last else settings.replace({"index.dir": f"{settings.index.dir}_step{step}"})
-        run = checkpoint_lib.load_run(workdir, step=step, mesh=mesh, runtime=s)
+        run = checkpoint_lib.reload(final, step=step, mesh=mesh)
         ctx = rows_lib.Context(s, workdir, run, mesh)
         r = rows_lib.GradientRetriever(ctx, m).retrieve(eq, settings.eval.num_proponents)
         deltas = tailpatch_all(run, eq, {m.name: r}, s.replace({"tailpatch.methods": ()}), mesh, workdir)

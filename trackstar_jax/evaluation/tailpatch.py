@@ -191,7 +191,7 @@ def make_jit_tailpatch(
     The returned function takes `(params, opt_state, proponents [B, T], queries [B, G, Tq],
     lr_scale, before [B, G])` (`before`: the queries' unpatched log-probabilities, e.g. from its
     `.log_probs(params, queries)`, `grouped_log_probs` jitted alike), places the state in those
-    shardings (a no-op when it already is, e.g. from `load_run(mesh=...)`) and runs the step; B
+    shardings (a no-op when it already is, e.g. from `stages.load_run(mesh=...)`) and runs the step; B
     must be a multiple of the mesh's data-parallel size (pad with repeated groups). `opt_cfg`:
     the low-rank step (`tailpatch_groups`).
     """

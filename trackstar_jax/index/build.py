@@ -195,7 +195,7 @@ def build_from_run(
     spmd = multihost.is_multiprocess()
     local = index_mesh(settings)
     if mesh is not None and mesh.is_multi_process:  # its arrays span processes; a writer needs its own copy
-        run = checkpoint_lib.load_run(run.workdir, step=run.step, mesh=local, runtime=settings)
+        run = checkpoint_lib.reload(run, mesh=local)
     finished = (path / "COMPLETE").exists()
 
     @functools.cache

@@ -1,6 +1,6 @@
 """The proponent explorer's loaded state and its one query: featurize + score + top-k.
 
-`Engine` loads the run (`training.checkpoint.load_run`) once and asks every table row's
+`Engine` holds the run, checked and loaded once (`stages.open_engine`), and asks every table row's
 retriever (`evaluation.rows`, by the row's registered kind) to `serve`: a gradient row opens
 its index when the workdir has one that matches the run and keeps its featurizer and scoring
 setup (R^{-1/2}, unit norm, row scales), prepared once at start; a row that cannot answer a
@@ -43,7 +43,6 @@ from absl import logging
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import methods as methods_lib
-from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import rows as rows_lib
@@ -84,7 +83,9 @@ class Engine:
     Args:
       settings: the run's typed config (checked against the workdir).
       workdir: the run directory (trained, with at least one index or none for text rows only).
-      mesh: device mesh (default: `settings.mesh.shape`).
+      mesh: the device mesh `run` is loaded on.
+      run: the run, checked and loaded on `mesh` (`stages.open_run`; `stages.open_engine` makes
+        the whole engine).
       dense: offer the dense-embedding row when its model is installed (its passage
         embeddings are computed, or reused from `workdir/dense_embeddings/`, on first use).
     """
@@ -94,21 +95,13 @@ class Engine:
         settings: config_lib.Settings,
         workdir: str | os.PathLike,
         *,
-        mesh: jax.sharding.Mesh | None = None,
+        mesh: jax.sharding.Mesh,
+        run: checkpoint_lib.Run,
         dense: bool = True,
-        run: checkpoint_lib.Run | None = None,
     ):
-        """`run`: the run already checked and loaded on `mesh` (`stages.open_run`, as
-        `stages.open_engine` passes it); without it the engine checks and loads it itself."""
         disabled_kinds = () if dense else ("dense",)  # the dense row computes passage embeddings on first use
         self.settings, self.workdir = settings, pathlib.Path(workdir).resolve()
-        if run is not None and mesh is None:
-            raise ValueError("Engine: pass the mesh the given run is loaded on")
-        self.mesh = mesh if mesh is not None else sharding_lib.make_mesh(settings.mesh.shape)
-        if run is None:
-            config_lib.check_matches_run(settings, self.workdir)
-            run = checkpoint_lib.load_run(self.workdir, mesh=self.mesh, runtime=settings)
-        self.run = run
+        self.mesh, self.run = mesh, run
         self._lock = threading.Lock()
         self._ctx = rows_lib.Context(self.settings, self.workdir, self.run, self.mesh)
         self._r_eval_set: rows_lib.REvalSet | Exception | None = None  # built on the first mixed row

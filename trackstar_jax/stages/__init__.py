@@ -1,7 +1,7 @@
 """The pipeline's stages, in one place above the role packages.
 
 A stage takes typed `Settings` and a workdir (what a launcher parses), opens the run once
-(`open_run`: the mesh, `config.check_matches_run`, `training.load_run`) and hands the
+(`open_run`: the mesh, `config.check_matches_run`, `load_run`) and hands the
 `LoadedRun` to the role packages' work, which take loaded objects only; a stage that runs
 another's work (evaluate -> its rows' indices and retrievals) passes the loaded run on
 instead of calling that stage's front door again.
@@ -10,6 +10,7 @@ instead of calling that stage's front door again.
 | --- | --- | --- |
 | 1 train | `train` | `training.loop` |
 | 1 import | `import_model` | `training.importer` |
+| (any) | `open_run`, `load_run`, `save_run_config` | `training.checkpoint` |
 | 2 index | `build_index` | `index.build_from_run` |
 | 3 retrieve | `retrieve`, `retrieve_fact_queries` | `retrieval.write_retrieval` |
 | 4 evaluate | `evaluate` | `evaluation.evaluate_run` |
@@ -19,21 +20,23 @@ instead of calling that stage's front door again.
 
 from trackstar_jax.stages.build import build_index
 from trackstar_jax.stages.evaluate import evaluate, validate
+from trackstar_jax.stages.import_model import import_model
 from trackstar_jax.stages.retrieve import retrieve, retrieve_fact_queries
-from trackstar_jax.stages.run import LoadedRun, open_run
+from trackstar_jax.stages.run import LoadedRun, load_run, open_run, save_run_config
 from trackstar_jax.stages.serve import open_engine
-from trackstar_jax.training.importer import import_model
-from trackstar_jax.training.loop import train
+from trackstar_jax.stages.train import train
 
 __all__ = [
     "LoadedRun",
     "build_index",
     "evaluate",
     "import_model",
+    "load_run",
     "open_engine",
     "open_run",
     "retrieve",
     "retrieve_fact_queries",
+    "save_run_config",
     "train",
     "validate",
 ]

@@ -1,12 +1,14 @@
-"""Training: the pure step, the loop with hooks (stage 1, `train`), checkpoints and the run directory.
+"""Training: the pure step, the loop with hooks, checkpoints, and loading a released model.
+
+The stages that use them (`train`, `import_model`) are in `stages/`.
 
 - `step`: `OptimizerConfig` / Adafactor (§A.3), `TrainState`, `train_step`, `eval_step`, their jit.
-- `loop`: the `train` stage (hooks for logging, held-out loss, checkpoints; fact completions).
-- `importer`: stage 1 for a released model (`import_model`: HF folder / GGUF -> run directory).
+- `loop`: the training loop's pieces (data, compiled step, hooks for logging, held-out loss and
+  checkpoints; fact completions).
+- `importer`: a released model's config, parameters and tokenizer (HF folder / GGUF).
 - `second_moment`: the optimizer's V estimated for a released model (it ships no optimizer state).
-- `checkpoint`: orbax checkpoints of the full state, `load_run` (what later stages read).
+- `checkpoint`: orbax checkpoints of the full state; `Run` (what later stages read), `reload`.
 - `logs`: readable stage logs.
 """
 
-from trackstar_jax.training.checkpoint import Run, load_run
-from trackstar_jax.training.loop import train
+from trackstar_jax.training.checkpoint import Run, reload

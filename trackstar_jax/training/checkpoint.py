@@ -8,19 +8,19 @@ step, and the resolved config of the run. Restores go into an abstract, sharded 
 Run directory (`workdir/`): `config.json` (resolved config), `corpus/` (id -> text), the
 tokenizer (`tokenizer.model`, SentencePiece, for a pretrained run; `tokenizer/tokenizer.json`,
 Hugging Face, for an imported one), `checkpoints/<step>/{state,config}`, and for an imported
-run `opt_state.json` (how its optimizer state was estimated). `load_run(workdir)` gives later
-stages everything they need in one call.
+run `opt_state.json` (how its optimizer state was estimated). `Run` is what later stages
+need; `stages.load_run(workdir)` reads one (the run's config.json is read above this layer),
+`restore_state` / `reload` restore its checkpoints.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import json
 import os
 import pathlib
 import shutil
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -30,10 +30,8 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
-from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
@@ -69,57 +67,7 @@ def load_run_tokenizer(workdir: str | os.PathLike) -> Any:
 def read_opt_state_info(workdir: str | os.PathLike) -> dict | None:
     """`opt_state.json` of an imported run (None for a pretrained run, whose state is the optimizer's)."""
     path = pathlib.Path(workdir) / OPT_STATE_INFO_FILE
-    return config_lib.read_json(path) if path.exists() else None
-
-
-def save_run_config(workdir: str | os.PathLike, settings: config_lib.Settings, write: bool = True) -> None:
-    """Creates `workdir/config.json` once, or checks an existing one against `settings`.
-
-    One rule for the run directory: what is there is never rewritten by a rerun.
-
-    - `seed`, `model`, `data` and the optimizer/batch keys of `train` define the run: a
-      difference is refused, naming each field.
-    - The resumable train keys (`config.RESUMABLE_TRAIN_KEYS`, e.g. a longer `num_steps`)
-      are recorded: only the `train` section is updated, and only when they changed. While
-      no checkpoint is saved (e.g. a first attempt that diverged at once), every train key
-      is: nothing was trained with the old values.
-    - Later stages' sections (vectors, index, eval, ...) are kept as first recorded: one
-      trained run serves every table row, and each later stage takes its own settings from
-      its flags. A difference is logged (naming the fields), never written.
-
-    With `write=False` (the non-primary processes of a multi-host run) it only checks.
-
-    Raises:
-      ConfigError: the existing config.json describes a different run (names the fields).
-    """
-    path = pathlib.Path(workdir) / config_lib.CONFIG_FILE
-    new = config_lib.to_dict(settings)
-    if not path.exists():
-        if write:
-            files.create_once(path, json.dumps(new, indent=1, sort_keys=True))
-        return
-    saved = config_lib.read_json(path)
-    trained = has_checkpoint(workdir)
-    bad = config_lib.mismatches(saved, new, **({} if trained else {"sections": config_lib.RUN_SECTIONS}))
-    if bad:
-        raise config_lib.ConfigError(
-            f"{path} belongs to a different run; refusing to reuse the workdir. Differences: " + "; ".join(bad)
-        )
-    later = [
-        s for s in config_lib.to_dict(config_lib.Settings()) if s not in config_lib.RUN_SECTIONS + ("train", "mesh")
-    ]
-    kept = config_lib.mismatches(saved, new, sections=later, ignore=())
-    if kept:
-        logging.warning(
-            "%s keeps the later-stage settings it was created with (this stage does not use them; later "
-            "stages take theirs from their own flags): %s",
-            path,
-            "; ".join(kept),
-        )
-    resumed = config_lib.mismatches(saved, new, sections=("train",), ignore=())
-    if resumed and write:
-        logging.info("%s: recording the changed resumable train keys: %s", path, "; ".join(resumed))
-        files.atomic_write(path, json.dumps({**saved, "train": new["train"]}, indent=1, sort_keys=True))
+    return files.read_json(path, "optimizer-state record") if path.exists() else None
 
 
 def has_checkpoint(workdir: str | os.PathLike) -> bool:
@@ -201,8 +149,9 @@ class CheckpointManager:
     def all_steps(self) -> list[int]:
         return list(self._mngr.all_steps())
 
-    def save(self, state: train_lib.TrainState, config: Any) -> int:
-        """Saves `state` at `state.step` with `config` (async; see `wait_until_finished`).
+    def save(self, state: train_lib.TrainState, config: Mapping[str, Any]) -> int:
+        """Saves `state` at `state.step` with `config`, the run's resolved config as a JSON dict
+        (`config.to_dict(settings)`); async, see `wait_until_finished`.
 
         Raises:
           ValueError: a checkpoint at the same or a newer step already exists.
@@ -224,9 +173,7 @@ class CheckpointManager:
         self.check_space(step, state)
         self._mngr.save(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config_lib.to_dict(config))
-            ),
+            args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(dict(config))),
         )
         return step
 
@@ -256,9 +203,7 @@ class CheckpointManager:
         self,
         step: int | None,
         abstract_state: train_lib.TrainState,
-        expect_config: Any = None,
-        sections: Sequence[str] = ("model",),
-        ignore: Sequence[str] = (),
+        check: Callable[[dict], list[str]] | None = None,
     ) -> tuple[int, train_lib.TrainState]:
         """Restores checkpoint `step` (None: latest) into `abstract_state`'s shapes and shardings.
 
@@ -266,16 +211,15 @@ class CheckpointManager:
           step: checkpoint step, or None for the latest.
           abstract_state: TrainState of `jax.ShapeDtypeStruct` (with `sharding`), e.g. from
             `abstract_state(...)`.
-          expect_config: if given, its `sections` must equal the checkpoint's config.
-          sections: config sections that must match (default: the model).
-          ignore: dotted keys inside `sections` that may differ (e.g. `train.num_steps`).
+          check: if given, called with the checkpoint's saved config; the differences it
+            returns (e.g. `config.mismatches` against the stage's settings) refuse the restore.
 
         Raises:
           FileNotFoundError: no checkpoint. ValueError: config mismatch (names the fields).
         """
         step = self._step(step)
-        if expect_config is not None:
-            bad = config_lib.mismatches(self.saved_config(step), expect_config, sections=sections, ignore=ignore)
+        if check is not None:
+            bad = check(self.saved_config(step))
             if bad:
                 raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
         out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
@@ -290,14 +234,10 @@ class CheckpointManager:
         return step, state
 
     def restore_latest(
-        self,
-        abstract_state: train_lib.TrainState,
-        expect_config: Any = None,
-        sections: Sequence[str] = ("model",),
-        ignore: Sequence[str] = (),
+        self, abstract_state: train_lib.TrainState, check: Callable[[dict], list[str]] | None = None
     ) -> tuple[int, train_lib.TrainState]:
         """`restore(None, ...)`: the latest checkpoint."""
-        return self.restore(None, abstract_state, expect_config, sections, ignore)
+        return self.restore(None, abstract_state, check)
 
     def _step(self, step: int | None) -> int:
         if step is None:
@@ -318,10 +258,11 @@ class CheckpointManager:
 
 @dataclasses.dataclass
 class Run:
-    """Everything later stages need from a pretraining run (see `load_run`)."""
+    """Everything later stages need from a pretraining run (`stages.load_run` reads one)."""
 
-    settings: config_lib.Settings  # the run's own config (workdir/config.json)
-    model_cfg: model_lib.LMConfig
+    model_cfg: model_lib.LMConfig  # the run's model (with the stage's `config.RUNTIME_KEYS`)
+    optimizer: train_lib.OptimizerConfig  # the run's optimizer (`config.train`'s optimizer keys)
+    data: data_lib.DataConfig  # the run's data section (where its LAMA files are)
     graphdef: nnx.GraphDef
     params: Any  # pure nested dict
     opt_state: Any  # optax Adafactor chain state (v_row / v_col / v); None: imported without an estimate
@@ -332,47 +273,28 @@ class Run:
     opt_state_info: dict | None = None  # imported runs: how V was estimated (opt_state.json)
 
 
-def load_run(
-    workdir: str | os.PathLike,
-    step: int | None = None,
-    mesh: Mesh | None = None,
-    runtime: config_lib.Settings | None = None,
-) -> Run:
-    """Loads config, tokenizer, corpus and a checkpoint (default: latest) of a run.
-
-    Args:
-      workdir: the run directory written by `training.train`.
-      step: checkpoint step (None: latest).
-      mesh: arrays are placed on it by `state_shardings` (split over its fsdp axis when that
-        has size > 1; default mesh: all devices on the data axis). A checkpoint saved from
-        any mesh restores into any other.
-      runtime: the stage's settings, whose `config.RUNTIME_KEYS` (e.g. `model.remat`) replace the
-        run's own (None: the run's values), and whose `config.candidates` makes `Run.corpus` the
-        candidate view (`data.candidates.select`; None: every corpus passage).
+def restore_state(
+    workdir: pathlib.Path,
+    model_cfg: model_lib.LMConfig,
+    optimizer: train_lib.OptimizerConfig,
+    step: int | None,
+    mesh: Mesh | None,
+    check: Callable[[dict], list[str]] | None = None,
+) -> tuple[nnx.GraphDef, int, Any, Any, dict | None]:
+    """`(graphdef, step, params, opt_state, opt_state_info)` of checkpoint `step` (None: latest)
+    of the run in `workdir`, placed on `mesh` (`state_shardings`; default: all devices on the
+    data axis; a checkpoint saved from any mesh restores into any other).
 
     Raises:
-      FileNotFoundError: a missing piece of the run (names the path).
+      FileNotFoundError: no checkpoints (names the path). ValueError: `check` found differences.
     """
-    workdir = pathlib.Path(workdir)
-    settings = config_lib.load_run_settings(workdir)
-    if runtime is not None:
-        settings = config_lib.with_runtime_keys(settings, runtime)
-    model_cfg = settings.model
-    opt = train_lib.make_optimizer(settings.train.optimizer)
     mesh = sharding_lib.make_mesh() if mesh is None else mesh
-    graphdef, target = abstract_state(model_cfg, opt, mesh)
+    graphdef, target = abstract_state(model_cfg, train_lib.make_optimizer(optimizer), mesh)
     if not (workdir / CHECKPOINT_DIR).is_dir():
         raise FileNotFoundError(f"no checkpoints at {workdir / CHECKPOINT_DIR} (run `python -m launch.train` first)")
     mngr = CheckpointManager(workdir / CHECKPOINT_DIR, max_to_keep=None)
     try:
-        # All run-defining fields: a damaged config.json that still parses is refused here.
-        step, state = mngr.restore(
-            step,
-            target,
-            expect_config=settings,
-            sections=config_lib.RUN_SECTIONS + ("train",),
-            ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS),
-        )
+        step, state = mngr.restore(step, target, check)
     finally:
         mngr.close()
     logging.info("loaded run %s at step %d", workdir, step)
@@ -380,18 +302,16 @@ def load_run(
     # An import without an estimate holds optax's zero state: no V to correct with (the
     # correction then refuses, naming vectors.correction / vectors.estimate_v_examples).
     opt_state = None if info is not None and info.get("kind") == "none" else state.opt_state
-    return Run(
-        settings=settings,
-        model_cfg=model_cfg,
-        graphdef=graphdef,
-        params=state.params,
-        opt_state=opt_state,
-        step=int(step),
-        tokenizer=load_run_tokenizer(workdir),
-        corpus=candidates_lib.select(
-            data_lib.load_corpus(workdir / CORPUS_DIR),
-            runtime.candidates if runtime is not None else settings.candidates,
-        ),
-        workdir=workdir,
-        opt_state_info=info,
+    return graphdef, int(step), state.params, opt_state, info
+
+
+def reload(run: Run, *, step: int | None = None, mesh: Mesh | None = None) -> Run:
+    """`run` at checkpoint `step` (None: the same step), placed on `mesh`: the same model,
+    optimizer, tokenizer and candidates (a run's checkpoints all belong to it: `train` refuses
+    a foreign one). For a pod writer's process-local copy and a checkpoint curve."""
+    graphdef, step, params, opt_state, info = restore_state(
+        run.workdir, run.model_cfg, run.optimizer, run.step if step is None else step, mesh
+    )
+    return dataclasses.replace(
+        run, graphdef=graphdef, params=params, opt_state=opt_state, step=step, opt_state_info=info
     )

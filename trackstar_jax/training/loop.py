@@ -1,4 +1,5 @@
-"""Stage 1, `train`: corpus -> tokenizer -> pretraining (paper §A.3) -> loss and completions.
+"""Stage 1's work (the stage is `stages.train`): corpus -> tokenizer -> pretraining (paper §A.3)
+-> loss and completions.
 
 The loop is a plain `for` over the jitted step with hooks (levanter's pattern): logging,
 held-out evaluation and checkpointing each run every N steps and see `(step, state,
@@ -23,7 +24,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import memory as memory_lib
@@ -32,7 +32,6 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import generate as generate_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
-from trackstar_jax.training import logs
 from trackstar_jax.training import step as step_lib
 
 SUMMARY_FILE = "train_summary.json"
@@ -42,14 +41,15 @@ METRICS_FILE = "metrics.jsonl"
 MAX_EVIDENCE_FOR_PROMPT = 8
 
 
-def prepare_corpus(settings: config_lib.Settings, workdir: str | os.PathLike) -> data_lib.Corpus:
-    """Builds the corpus of `settings.data` into `workdir/corpus/`, or reloads it (written once)."""
+def prepare_corpus(data_cfg: data_lib.DataConfig, seed: int, workdir: str | os.PathLike) -> data_lib.Corpus:
+    """Builds the corpus of `data_cfg` (`config.data`; `seed`: `config.seed`) into `workdir/corpus/`,
+    or reloads it (written once)."""
     corpus_dir = pathlib.Path(workdir) / checkpoint_lib.CORPUS_DIR
     if (corpus_dir / "meta.json").exists():
         corpus = data_lib.load_corpus(corpus_dir)
         logging.info("reusing corpus %s (%d examples) from %s", corpus.name, len(corpus.examples), corpus_dir)
     else:
-        corpus = data_lib.build_corpus(settings.data, settings.seed)
+        corpus = data_lib.build_corpus(data_cfg, seed)
         data_lib.save_corpus(corpus, corpus_dir)
         logging.info(
             "built corpus %s: %d examples, %d facts, %d held-out passages, fingerprint %s",
@@ -77,9 +77,10 @@ def report_truncation(corpus: data_lib.Corpus, tok: data_lib.Tokenizer, max_len:
 
 
 def prepare_data(
-    settings: config_lib.Settings, workdir: str | os.PathLike
+    model_cfg: model_lib.LMConfig, data_cfg: data_lib.DataConfig, seed: int, workdir: str | os.PathLike
 ) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
-    """Builds the corpus and trains the tokenizer, or reloads both from `workdir`.
+    """Builds the corpus and trains the tokenizer, or reloads both from `workdir`
+    (`config.model`, `config.data`, `config.seed`).
 
     `workdir/corpus/` and `workdir/tokenizer.model` are written once; a rerun reuses them
     (its config.json has already been checked to describe the same data).
@@ -88,18 +89,15 @@ def prepare_data(
       ValueError: the trained vocabulary does not fit `config.model.vocab_size`.
     """
     workdir = pathlib.Path(workdir)
-    model_cfg = settings.model
-    corpus = prepare_corpus(settings, workdir)
+    corpus = prepare_corpus(data_cfg, seed, workdir)
     tok_path = workdir / checkpoint_lib.TOKENIZER_FILE
-    if settings.model.source:  # an imported run brings its tokenizer (launch.import_model)
+    if model_cfg.source:  # an imported run brings its tokenizer (launch.import_model)
         tok = checkpoint_lib.load_run_tokenizer(workdir)
     elif tok_path.exists():
         tok = data_lib.load_tokenizer(tok_path)
     else:
-        tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, settings.data.tokenizer_model_type)
-        logging.info(
-            "trained %s tokenizer: %d pieces -> %s", settings.data.tokenizer_model_type, tok.vocab_size, tok_path
-        )
+        tok = data_lib.train_tokenizer(corpus.texts, model_cfg.vocab_size, tok_path, data_cfg.tokenizer_model_type)
+        logging.info("trained %s tokenizer: %d pieces -> %s", data_cfg.tokenizer_model_type, tok.vocab_size, tok_path)
     if tok.vocab_size > model_cfg.vocab_size:
         raise ValueError(
             f"tokenizer at {tok_path} has {tok.vocab_size} pieces > config.model.vocab_size={model_cfg.vocab_size}"
@@ -348,43 +346,6 @@ def evaluate_completions(
     ]
 
 
-# ---------------------------------------------------------------------------------------
-# The stage
-# ---------------------------------------------------------------------------------------
-
-
-def _open_run_dir(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple[data_lib.Corpus, data_lib.Tokenizer]:
-    """config.json + corpus + tokenizer. Multi-host: process 0 writes, the others wait, then check and reload."""
-    primary = multihost.is_primary()
-    with multihost.step("train:run_dir"):
-        if primary:
-            checkpoint_lib.save_run_config(workdir, settings)
-            corpus, tok = prepare_data(settings, workdir)
-    if not primary:
-        checkpoint_lib.save_run_config(workdir, settings, write=False)
-        corpus, tok = prepare_data(settings, workdir)
-    return corpus, tok
-
-
-def imported_settings(settings: config_lib.Settings, workdir: pathlib.Path) -> config_lib.Settings:
-    """The settings of an imported run (`model.source` set): the model section resolved as
-    `launch.import_model` wrote it into the run's config.json.
-
-    Raises:
-      ConfigError: the workdir holds no import (run `launch.import_model` first), or the
-        config's model section disagrees with the import (named by `resolve_imported_model`).
-    """
-    if not (workdir / checkpoint_lib.OPT_STATE_INFO_FILE).exists():
-        raise config_lib.ConfigError(
-            f"config.model.source={settings.model.source!r}: {workdir} holds no imported model; run "
-            "`python -m launch.import_model` with this config and workdir first, then `launch.train` "
-            "continues pretraining it" + (f" (in {settings.source})" if settings.source else "")
-        )
-    saved = config_lib.load_run_settings(workdir)
-    model = config_lib.resolve_imported_model(settings.model, saved.model, settings.source)
-    return dataclasses.replace(settings, model=model)
-
-
 def record_measured_opt_state(workdir: pathlib.Path, step: int) -> None:
     """Marks an imported run's optimizer state as the one training accumulated (`opt_state.json`
     kind "measured"; the import's estimate is kept under "imported"), so the correction and the
@@ -394,173 +355,8 @@ def record_measured_opt_state(workdir: pathlib.Path, step: int) -> None:
     before = before.get("imported", before) if before.get("kind") == "measured" else before
     record = {
         "kind": "measured",
-        "method": "optax.adafactor state of continued pretraining on the run's corpus (training.loop.train)",
+        "method": "optax.adafactor state of continued pretraining on the run's corpus (stages.train)",
         "steps": int(step),
         "imported": before,
     }
     files.atomic_write_json(path, record)
-
-
-@multihost.writes_workdir("train")
-def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
-    """Stage 1: pretrain the run's model (resuming from its latest checkpoint).
-
-    An imported run (`model.source` set, written by `launch.import_model`) is continued
-    instead: from the imported parameters (checkpoint step 0), the project's Adafactor starts
-    from zero and trains on the run's corpus to `train.num_steps`; `opt_state.json` then says
-    "measured", and later stages use this state instead of the estimated V.
-
-    A workdir of a different run is refused (naming the differing fields); a checkpoint at
-    or beyond `train.num_steps` only reports. Multi-host: one SPMD program over the global
-    mesh; process 0 writes the plain files, every process saves/restores checkpoints.
-
-    Returns:
-      The summary: final step, train / eval loss, fact accuracy, completions, throughput.
-    """
-    workdir = pathlib.Path(workdir)
-    logs.quiet_library_logs()
-    imported = bool(settings.model.source)
-    if imported:
-        settings = imported_settings(settings, workdir)
-    t, model_cfg = settings.train, settings.model
-    corpus, tok = _open_run_dir(settings, workdir)
-
-    mesh = sharding_lib.make_mesh(settings.mesh.shape)
-    bad_split = sharding_lib.batch_split_error(t.global_batch_size, mesh, "config.train.global_batch_size")
-    if bad_split:
-        raise ValueError(bad_split)
-    mngr = checkpoint_lib.CheckpointManager(workdir / checkpoint_lib.CHECKPOINT_DIR, t.max_checkpoints_to_keep)
-    must_match = dict(
-        sections=config_lib.RUN_SECTIONS + ("train",),
-        ignore=tuple(f"train.{k}" for k in config_lib.RESUMABLE_TRAIN_KEYS),
-    )
-    if mngr.latest_step() is not None:  # refuse a foreign checkpoint before compiling anything
-        bad = config_lib.mismatches(mngr.saved_config(), settings, **must_match)
-        if bad:
-            raise config_lib.ConfigError(
-                f"checkpoint {mngr.directory}/{mngr.latest_step()} does not match the config: " + "; ".join(bad)
-            )
-    fns = compile_train_fns(model_cfg, t.optimizer, settings.seed, mesh, t.global_batch_size)
-    fns.check_fits()  # also when the compiled step came from the cache
-    if mngr.latest_step() is not None:
-        start, state = mngr.restore_latest(fns.target, expect_config=settings, **must_match)
-        logging.info("resumed from %s at step %d", mngr.directory, start)
-        if imported and start == 0 and start < t.num_steps:
-            # Continued pretraining starts Adafactor from zero, as pretraining does: the V
-            # estimated at import (single-example gradients) is not mixed into batch moments.
-            opt_state = jax.jit(fns.opt.init, out_shardings=jax.tree.map(lambda x: x.sharding, fns.target.opt_state))
-            state = state.replace(opt_state=opt_state(state.params))
-            logging.info("continued pretraining of the imported model: a fresh Adafactor state")
-    else:
-        state, start = fns.init(), 0
-    logging.info(
-        "model: %d parameters; mesh %s; %d examples; batch %d x %d tokens",
-        model_lib.param_count(state.params),
-        dict(mesh.shape),
-        len(corpus.examples),
-        t.global_batch_size,
-        model_cfg.max_len,
-    )
-
-    eval_batches = [
-        sharding_lib.device_batch(b, mesh)
-        for b in data_lib.eval_batches(corpus, tok, t.global_batch_size, model_cfg.max_len, t.num_eval_batches)
-    ]
-    bar = logs.progress(total=t.num_steps, initial=start, desc="train", unit="step")
-    log = MetricsLog(
-        workdir / METRICS_FILE if multihost.is_primary() else None,
-        t.global_batch_size * model_cfg.max_len,
-        bar,
-        workdir=workdir,
-    )
-    eval_loss: list[float | None] = [None]
-
-    def eval_hook(step: int, state: step_lib.TrainState, metrics: Any) -> None:
-        del metrics
-        eval_loss[0] = held_out_loss(fns.eval, state.params, eval_batches)
-        if eval_loss[0] is not None:
-            logging.info("step %d: eval/loss=%.4f", step, eval_loss[0])
-            log.write({"step": step, "eval/loss": eval_loss[0]})
-
-    hooks = [
-        Hook(1, log.collect),
-        Hook(t.log_every_steps, log.flush),
-        Hook(t.eval_every_steps, eval_hook),
-        Hook(t.checkpoint_every_steps, lambda step, state, m: mngr.save(state, settings)),
-    ]
-    summary_path = workdir / SUMMARY_FILE
-    if start >= t.num_steps and summary_path.exists():  # a finished run only reports
-        mngr.close()
-        logging.info(
-            "checkpoint step %d >= train.num_steps=%d: already trained; %s unchanged", start, t.num_steps, summary_path
-        )
-        return files.read_json(summary_path, "train summary")
-    try:
-        if start >= t.num_steps:
-            logging.info("checkpoint step %d >= train.num_steps=%d: nothing to train", start, t.num_steps)
-        else:
-            batches = (
-                sharding_lib.device_batch(b, mesh)
-                for b in data_lib.train_batches(
-                    corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, start_step=start
-                )
-            )
-            state = run_loop(state, start, t.num_steps, fns.step, batches, hooks, progress=lambda: bar.update(1))
-    finally:
-        bar.close()
-        log.close()
-        mngr.wait_until_finished()
-        mngr.close()
-    if imported and start < t.num_steps and multihost.is_primary():
-        record_measured_opt_state(workdir, t.num_steps)
-    return _report(
-        settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0], log.tokens_per_sec
-    )
-
-
-def _report(
-    settings: config_lib.Settings,
-    workdir: pathlib.Path,
-    state: step_lib.TrainState,
-    fns: TrainFns,
-    tok: data_lib.Tokenizer,
-    corpus: data_lib.Corpus,
-    eval_batches: list,
-    train_loss: float | None,
-    eval_loss: float | None,
-    tokens_per_sec: float | None,
-) -> dict:
-    """Held-out loss and fact completions of the final state -> `train_summary.json`."""
-    t = settings.train
-    final_step = int(jax.device_get(state.step))
-    if eval_loss is None:
-        eval_loss = held_out_loss(fns.eval, state.params, eval_batches)
-    rows = evaluate_completions(
-        fns.graphdef, state.params, tok, corpus, settings.model.max_len, t.max_new_tokens, t.max_fact_prompts
-    )
-    accuracy = sum(r["correct"] for r in rows) / len(rows) if rows else None
-    for r in rows[: t.num_completions]:
-        logging.info(
-            "%s %r -> %r (target %r)", "OK " if r["correct"] else "   ", r["prompt"], r["completion"], r["target"]
-        )
-    summary = {
-        "step": final_step,
-        "train_loss": train_loss,
-        "eval_loss": eval_loss,
-        "fact_accuracy": accuracy,
-        "num_fact_prompts": len(rows),
-        "tokens_per_sec": tokens_per_sec,
-        "num_params": model_lib.param_count(state.params),
-        "completions": rows[: t.num_completions],
-    }
-    if multihost.is_primary():
-        files.atomic_write_json(workdir / SUMMARY_FILE, summary)
-    logging.info(
-        "trained to step %d: train loss %s, eval loss %s, fact accuracy %s (%d prompts)",
-        final_step,
-        None if train_loss is None else f"{train_loss:.4f}",
-        None if eval_loss is None else f"{eval_loss:.4f}",
-        None if accuracy is None else f"{accuracy:.3f}",
-        len(rows),
-    )
-    return summary

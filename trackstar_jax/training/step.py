@@ -7,6 +7,7 @@ small matrices) is what TrackStar later reads, so it is kept in full in `TrainSt
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Mapping
 
@@ -17,11 +18,21 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float
 
-from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 
-OptimizerConfig = config_lib.OptimizerConfig  # the type lives in config (the bottom of the roles)
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Adafactor + schedule hyperparameters (hashable; the optimizer keys of `config.train`)."""
+
+    learning_rate: float = 0.01
+    warmup_steps: int = 10_000
+    decay_rate: float = 0.8  # Adafactor second-moment decay exponent (optax default)
+    min_dim_size_to_factor: int = 128  # optax default; smaller dims keep a full v
+    clipping_threshold: float | None = 1.0
+    multiply_by_parameter_scale: bool = True
+    weight_decay_rate: float | None = None
 
 
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
