@@ -44,7 +44,7 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
     n = len(run.corpus.examples)
     assert summary["rows"] == summary["rows_written"] == n and summary["complete"]
     assert summary["tokens"] > n and 0 <= summary["write_fraction"] < 1
-    reader = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir))
+    reader = index.open_index(build.index_dir(config_lib.from_configdict(c).index, run_dir))
     got = reader.read_dequantized(0, n)
     # Reference: the featurizer over data.index_batches (padded to max_len, not length-bucketed).
     vec_cfg = config_lib.from_configdict(c).vectors
@@ -72,7 +72,7 @@ def test_rows_are_the_featurizer_vectors_of_each_example(run_dir, f32_index):
 def test_manifest_identifies_the_run(run_dir, f32_index):
     c, _ = f32_index
     run = stages.load_run(run_dir)
-    m = index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir)).manifest
+    m = index.open_index(build.index_dir(config_lib.from_configdict(c).index, run_dir)).manifest
     assert m["model"]["checkpoint_step"] == 3
     assert m["model"]["fingerprint"] == index.tree_fingerprint({"params": run.params, "opt_state": run.opt_state})
     assert m["vectors"] | {} == {
@@ -94,7 +94,7 @@ def test_manifest_identifies_the_run(run_dir, f32_index):
     }
     assert m["storage"]["dtype"] == "float32" and m["code_version"]
     expect = {"model": {"fingerprint": m["model"]["fingerprint"]}, "vectors": {"proj_seed": 0, "dim": 256}}
-    index.open_index(build.index_dir(config_lib.from_configdict(c), run_dir), expect=expect)
+    index.open_index(build.index_dir(config_lib.from_configdict(c).index, run_dir), expect=expect)
 
 
 def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypatch):
@@ -112,7 +112,7 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", full_disk)
     with pytest.raises(index.IndexWriteError, match=r"chunk 1, rows \[64, 128\) failed \(the disk is full"):
         stages.build_index(config_lib.from_configdict(c), run_dir)
-    path = build.index_dir(config_lib.from_configdict(c), run_dir)
+    path = build.index_dir(config_lib.from_configdict(c).index, run_dir)
     assert index.open_index(path).complete_chunks == frozenset({0})
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
     summary = stages.build_index(config_lib.from_configdict(c), run_dir)
@@ -120,12 +120,12 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
     assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
     reader = index.open_index(path)
     rows, scale = reader.read_block(0, reader.num_rows)
-    f32 = index.open_index(build.index_dir(config_lib.from_configdict(f32_index[0]), run_dir)).read_dequantized(
+    f32 = index.open_index(build.index_dir(config_lib.from_configdict(f32_index[0]).index, run_dir)).read_dequantized(
         0, reader.num_rows
     )
     assert scale is None and rows.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(rows.view(np.uint16), f32.astype(ml_dtypes.bfloat16).view(np.uint16))
-    report = index.verify_index(build.index_dir(config_lib.from_configdict(c), run_dir))
+    report = index.verify_index(build.index_dir(config_lib.from_configdict(c).index, run_dir))
     assert report["ok"] and report["bytes_on_disk"] >= reader.num_rows * 256 * 2
 
 
@@ -169,12 +169,17 @@ def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monk
     def fail(*args, **kwargs):
         raise AssertionError("called on a finished index")
 
-    for mod, name in ((checkpoint, "load_run"), (config_lib, "check_matches_run"), (vectors, "make_vector_fn")):
+    for mod, name in ((checkpoint, "restore_state"), (config_lib, "check_matches_run"), (vectors, "make_vector_fn")):
         monkeypatch.setattr(mod, name, fail)
-    summary = build.build_from_run(loaded.run, settings, run_dir, mesh=loaded.mesh)
+    summary = build.build_from_run(
+        loaded.run, settings.vectors, settings.index, run_dir, mesh_shape=settings.mesh.shape, mesh=loaded.mesh
+    )
     assert summary["complete"] and summary["rows_written"] == 0 and summary["rows"] == first["rows"]
     with pytest.raises(index.IndexMismatchError, match="vectors.proj_seed"):
-        build.build_from_run(loaded.run, settings.replace({"vectors.proj_seed": 1}), run_dir, mesh=loaded.mesh)
+        other = settings.replace({"vectors.proj_seed": 1})
+        build.build_from_run(
+            loaded.run, other.vectors, other.index, run_dir, mesh_shape=other.mesh.shape, mesh=loaded.mesh
+        )
 
 
 def test_config_sections_are_checked(tiny_config):
@@ -201,7 +206,9 @@ def test_a_stage_may_set_remat_on_a_run_made_without_it(run_dir):
     remat = settings.replace({"model.remat": True})
     plain, rem = stages.load_run(run_dir), stages.load_run(run_dir, runtime=remat)
     assert not plain.model_cfg.remat and rem.model_cfg.remat
-    assert build.expected_identity(rem, remat, 256) == build.expected_identity(plain, settings, 256)
+    assert build.expected_identity(rem, remat.vectors, remat.index.storage, 256) == build.expected_identity(
+        plain, settings.vectors, settings.index.storage, 256
+    )
     tokens = np.random.default_rng(0).integers(4, 100, (8, 16)).astype(np.int32)  # one row per fake device
     batch = {"tokens": tokens, "loss_mask": np.ones_like(tokens), "example_id": np.arange(8, dtype=np.int32)}
     out = []
@@ -219,6 +226,9 @@ def test_a_stage_may_set_matmul_dtype_and_an_index_is_not_resumed_across_it(run_
     settings = config_lib.from_configdict(c).replace({"model.matmul_dtype": "bfloat16"})
     run = stages.load_run(run_dir, runtime=settings)
     assert run.model_cfg.matmul_dtype == "bfloat16"
-    assert "matmul_dtype" not in build.expected_identity(run, settings, 256)["model"]["config"]
+    assert (
+        "matmul_dtype"
+        not in build.expected_identity(run, settings.vectors, settings.index.storage, 256)["model"]["config"]
+    )
     with pytest.raises(index.IndexMismatchError, match=r"refusing to resume .*'featurizer.matmul_dtype'"):
         stages.build_index(settings, run_dir)

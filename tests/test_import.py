@@ -125,7 +125,7 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     # Later stages take the same (unresolved) experiment config.
     settings = config_lib.from_configdict(c)
     stages.build_index(settings, workdir)
-    man = store.read_manifest(build.index_dir(settings, workdir))
+    man = store.read_manifest(build.index_dir(settings.index, workdir))
     sm = man["model"]["second_moment"]
     assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == (
         "estimated",
@@ -244,5 +244,5 @@ def test_continued_pretraining_of_an_import(hf_folder, tmp_path):
 
     settings = config_lib.from_configdict(c)
     stages.build_index(settings, workdir)
-    man = store.read_manifest(build.index_dir(settings, workdir))
+    man = store.read_manifest(build.index_dir(settings.index, workdir))
     assert man["model"]["second_moment"]["kind"] == "measured"

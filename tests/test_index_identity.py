@@ -1,4 +1,4 @@
-"""What defines an index: every config key is classified (`config.INDEX_KEYS` / `INDEX_SECTIONS`)."""
+"""What defines an index: every config key is classified (`index.build.INDEX_KEYS` / `config.INDEX_SECTIONS`)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ from trackstar_jax.models import lm
 
 
 def test_every_config_key_is_classified():
-    """A new knob must say whether it defines an index: add it to config.INDEX_KEYS (a key of
+    """A new knob must say whether it defines an index: add it to index.build.INDEX_KEYS (a key of
     `model` / `vectors`) or give its section a reason in config.INDEX_SECTIONS."""
     keys = config_lib.flatten(config_lib.to_dict(config_lib.Settings()))
     sections = {k.split(".")[0] for k in keys}
     unclassified = sorted(
-        k for k in keys if k not in config_lib.INDEX_KEYS and k.split(".")[0] not in config_lib.INDEX_SECTIONS
+        k for k in keys if k not in build_lib.INDEX_KEYS and k.split(".")[0] not in config_lib.INDEX_SECTIONS
     )
-    assert not unclassified, f"classify these keys in config.INDEX_KEYS / INDEX_SECTIONS: {unclassified}"
-    assert not set(config_lib.INDEX_KEYS) - set(keys), "INDEX_KEYS names keys the config does not have"
+    assert not unclassified, f"classify these keys in index.build.INDEX_KEYS / config.INDEX_SECTIONS: {unclassified}"
+    assert not set(build_lib.INDEX_KEYS) - set(keys), "INDEX_KEYS names keys the config does not have"
     assert set(config_lib.INDEX_SECTIONS) <= sections
-    assert not {k.split(".")[0] for k in config_lib.INDEX_KEYS} & set(config_lib.INDEX_SECTIONS)
-    assert set(config_lib.INDEX_KEYS.values()) <= {config_lib.IDENTITY, config_lib.FEATURIZER, config_lib.OTHER}
+    assert not {k.split(".")[0] for k in build_lib.INDEX_KEYS} & set(config_lib.INDEX_SECTIONS)
+    assert set(build_lib.INDEX_KEYS.values()) <= {build_lib.IDENTITY, build_lib.FEATURIZER, build_lib.OTHER}
 
 
 def _manifest(model_cfg: lm.LMConfig, vec_cfg: vectors_lib.VectorConfig) -> dict:
@@ -46,9 +46,7 @@ def test_the_manifest_records_exactly_the_identity_keys():
     model_cfg, vec_cfg = lm.LMConfig(tie_embeddings=False, source="x.gguf"), vectors_lib.VectorConfig(correction=False)
     m = _manifest(model_cfg, vec_cfg)
     want = lambda sec: {
-        k.split(".")[1]
-        for k, c in config_lib.INDEX_KEYS.items()
-        if k.startswith(sec + ".") and c == config_lib.IDENTITY
+        k.split(".")[1] for k, c in build_lib.INDEX_KEYS.items() if k.startswith(sec + ".") and c == build_lib.IDENTITY
     }  # noqa: E731
     assert set(m["vectors"]) == want("vectors") | {"dim", "num_blocks_total", "block_dim"}  # + the layout
     assert set(m["model"]["config"]) == want("model")
@@ -62,7 +60,7 @@ def test_only_identity_keys_change_the_identity():
     model_cfg, vec_cfg = lm.LMConfig(), vectors_lib.VectorConfig(correction=False)
     ident = lambda m: {s: m[s] for s in ("model", "vectors", "corpus")}  # noqa: E731
     base = ident(_manifest(model_cfg, vec_cfg))
-    for key, cls in config_lib.INDEX_KEYS.items():
+    for key, cls in build_lib.INDEX_KEYS.items():
         if not key.startswith("vectors.") or key == "vectors.unembed":
             continue
         field = key.split(".")[1]
@@ -73,4 +71,4 @@ def test_only_identity_keys_change_the_identity():
             str: lambda v: {"loss": "margin", "fast": "reference", "float32": "tf32"}[v],
         }
         changed = dataclasses.replace(vec_cfg, **{field: other[type(value)](value)})
-        assert (ident(_manifest(model_cfg, changed)) != base) == (cls == config_lib.IDENTITY), key
+        assert (ident(_manifest(model_cfg, changed)) != base) == (cls == build_lib.IDENTITY), key

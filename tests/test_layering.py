@@ -17,9 +17,9 @@ PACKAGE = "trackstar_jax"
 
 # Bottom to top. A package (a sub-package, or a top-level module such as `config.py`) imports
 # only the packages of lower layers; packages in one layer do not import each other.
-# `config` sits above the roles whose section types it holds (models, data, features, training)
-# and below the roles that still read the whole `config.Settings`; `stages` (the stage entry
-# points and `open_run`) sits above every role.
+# `config` sits above the roles whose section types it holds (models, data, features, training,
+# index) and below the roles that still read the whole `config.Settings`; `stages` (the stage
+# entry points and `open_run`) sits above every role.
 LAYERS = (
     ("files",),  # atomic files, workdir locks
     ("distributed",),  # mesh, shardings, runtime, multi-host steps (its stage lock: files)
@@ -27,8 +27,8 @@ LAYERS = (
     ("models",),  # the LM family, HF / GGUF loaders
     ("features", "methods"),  # gradient vectors; the table's row presets
     ("training",),  # step, loop, checkpoints, a released model's loading
-    ("config",),  # the typed settings
     ("index",),  # store, builder, R, scoring
+    ("config",),  # the typed settings
     ("retrieval",),  # exact top-k, the retrieve stage
     ("evaluation",),  # queries, metrics, tail-patch, LDS
     ("serving", "plan"),  # the explorer; the resource planner

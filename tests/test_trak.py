@@ -52,7 +52,7 @@ def _numpy_mean_probs(run):
 def test_trak_scores_equal_a_plain_numpy_trak(trak_run):
     s, workdir = trak_run
     run = stages.load_run(workdir, runtime=s)
-    reader = store.open_index(build.index_dir(s, workdir))
+    reader = store.open_index(build.index_dir(s.index, workdir))
     phi = np.asarray(reader.read_dequantized(0, reader.num_rows), np.float64)  # stored rows: plain margin grads
     queries = [retrieval_stage.TextQuery(i, p, t) for i, (p, t) in enumerate([("The", " capital"), ("A", " city")])]
     recs, _ = retrieval_stage.retrieve_queries(run, s, workdir, queries, k=reader.num_rows)

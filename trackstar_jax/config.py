@@ -10,13 +10,14 @@ config came from:
     settings.model          # models.lm.LMConfig (hashable: a jit static argument)
     settings.train.optimizer  # training.step.OptimizerConfig
 
-The roles below config (models, data, features, training) own the type of their section
-(`LMConfig`, `DataConfig`, `VectorConfig`, `OptimizerConfig`); the role whose package still
-holds stage work reading `Settings` (index) imports config, so its section types live here
-(`HessianConfig`, `StorageConfig`; each re-exported under its old name in index). A section that extends a
-role's type (`TrainSettings` the optimizer's, `IndexSettings` the storage's) inherits its
-fields: one list of keys. The sections that only a stage reads (mesh, retrieval, eval,
-tail-patch, validate) are defined here. `to_dict(settings)` gives back the nested dict a
+The roles below config own the type of their section and validate it: `LMConfig` (models),
+`DataConfig` and `CandidateConfig` (data), `VectorConfig` (features), `OptimizerConfig` and
+`TrainSettings` (training), `HessianConfig`, `StorageConfig` and `IndexSettings` (index); they are
+re-exported here under the same names (one type each). A section that extends a role's type
+(`TrainSettings` the optimizer's, `IndexSettings` the storage's) inherits its fields: one list of
+keys. The sections only the roles above config read (mesh, retrieval, eval, tail-patch,
+validate) are defined here until those roles take sections too (BUILD_NOTES §1).
+`to_dict(settings)` gives back the nested dict a
 ConfigDict would, so run directories written before the typed config still load.
 """
 
@@ -33,12 +34,16 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
+from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
 from trackstar_jax.distributed import runtime
 from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import hessian as hessian_lib
+from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
+from trackstar_jax.training import loop as loop_lib
 from trackstar_jax.training import step as step_lib
 
 CONFIG_FILE = "config.json"  # the run directory's resolved config
@@ -65,36 +70,8 @@ PAPER_INCORRECT_PER_BUCKET = 100 / 1000  # §A.4: at most 100 wrong facts among 
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
 
 
-# How each key of the sections an index is featurized with (`model`, `vectors`) enters the
-# index's manifest (index/build.py `index_manifest`): IDENTITY keys are its identity (a reader
-# and a resume must match them), FEATURIZER keys are recorded for a resume only (under
-# `featurizer`), OTHER keys never. The other sections reach an index only through the run or
-# apply after it (`INDEX_SECTIONS`). tests/test_index_identity.py fails on an unclassified key, so a new knob cannot change (or miss) the identity silently.
-IDENTITY, FEATURIZER, OTHER = "identity", "featurizer", "other"
-_MODEL_SHAPE = (
-    "vocab_size", "num_layers", "embed_dim", "num_heads", "head_dim", "mlp_dim", "max_len", "tie_embeddings",
-    "norm", "rope_base", "dtype", "param_dtype", "arch", "num_kv_heads", "norm_eps", "norm_bias", "rotary_pct",
-    "qkv_bias", "out_bias", "mlp_bias", "parallel_residual", "activation",
-)  # fmt: skip
-INDEX_KEYS = {
-    **{f"model.{k}": IDENTITY for k in _MODEL_SHAPE},
-    "model.source": IDENTITY,  # where the weights came from (left out when "": pretrained runs' manifests predate it)
-    "model.matmul_dtype": FEATURIZER,  # changes the rows' bits, not what they are (recorded when set)
-    "model.remat": OTHER,  # the same results, recomputed
-    "vectors.output_fn": IDENTITY,
-    "vectors.num_blocks": IDENTITY,
-    "vectors.proj_dim": IDENTITY,
-    "vectors.proj_seed": IDENTITY,
-    "vectors.correction": IDENTITY,
-    "vectors.path": IDENTITY,
-    "vectors.exact_v": IDENTITY,
-    "vectors.unembed": IDENTITY,  # (left out for tied models: no output embedding of their own)
-    "vectors.batch_size": FEATURIZER,
-    "vectors.matmul_precision": FEATURIZER,  # the GEMMs' precision: the rows' bits (recorded when not float32)
-    "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
-    "vectors.estimate_v_seed": OTHER,
-}
-# Sections whose keys never enter an index's manifest, and why.
+# Sections whose keys never enter an index's manifest, and why (the `model` / `vectors` keys are
+# classified by `index.build.INDEX_KEYS`; tests/test_index_identity.py checks every key is).
 INDEX_SECTIONS = {
     "seed": "the run's: reaches an index through the checkpoint's fingerprint",
     "data": "the corpus's fingerprint is recorded instead",
@@ -110,105 +87,25 @@ INDEX_SECTIONS = {
 }
 
 
-class ConfigError(ValueError):
-    """A config value or key is wrong; the message names `config.<section>.<key>` and the file."""
+ConfigError = files.ConfigError  # raised by the roles too (files.py, the bottom layer)
 
 
 # ---------------------------------------------------------------------------------------
-# Section types the role packages take (they live here, at the bottom of the roles, so that
-# the stages inside training/ and index/ can import config without a package cycle)
+# Section types the role packages own (re-exported: one type each)
 # ---------------------------------------------------------------------------------------
 
-
-OptimizerConfig = step_lib.OptimizerConfig  # `config.train`'s optimizer keys (training/step.py)
-
-
-HESSIAN_MODES = ("none", "train", "mixed")
-R_EVAL_SOURCES = ("queries", "task_prompts")
-
-
-@dataclasses.dataclass(frozen=True)
-class HessianConfig:
-    """How R and the unit norm are applied at scoring time (config section `hessian`).
-
-    Attributes:
-      mode: "none" (R = I), "train" (R_train), "mixed" (λ R_eval + (1-λ) R_train).
-      mix_lambda: λ in [0, 1]; a negative value chooses λ automatically (§A.1.3).
-      lambda_component_fraction: the crossing component as a fraction of d (paper: 1000/65536).
-      damping: relative eigenvalue floor of R^{-1/2}: eigenvalues below `damping * max eig`
-        (over all blocks) are raised to that floor, so directions with (almost) no variance are
-        amplified at most `1/sqrt(damping)` times more than the strongest one.
-      unit_norm: unit-normalise R^{-1/2}Φ (TrackStar); False for the un-normalised ablations.
-      r_eval_source: where R_eval's gradients come from: "queries" (the evaluated queries) or
-        "task_prompts" (§A.1.3 "any set of examples": the queries plus prompts of other facts
-        of the same relations, rendered with the same template, up to `r_eval_prompts` in all).
-      r_eval_prompts: size of the task-prompt set (source "task_prompts"; > 0).
-    """
-
-    mode: str = "mixed"
-    mix_lambda: float = -1.0
-    lambda_component_fraction: float = 1000 / 65536
-    damping: float = 1e-6
-    unit_norm: bool = True
-    r_eval_source: str = "queries"
-    r_eval_prompts: int = 0
-
-    def __post_init__(self):
-        if self.mode not in HESSIAN_MODES:
-            raise ValueError(f"hessian.mode must be one of {HESSIAN_MODES}, got {self.mode!r}")
-        if self.mix_lambda > 1.0:
-            raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
-        if not 0.0 < self.lambda_component_fraction <= 1.0:
-            raise ValueError(
-                f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}"
-            )
-        if not 0.0 <= self.damping < 1.0:
-            raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
-        if self.r_eval_source not in R_EVAL_SOURCES:
-            raise ValueError(f"hessian.r_eval_source must be one of {R_EVAL_SOURCES}, got {self.r_eval_source!r}")
-        if self.r_eval_source == "task_prompts" and self.r_eval_prompts <= 0:
-            raise ValueError(
-                f"hessian.r_eval_source='task_prompts' needs hessian.r_eval_prompts > 0, got {self.r_eval_prompts}"
-            )
-
-
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageConfig:
-    """Storage part of the manifest (config section `index`).
-
-    Attributes:
-      dtype: "float32" | "bfloat16" | "float16" | "int8" (per-row absmax scale).
-      chunk_rows: rows per zarr chunk: the unit of reads, writes and resumable progress.
-      r_every_chunks: chunks per R_train segment (the running sum is saved once per segment);
-        0 = automatic (saving R costs <= 2% of the segment's vector bytes).
-    """
-
-    dtype: str = "bfloat16"
-    chunk_rows: int = 1024
-    r_every_chunks: int = 0
-
-    def __post_init__(self):
-        if self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"index.dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
-        if self.chunk_rows <= 0:
-            raise ValueError(f"index.chunk_rows must be positive, got {self.chunk_rows}")
-        if self.r_every_chunks < 0:
-            raise ValueError(f"index.r_every_chunks must be >= 0, got {self.r_every_chunks}")
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dict -> {"a.b.c": value}."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
+OptimizerConfig, TrainSettings = step_lib.OptimizerConfig, loop_lib.TrainSettings  # `config.train` (training/)
+HessianConfig, HESSIAN_MODES, R_EVAL_SOURCES = (
+    hessian_lib.HessianConfig,
+    hessian_lib.HESSIAN_MODES,
+    hessian_lib.R_EVAL_SOURCES,
+)
+StorageConfig, STORAGE_DTYPES, IndexSettings = (
+    store_lib.StorageConfig,
+    store_lib.STORAGE_DTYPES,
+    store_lib.IndexSettings,
+)
+flatten = store_lib.flatten
 
 
 # ---------------------------------------------------------------------------------------
@@ -221,54 +118,6 @@ class MeshSettings:
     """`config.mesh`: `shape` (data, fsdp, tensor); -1 = all remaining devices."""
 
     shape: tuple[int, ...] = (-1, 1, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainSettings(OptimizerConfig):
-    """`config.train`: the optimizer's keys (`OptimizerConfig`, §A.3) and the training loop's cadences."""
-
-    num_steps: int = 187_000
-    global_batch_size: int = 1024
-    log_every_steps: int = 50
-    eval_every_steps: int = 500
-    num_eval_batches: int = 4
-    checkpoint_every_steps: int = 1000
-    max_checkpoints_to_keep: int = 3
-    num_completions: int = 8
-    max_new_tokens: int = 8
-    max_fact_prompts: int = 256  # fact prompts completed for the train summary's fact_accuracy
-
-    def __post_init__(self):
-        for key in ("num_steps", "global_batch_size", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-
-    @property
-    def optimizer(self) -> OptimizerConfig:
-        """The optimizer's keys alone (a jit static argument that ignores the cadences)."""
-        return _project(self, OptimizerConfig)
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexSettings(StorageConfig):
-    """`config.index`: storage (`StorageConfig`) plus `dir`, the index's folder in the workdir."""
-
-    dir: str = "index"
-
-    def __post_init__(self):
-        super().__post_init__()  # dtype / chunk_rows / r_every_chunks
-        if not self.dir or pathlib.Path(self.dir).name != self.dir or self.dir.startswith("."):
-            raise ValueError(f"index.dir must be a plain folder name inside the workdir, got {self.dir!r}")
-
-    @property
-    def storage(self) -> StorageConfig:
-        """The storage keys alone (what an index's manifest records)."""
-        return _project(self, StorageConfig)
-
-
-def _project(settings: Any, cls: type) -> Any:
-    """`cls` (a base class of `settings`' type) with `settings`' values of its fields."""
-    return cls(**{f.name: getattr(settings, f.name) for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -124,6 +124,11 @@ def npy_bytes(a: np.ndarray) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
+class ConfigError(ValueError):
+    """A config value or key is wrong; the message names `config.<section>.<key>` (and the file the
+    config came from). Re-exported as `config.ConfigError`; here so that every role can raise it."""
+
+
 class InputError(ValueError):
     """An input or run file cannot be read as what it should be; the message names file[:line]."""
 

@@ -293,6 +293,13 @@ def _dense(method: baselines_lib.Method, ctx: Context) -> Retriever:
     return TextRetriever(lambda: ctx.shared("dense", lambda: dense_index(ctx)), ctx.mesh)
 
 
+def build_index(ctx: Context, settings: config_lib.Settings) -> dict:
+    """Builds (or reuses) the index of a row's `settings` from the run `ctx` holds (`index.build_from_run`)."""
+    return build_lib.build_from_run(
+        ctx.run, settings.vectors, settings.index, ctx.workdir, mesh_shape=settings.mesh.shape, mesh=ctx.mesh
+    )
+
+
 class GradientRetriever(Retriever):
     """A gradient row: builds (or reuses) its index, then retrieval's `retrieve_queries` (top / bottom k)."""
 
@@ -302,7 +309,7 @@ class GradientRetriever(Retriever):
     def retrieve(self, eq: QuerySet, k: int, *, token_scores: bool = False) -> Retrieved:
         if token_scores:
             raise ValueError("token scores are served by `serve`'s retriever, or retrieval.token_scores")
-        summary = build_lib.build_from_run(self.ctx.run, self.settings, self.ctx.workdir, mesh=self.ctx.mesh)
+        summary = build_index(self.ctx, self.settings)
         recs, info = retrieval_stage.retrieve_queries(
             self.ctx.run,
             self.settings,
@@ -334,7 +341,7 @@ class GradientRetriever(Retriever):
         of a mixed row is the queries themselves (LDS).
         """
         ctx, settings = self.ctx, self.settings
-        build_lib.build_from_run(ctx.run, settings, ctx.workdir, mesh=ctx.mesh)
+        build_index(ctx, settings)
         reader = retrieval_stage.open_checked_index(ctx.run, settings, ctx.workdir)
         vec_fn = vectors_lib.make_vector_fn(
             ctx.run.graphdef,
@@ -362,7 +369,7 @@ class GradientRetriever(Retriever):
         ctx, ms, run = self.ctx, self.settings, self.ctx.run
         if self.method.rerank_k:  # K exact gradients per query: an offline stage
             raise NotServed("two-stage reranking is not served (launch.retrieve with retrieval.rerank_k)")
-        path = build_lib.index_dir(ms, ctx.workdir)
+        path = build_lib.index_dir(ms.index, ctx.workdir)
         if not (path / "manifest.json").is_file():
             raise NotServed(f"no index at {path}")
         reader = retrieval_stage.open_checked_index(run, ms, ctx.workdir)

@@ -18,7 +18,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import multihost
@@ -33,23 +32,50 @@ from trackstar_jax.training import logs
 # makes the others fail at once; this bounds a silent hang).
 SYNC_TIMEOUT_S = 4 * 3600
 
+# How each key of the sections an index is featurized with (`model`, `vectors`) enters the
+# index's manifest (`index_manifest`): IDENTITY keys are its identity (a reader and a resume
+# must match them), FEATURIZER keys are recorded for a resume only (under `featurizer`), OTHER
+# keys never. The other sections reach an index only through the run or apply after it
+# (`config.INDEX_SECTIONS`). tests/test_index_identity.py fails on an unclassified key, so a
+# new knob cannot change (or miss) the identity silently.
+IDENTITY, FEATURIZER, OTHER = "identity", "featurizer", "other"
+_MODEL_SHAPE = (
+    "vocab_size", "num_layers", "embed_dim", "num_heads", "head_dim", "mlp_dim", "max_len", "tie_embeddings",
+    "norm", "rope_base", "dtype", "param_dtype", "arch", "num_kv_heads", "norm_eps", "norm_bias", "rotary_pct",
+    "qkv_bias", "out_bias", "mlp_bias", "parallel_residual", "activation",
+)  # fmt: skip
+INDEX_KEYS = {
+    **{f"model.{k}": IDENTITY for k in _MODEL_SHAPE},
+    "model.source": IDENTITY,  # where the weights came from (left out when "": pretrained runs' manifests predate it)
+    "model.matmul_dtype": FEATURIZER,  # changes the rows' bits, not what they are (recorded when set)
+    "model.remat": OTHER,  # the same results, recomputed
+    "vectors.output_fn": IDENTITY,
+    "vectors.num_blocks": IDENTITY,
+    "vectors.proj_dim": IDENTITY,
+    "vectors.proj_seed": IDENTITY,
+    "vectors.correction": IDENTITY,
+    "vectors.path": IDENTITY,
+    "vectors.exact_v": IDENTITY,
+    "vectors.unembed": IDENTITY,  # (left out for tied models: no output embedding of their own)
+    "vectors.batch_size": FEATURIZER,
+    "vectors.matmul_precision": FEATURIZER,  # the GEMMs' precision: the rows' bits (recorded when not float32)
+    "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
+    "vectors.estimate_v_seed": OTHER,
+}
 
-def index_dir(settings: config_lib.Settings, workdir: str | os.PathLike) -> pathlib.Path:
-    """Where the index of these settings lives: `workdir/<index.dir>` (default `index`).
+
+def index_dir(index: store_lib.IndexSettings, workdir: str | os.PathLike) -> pathlib.Path:
+    """Where the index of `index` (`config.index`) lives: `workdir/<index.dir>` (default `index`).
 
     Use a separate `index.dir` per vector setting (e.g. `index_nocorr` for correction off);
     R and unit-norm ablations reuse one index (they apply at scoring time).
     """
-    return pathlib.Path(workdir) / settings.index.dir
+    return pathlib.Path(workdir) / index.dir
 
 
 def _identity_keys(section: str, values: Any) -> dict:
-    """The fields of a `model` / `vectors` section that define an index (`config.INDEX_KEYS`)."""
-    return {
-        k: v
-        for k, v in dataclasses.asdict(values).items()
-        if config_lib.INDEX_KEYS[f"{section}.{k}"] == config_lib.IDENTITY
-    }
+    """The fields of a `model` / `vectors` section that define an index (`INDEX_KEYS`)."""
+    return {k: v for k, v in dataclasses.asdict(values).items() if INDEX_KEYS[f"{section}.{k}"] == IDENTITY}
 
 
 def index_manifest(
@@ -97,10 +123,12 @@ def index_manifest(
     )
 
 
-def expected_identity(run: checkpoint_lib.Run, settings: config_lib.Settings, dim: int) -> dict:
-    """Manifest sections an index must match for queries featurized by `run` under `settings`
+def expected_identity(
+    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig, dim: int
+) -> dict:
+    """Manifest sections an index must match for queries featurized by `run` under `vec_cfg`
     (model weights + optimizer state fingerprint, vector settings, corpus)."""
-    m = index_manifest(run, settings.vectors, settings.index.storage, dim)
+    m = index_manifest(run, vec_cfg, storage, dim)
     return {section: m[section] for section in ("model", "vectors", "corpus")}
 
 
@@ -134,36 +162,40 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     return rows_fn
 
 
-def index_mesh(settings: config_lib.Settings) -> jax.sharding.Mesh:
-    """The mesh an index is featurized on: `settings.mesh.shape` over this process's devices
+def index_mesh(mesh_shape: tuple[int, ...], batch_size: int) -> jax.sharding.Mesh:
+    """The mesh an index is featurized on: `mesh_shape` (`config.mesh.shape`) over this process's devices
     (per-example vectors need no communication, so on a pod each host is an independent
     writer; in a single process these are all devices).
 
     Raises:
-      config.ConfigError: `vectors.batch_size` cannot be split over the mesh (names the knob).
+      config.ConfigError: `batch_size` (`config.vectors.batch_size`) cannot be split over the
+        mesh (names the knob).
     """
-    mesh = sharding_lib.make_mesh(settings.mesh.shape, devices=jax.local_devices())
-    bad_split = sharding_lib.batch_split_error(settings.vectors.batch_size, mesh, "config.vectors.batch_size")
+    mesh = sharding_lib.make_mesh(mesh_shape, devices=jax.local_devices())
+    bad_split = sharding_lib.batch_split_error(batch_size, mesh, "config.vectors.batch_size")
     if bad_split:
-        raise config_lib.ConfigError(bad_split)
+        raise files.ConfigError(bad_split)
     return mesh
 
 
 def build_from_run(
     run: checkpoint_lib.Run,
-    settings: config_lib.Settings,
+    vec_cfg: vectors_lib.VectorConfig,
+    index: store_lib.IndexSettings,
     workdir: str | os.PathLike,
     *,
+    mesh_shape: tuple[int, ...],
     mesh: jax.sharding.Mesh | None = None,
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
 ) -> dict:
-    """Stage 2's work on a loaded run: featurize every example of `run.corpus` into the index of
-    `settings` (§3, §A.1.3), or reuse it when it is finished.
+    """Stage 2's work on a loaded run: featurize every example of `run.corpus` under `vec_cfg`
+    (`config.vectors`) into the index `index` (`config.index`) (§3, §A.1.3), or reuse it when
+    it is finished.
 
-    The caller has checked `run` against `settings` (`stages.open_run`); the run's vector,
-    index and Hessian settings may differ from the ones it was opened with (a table row's
+    The caller has checked `run` against its settings (`stages.open_run`); the vector and
+    index settings may differ from the ones it was opened with (a table row's
     `method_settings`). A finished index (`COMPLETE`) is checked against the manifest and
     reused without compiling the featurize step.
 
@@ -180,8 +212,10 @@ def build_from_run(
 
     Args:
       run: the loaded run (its checkpoint is the index's).
-      settings: the index's settings (`vectors`, `index`).
+      vec_cfg: the vectors' settings (`config.vectors`).
+      index: where and how the index is stored (`config.index`).
       workdir: the run directory.
+      mesh_shape: `config.mesh.shape`, over this process's devices (`index_mesh`).
       mesh: the mesh `run`'s arrays are on; when it spans several processes (a pod's
         evaluation) the run is loaded again onto this process's devices.
 
@@ -189,11 +223,11 @@ def build_from_run(
       Summary (also written to `index/build_summary-pXXXX.json`): rows, examples/s, tokens/s,
       write_fraction, bytes per example.
     """
-    path = index_dir(settings, workdir)
-    vec_cfg, storage = settings.vectors, settings.index.storage
+    path = index_dir(index, workdir)
+    storage = index.storage
     process_index, process_count = multihost.writer_partition(process_index, process_count)
     spmd = multihost.is_multiprocess()
-    local = index_mesh(settings)
+    local = index_mesh(mesh_shape, vec_cfg.batch_size)
     if mesh is not None and mesh.is_multi_process:  # its arrays span processes; a writer needs its own copy
         run = checkpoint_lib.reload(run, mesh=local)
     finished = (path / "COMPLETE").exists()

@@ -35,6 +35,7 @@ property of the index (vectors section of the config, recorded in its manifest).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -42,11 +43,53 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from trackstar_jax import config as config_lib
+HESSIAN_MODES = ("none", "train", "mixed")
+R_EVAL_SOURCES = ("queries", "task_prompts")
 
-# The section's type lives in config (the bottom of the roles)
-HessianConfig = config_lib.HessianConfig
-HESSIAN_MODES, R_EVAL_SOURCES = config_lib.HESSIAN_MODES, config_lib.R_EVAL_SOURCES
+
+@dataclasses.dataclass(frozen=True)
+class HessianConfig:
+    """How R and the unit norm are applied at scoring time (config section `hessian`).
+
+    Attributes:
+      mode: "none" (R = I), "train" (R_train), "mixed" (λ R_eval + (1-λ) R_train).
+      mix_lambda: λ in [0, 1]; a negative value chooses λ automatically (§A.1.3).
+      lambda_component_fraction: the crossing component as a fraction of d (paper: 1000/65536).
+      damping: relative eigenvalue floor of R^{-1/2}: eigenvalues below `damping * max eig`
+        (over all blocks) are raised to that floor, so directions with (almost) no variance are
+        amplified at most `1/sqrt(damping)` times more than the strongest one.
+      unit_norm: unit-normalise R^{-1/2}Φ (TrackStar); False for the un-normalised ablations.
+      r_eval_source: where R_eval's gradients come from: "queries" (the evaluated queries) or
+        "task_prompts" (§A.1.3 "any set of examples": the queries plus prompts of other facts
+        of the same relations, rendered with the same template, up to `r_eval_prompts` in all).
+      r_eval_prompts: size of the task-prompt set (source "task_prompts"; > 0).
+    """
+
+    mode: str = "mixed"
+    mix_lambda: float = -1.0
+    lambda_component_fraction: float = 1000 / 65536
+    damping: float = 1e-6
+    unit_norm: bool = True
+    r_eval_source: str = "queries"
+    r_eval_prompts: int = 0
+
+    def __post_init__(self):
+        if self.mode not in HESSIAN_MODES:
+            raise ValueError(f"hessian.mode must be one of {HESSIAN_MODES}, got {self.mode!r}")
+        if self.mix_lambda > 1.0:
+            raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
+        if not 0.0 < self.lambda_component_fraction <= 1.0:
+            raise ValueError(
+                f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}"
+            )
+        if not 0.0 <= self.damping < 1.0:
+            raise ValueError(f"hessian.damping must be in [0, 1), got {self.damping}")
+        if self.r_eval_source not in R_EVAL_SOURCES:
+            raise ValueError(f"hessian.r_eval_source must be one of {R_EVAL_SOURCES}, got {self.r_eval_source!r}")
+        if self.r_eval_source == "task_prompts" and self.r_eval_prompts <= 0:
+            raise ValueError(
+                f"hessian.r_eval_source='task_prompts' needs hessian.r_eval_prompts > 0, got {self.r_eval_prompts}"
+            )
 
 
 # ------------------------------------------------------------------------------------------

@@ -72,7 +72,6 @@ except ImportError:  # reads then go through tensorstore
     google_crc32c = None
 
 import trackstar_jax
-from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
@@ -85,8 +84,62 @@ _OLD_FORMATS = {
     "files would pass)",
 }
 CHUNK_TABLE = "chunks.json"
-# The `index` section's type lives in config (the bottom of the roles)
-StorageConfig, STORAGE_DTYPES, flatten = config_lib.StorageConfig, config_lib.STORAGE_DTYPES, config_lib.flatten
+STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class StorageConfig:
+    """Storage part of the manifest (config section `index`).
+
+    Attributes:
+      dtype: "float32" | "bfloat16" | "float16" | "int8" (per-row absmax scale).
+      chunk_rows: rows per zarr chunk: the unit of reads, writes and resumable progress.
+      r_every_chunks: chunks per R_train segment (the running sum is saved once per segment);
+        0 = automatic (saving R costs <= 2% of the segment's vector bytes).
+    """
+
+    dtype: str = "bfloat16"
+    chunk_rows: int = 1024
+    r_every_chunks: int = 0
+
+    def __post_init__(self):
+        if self.dtype not in STORAGE_DTYPES:
+            raise ValueError(f"index.dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
+        if self.chunk_rows <= 0:
+            raise ValueError(f"index.chunk_rows must be positive, got {self.chunk_rows}")
+        if self.r_every_chunks < 0:
+            raise ValueError(f"index.r_every_chunks must be >= 0, got {self.r_every_chunks}")
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"a.b.c": value}."""
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping) and v:
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexSettings(StorageConfig):
+    """`config.index`: storage (`StorageConfig`) plus `dir`, the index's folder in the workdir."""
+
+    dir: str = "index"
+
+    def __post_init__(self):
+        super().__post_init__()  # dtype / chunk_rows / r_every_chunks
+        if not self.dir or pathlib.Path(self.dir).name != self.dir or self.dir.startswith("."):
+            raise ValueError(f"index.dir must be a plain folder name inside the workdir, got {self.dir!r}")
+
+    @property
+    def storage(self) -> StorageConfig:
+        """The storage keys alone (what an index's manifest records)."""
+        return StorageConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StorageConfig)})
+
+
 NP_DTYPES = {
     "float32": np.dtype(np.float32),
     "bfloat16": np.dtype(ml_dtypes.bfloat16),

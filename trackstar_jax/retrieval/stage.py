@@ -167,10 +167,12 @@ def open_checked_index(
 ) -> store_lib.IndexReader:
     """The index of `settings`, refused (naming the manifest field) unless it was built from
     this run's model, optimizer state, vector settings and corpus."""
-    path = build_lib.index_dir(settings, workdir)
+    path = build_lib.index_dir(settings.index, workdir)
     if not (path / "manifest.json").exists():
         raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
-    reader = store_lib.open_index(path, expect=build_lib.expected_identity(run, settings, settings.vectors.dim))
+    reader = store_lib.open_index(
+        path, expect=build_lib.expected_identity(run, settings.vectors, settings.index.storage, settings.vectors.dim)
+    )
     if reader.dtype_name != settings.index.dtype:  # storage is not part of the identity, but the user asked for it
         raise store_lib.IndexMismatchError(
             f"config.index.dtype={settings.index.dtype!r}, but the index at {path} stores {reader.dtype_name!r}: pass "

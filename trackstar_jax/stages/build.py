@@ -35,12 +35,16 @@ def build_index(
       write_fraction, bytes per example.
     """
     logs.quiet_library_logs()
-    mesh = build_lib.index_mesh(settings)  # a batch the devices cannot split is refused before loading
+    mesh = build_lib.index_mesh(
+        settings.mesh.shape, settings.vectors.batch_size
+    )  # a batch the devices cannot split is refused before loading
     loaded = run_lib.open_run(settings, workdir, step=step, mesh=mesh)
     return build_lib.build_from_run(
         loaded.run,
-        settings,
+        settings.vectors,
+        settings.index,
         workdir,
+        mesh_shape=settings.mesh.shape,
         mesh=mesh,
         process_index=process_index,
         process_count=process_count,
