@@ -17,21 +17,21 @@ PACKAGE = "trackstar_jax"
 
 # Bottom to top. A package (a sub-package, or a top-level module such as `config.py`) imports
 # only the packages of lower layers; packages in one layer do not import each other.
-# `config` sits above the roles whose section types it holds (models, data, features, training,
-# index) and below the roles that still read the whole `config.Settings`; `stages` (the stage
-# entry points and `open_run`) sits above every role.
+# `config` is the composition root: it sits above every role (each owns its section's type,
+# which config re-exports and composes into `Settings`), below the planner and the stages.
 LAYERS = (
-    ("files",),  # atomic files, workdir locks
+    ("files",),  # atomic files, workdir locks, ConfigError
     ("distributed",),  # mesh, shardings, runtime, multi-host steps (its stage lock: files)
     ("data",),  # corpora, tokenizers, batches (token ids: data.tokenizer)
     ("models",),  # the LM family, HF / GGUF loaders
     ("features", "methods"),  # gradient vectors; the table's row presets
     ("training",),  # step, loop, checkpoints, a released model's loading
     ("index",),  # store, builder, R, scoring
-    ("config",),  # the typed settings
-    ("retrieval",),  # exact top-k, the retrieve stage
-    ("evaluation",),  # queries, metrics, tail-patch, LDS
-    ("serving", "plan"),  # the explorer; the resource planner
+    ("retrieval",),  # exact top-k, the retrieve stage's work
+    ("evaluation",),  # queries, metrics, tail-patch, row kinds, LDS
+    ("serving",),  # the explorer
+    ("config",),  # the typed settings: the composition root
+    ("plan",),  # the resource planner
     ("stages",),  # the stage entry points, `open_run`
 )
 LAYER_OF = {pkg: i for i, layer in enumerate(LAYERS) for pkg in layer}

@@ -499,7 +499,7 @@ def test_retrieve_manifest_says_where_the_time_went(trained_run, monkeypatch):
     def no_reload(*args, **kwargs):
         raise AssertionError("the run was loaded again")
 
-    monkeypatch.setattr(checkpoint, "load_run", no_reload)
+    monkeypatch.setattr(checkpoint, "restore_state", no_reload)
     again = stages.retrieve(settings.replace({"retrieval.overwrite": True}), workdir, loaded=loaded)
     assert again["num_queries"] == man["num_queries"] and sum(again["seconds_by_part"].values()) <= again["seconds"]
 

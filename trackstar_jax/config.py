@@ -12,13 +12,16 @@ config came from:
 
 The roles below config own the type of their section and validate it: `LMConfig` (models),
 `DataConfig` and `CandidateConfig` (data), `VectorConfig` (features), `OptimizerConfig` and
-`TrainSettings` (training), `HessianConfig`, `StorageConfig` and `IndexSettings` (index); they are
-re-exported here under the same names (one type each). A section that extends a role's type
-(`TrainSettings` the optimizer's, `IndexSettings` the storage's) inherits its fields: one list of
-keys. The sections only the roles above config read (mesh, retrieval, eval, tail-patch,
-validate) are defined here until those roles take sections too (BUILD_NOTES §1).
-`to_dict(settings)` gives back the nested dict a
-ConfigDict would, so run directories written before the typed config still load.
+`TrainSettings` (training), `HessianConfig`, `StorageConfig` and `IndexSettings` (index),
+`RetrievalSettings` (retrieval), `EvalSettings`, `TailpatchSettings` and `ValidateSettings`
+(evaluation), `MeshSettings` (distributed); they are re-exported here under the same names (one
+type each). Config is the composition root: it imports the roles' section types, no role imports
+it. The roles that read several sections of one object type it by a `Protocol` of what they
+read (`retrieval.stage.RowSettings`, `evaluation.settings.TableSettings`), which `Settings`
+satisfies. A section that extends a role's type (`TrainSettings` the optimizer's,
+`IndexSettings` the storage's) inherits its fields: one list of keys. `to_dict(settings)` gives
+back the nested dict a ConfigDict would, so run directories written before the typed config
+still load.
 """
 
 from __future__ import annotations
@@ -38,12 +41,13 @@ from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.data import candidates as candidates_lib
 from trackstar_jax.data import corpus as data_lib
-from trackstar_jax.distributed import runtime
+from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import settings as eval_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.models import lm as model_lib
-from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.retrieval import stage as retrieval_lib
 from trackstar_jax.training import step as step_lib
 
 CONFIG_FILE = "config.json"  # the run directory's resolved config
@@ -51,20 +55,7 @@ CONFIG_FILE = "config.json"  # the run directory's resolved config
 # Sections a run is defined by: a checkpoint (or an existing workdir) is refused when any of
 # these differ. Other sections (vectors, index, retrieval, eval, ...) belong to later stages.
 RUN_SECTIONS = ("seed", "model", "data")
-# train keys that may change on resume (longer training, other cadences); all other train
-# keys (optimizer, batch size) must match.
-RESUMABLE_TRAIN_KEYS = (
-    "num_steps",
-    "log_every_steps",
-    "eval_every_steps",
-    "num_eval_batches",
-    "checkpoint_every_steps",
-    "max_checkpoints_to_keep",
-    "num_completions",
-    "max_new_tokens",
-)
-QUERY_MODES = ("gold", "prediction")
-PAPER_INCORRECT_PER_BUCKET = 100 / 1000  # §A.4: at most 100 wrong facts among 1000 per bucket
+RESUMABLE_TRAIN_KEYS = step_lib.RESUMABLE_TRAIN_KEYS  # train keys that may change on resume (training/step.py)
 # Keys of the run sections that change how a step is computed, not what it computes: never
 # compared with a run's config.json (e.g. rematerialise to fit a larger batch when featurizing).
 RUNTIME_KEYS = ("model.remat", "model.matmul_dtype")
@@ -94,7 +85,7 @@ ConfigError = files.ConfigError  # raised by the roles too (files.py, the bottom
 # Section types the role packages own (re-exported: one type each)
 # ---------------------------------------------------------------------------------------
 
-OptimizerConfig, TrainSettings = step_lib.OptimizerConfig, loop_lib.TrainSettings  # `config.train` (training/)
+OptimizerConfig, TrainSettings = step_lib.OptimizerConfig, step_lib.TrainSettings  # `config.train` (training/)
 HessianConfig, HESSIAN_MODES, R_EVAL_SOURCES = (
     hessian_lib.HessianConfig,
     hessian_lib.HESSIAN_MODES,
@@ -106,175 +97,18 @@ StorageConfig, STORAGE_DTYPES, IndexSettings = (
     store_lib.IndexSettings,
 )
 flatten = store_lib.flatten
+MeshSettings, RetrievalSettings = sharding_lib.MeshSettings, retrieval_lib.RetrievalSettings
+EvalSettings, TailpatchSettings, ValidateSettings = (
+    eval_lib.EvalSettings,
+    eval_lib.TailpatchSettings,
+    eval_lib.ValidateSettings,
+)
+QUERY_MODES, PAPER_INCORRECT_PER_BUCKET = eval_lib.QUERY_MODES, eval_lib.PAPER_INCORRECT_PER_BUCKET
 
 
 # ---------------------------------------------------------------------------------------
 # Sections read only by the stages
 # ---------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshSettings:
-    """`config.mesh`: `shape` (data, fsdp, tensor); -1 = all remaining devices."""
-
-    shape: tuple[int, ...] = (-1, 1, 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class RetrievalSettings:
-    """`config.retrieval` (see experiments/base.py for the meaning of each key)."""
-
-    top_k: int = 10
-    query_batch_size: int = 64
-    read_chunk_rows: int = 65_536
-    queries: str = ""
-    output: str = ""
-    overwrite: bool = False
-    token_scores: bool = False
-    rerank_k: int = 0
-    precision: str = "float32"
-
-    def __post_init__(self):
-        if self.precision not in runtime.MATMUL_PRECISIONS:
-            raise ValueError(
-                f"retrieval.precision must be one of {tuple(runtime.MATMUL_PRECISIONS)}, got {self.precision!r}"
-            )
-        for key in ("top_k", "query_batch_size", "read_chunk_rows"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"retrieval.{key} must be >= 1, got {getattr(self, key)}")
-        if self.rerank_k < 0:
-            raise ValueError(f"retrieval.rerank_k must be >= 0 (0 = no reranking), got {self.rerank_k}")
-        if self.output and (pathlib.Path(self.output).name != self.output or self.output.startswith(".")):
-            raise ValueError(f"retrieval.output must be a plain file name stem, got {self.output!r}")
-
-
-@dataclasses.dataclass(frozen=True)
-class EvalSettings:
-    """`config.eval` (§4, §A.4; see experiments/base.py)."""
-
-    query_mode: str = "gold"
-    template_variant: int = 0
-    max_queries: int = 0
-    methods: tuple[str, ...] = ("trackstar",)
-    relations: str = ""
-    lama_dir: str = ""
-    pararel_dir: str = ""
-    num_proponents: int = 10
-    max_per_bucket: int = 1000
-    max_per_relation_target_per_bucket: int = 25
-    max_per_relation_target: int = 100
-    max_incorrect_per_bucket: int = -1  # §A.4: -1 = the paper's ratio (100 of 1000) of max_per_bucket; 0 = no cap
-    bucket_edges: tuple[int, ...] = (1, 10, 100, 1_000, 10_000, 100_000)
-    include_unmentioned: bool = False
-    max_new_tokens: int = 8
-    bm25_k1: float = 1.2
-    bm25_b: float = 0.75
-    bootstrap_seed: int = 0
-    num_examples_shown: int = 3
-    output_dir: str = ""
-    row: str = ""  # one table row (a name in methods.METHODS): its settings apply to every stage
-    optional_methods: tuple[str, ...] = ()  # rows skipped (with a warning) when their model is not installed
-    completion_batch_size: int = 64  # prompts per greedy-completion batch (one compiled shape)
-
-    def __post_init__(self):
-        if self.query_mode not in QUERY_MODES:
-            raise ValueError(f"eval.query_mode must be one of {QUERY_MODES}, got {self.query_mode!r}")
-        if not self.methods:
-            raise ValueError("eval.methods is empty: name at least one row (e.g. 'bm25', 'trackstar')")
-        edges = self.bucket_edges
-        if not edges or list(edges) != sorted(set(edges)) or edges[0] < 1:
-            raise ValueError(f"eval.bucket_edges must be increasing positive integers, got {edges}")
-        if self.num_proponents < 1:
-            raise ValueError(f"eval.num_proponents must be >= 1, got {self.num_proponents}")
-        if self.max_incorrect_per_bucket < -1:
-            raise ValueError(
-                f"eval.max_incorrect_per_bucket must be -1 (the paper's ratio), 0 (no cap) or a cap, "
-                f"got {self.max_incorrect_per_bucket}"
-            )
-        if self.output_dir and (
-            pathlib.Path(self.output_dir).name != self.output_dir or self.output_dir.startswith(".")
-        ):
-            raise ValueError(f"eval.output_dir must be a plain folder name inside the workdir, got {self.output_dir!r}")
-
-    @property
-    def incorrect_cap(self) -> int:
-        """The per-bucket cap on facts the model gets wrong (0 = none).
-
-        §A.4 samples up to 1000 facts per bucket and at most 100 of them wrong under all three
-        models; -1 keeps that ratio for any `max_per_bucket` (at least 1).
-        """
-        if self.max_incorrect_per_bucket >= 0:
-            return self.max_incorrect_per_bucket
-        return max(1, round(self.max_per_bucket * PAPER_INCORRECT_PER_BUCKET))
-
-    @property
-    def relation_list(self) -> tuple[str, ...]:
-        """`relations` split on commas ("" = every relation of the corpus)."""
-        return tuple(r.strip() for r in self.relations.split(",") if r.strip())
-
-
-TAILPATCH_STEPS = ("lowrank", "dense")
-
-
-@dataclasses.dataclass(frozen=True)
-class TailpatchSettings:
-    """`config.tailpatch` (§4.3)."""
-
-    top_ks: tuple[int, ...] = (1, 3, 5, 10)
-    learning_rate: float = -1.0  # < 0: the schedule's value at the final step
-    batch_size: int = 16  # proponents per vmapped step
-    step: str = "lowrank"  # "lowrank": exact, per-layer factors (evaluation/lowrank.py); "dense": the reference
-    queries_per_step: int = 8  # queries measured under each proponent's patched parameters (pairs share its step)
-    max_queries: int = 0  # tail-patch a seeded subset of this many queries (0 = every query)
-    methods: tuple[str, ...] = ()  # rows tail-patched (() = every row); the others get no tail-patch column
-    checkpoint_steps: tuple[int, ...] = ()  # also TrackStar's MRR and tail-patch@10 at these checkpoints (Fig. 2 right)
-
-    def __post_init__(self):
-        if not self.top_ks or min(self.top_ks) < 1:
-            raise ValueError(f"tailpatch.top_ks must be positive integers, got {self.top_ks}")
-        if self.batch_size < 1:
-            raise ValueError(f"tailpatch.batch_size must be >= 1, got {self.batch_size}")
-        if self.queries_per_step < 1:
-            raise ValueError(f"tailpatch.queries_per_step must be >= 1, got {self.queries_per_step}")
-        if self.step not in TAILPATCH_STEPS:
-            raise ValueError(f"tailpatch.step must be one of {TAILPATCH_STEPS}, got {self.step!r}")
-        if self.max_queries < 0:
-            raise ValueError(f"tailpatch.max_queries must be >= 0, got {self.max_queries}")
-        for name in self.methods:
-            if name not in methods_lib.METHODS:
-                raise ValueError(f"tailpatch.methods: unknown row {name!r} (known: {', '.join(methods_lib.METHODS)})")
-        if any(s < 0 for s in self.checkpoint_steps):
-            raise ValueError(f"tailpatch.checkpoint_steps must be checkpoint steps >= 0, got {self.checkpoint_steps}")
-
-
-@dataclasses.dataclass(frozen=True)
-class ValidateSettings:
-    """`config.validate`: the linear datamodeling score (TRAK, Park et al. 2023; see evaluation/lds.py)."""
-
-    num_subsets: int = 50  # M retrained subsets (TRAK uses M >= 50)
-    fraction: float = 0.5  # alpha: each subset holds round(alpha * N) of the N training examples
-    seed: int = 0  # subset i is drawn from (seed, i) alone, so a larger M reuses subsets 0..M-1
-    num_steps: int = 0  # retraining steps per subset (0 = train.num_steps)
-    methods: tuple[str, ...] = ("trackstar", "bm25")  # rows scored (names in methods.METHODS)
-    num_queries: int = 0  # queries (eval.max_queries for the LDS query set; 0 = eval.max_queries as set)
-    parallel_subsets: int = 1  # K subsets retrained side by side in one program (vmap; single device); 1 = sharded loop
-
-    def __post_init__(self):
-        if self.parallel_subsets < 1:
-            raise ValueError(f"validate.parallel_subsets must be >= 1, got {self.parallel_subsets}")
-        if self.num_subsets < 2:
-            raise ValueError(f"validate.num_subsets must be >= 2 (a correlation over subsets), got {self.num_subsets}")
-        if not 0.0 < self.fraction < 1.0:
-            raise ValueError(f"validate.fraction must be in (0, 1), got {self.fraction}")
-        if self.num_steps < 0 or self.num_queries < 0:
-            raise ValueError(
-                f"validate.num_steps and validate.num_queries must be >= 0, got {self.num_steps}, {self.num_queries}"
-            )
-        if not self.methods:
-            raise ValueError("validate.methods is empty: name at least one row (e.g. 'trackstar', 'bm25')")
-        for name in self.methods:
-            if name not in methods_lib.METHODS:
-                raise ValueError(f"validate.methods: unknown row {name!r} (known: {', '.join(methods_lib.METHODS)})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,6 +149,15 @@ class Settings:
                 raise ConfigError(f"unknown config key config.{key}")
             node[leaf] = value
         return from_dict(d, source=self.source)
+
+    def to_dict(self) -> dict:
+        """`to_dict(self)`: the nested dict a ConfigDict would give (what a run records)."""
+        return to_dict(self)
+
+    def differences(self, saved: Mapping[str, Any], sections: Sequence[str], ignore: Sequence[str] = ()) -> list[str]:
+        """`mismatches(saved, self, sections, ignore)`: the keys of `sections` where a recorded
+        config differs from these settings."""
+        return mismatches(saved, self, sections=sections, ignore=ignore)
 
 
 # ---------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ to Explicit axes on jax >= 0.10, which changes how top_k and reshard behave).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Sequence
 
 import jax
@@ -31,6 +32,13 @@ LOGICAL_AXIS_RULES = (
     ("length", None),
     ("proj", None),
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSettings:
+    """`config.mesh`: `shape` (data, fsdp, tensor); -1 = all remaining devices."""
+
+    shape: tuple[int, ...] = (-1, 1, 1)
 
 
 def make_mesh(

@@ -1,5 +1,8 @@
 """Evaluation: the fact-tracing table (§4-5) and stage 4.
 
+- `settings`: the `eval`, `tailpatch` and `validate` section types, and `TableSettings`, what
+  the evaluation reads of the composed config (a `Protocol` that `config.Settings` satisfies).
+
 - `queries`: fact queries from templates, §A.4 sampling, frequency buckets.
 - `query_set`: the run's facts -> the encoded query set with the model's completions.
 - `rows`: the row-kind registry (`register(RowKind(...))`: gold, BM25, dense, gradient), one

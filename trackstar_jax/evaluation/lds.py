@@ -29,7 +29,6 @@ from typing import Sequence
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.evaluation import claims as claims_lib
@@ -38,8 +37,10 @@ from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import report as report_lib
 from trackstar_jax.evaluation import retrain as retrain_lib
 from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
+from trackstar_jax.training import step as step_lib
 
 LDS_JSON, LDS_MD = "lds.json", "lds.md"
 
@@ -208,7 +209,7 @@ def method_scores(ctx: rows_lib.Context, method: methods_lib.Method, eq: query_s
 
 
 def _manifest(
-    settings: config_lib.Settings, run: checkpoint_lib.Run, eq: query_set.EvalQueries, num_steps: int
+    settings: settings_lib.TableSettings, run: checkpoint_lib.Run, eq: query_set.EvalQueries, num_steps: int
 ) -> dict:
     """What the cached subsets depend on (flat keys; compared field by field on a rerun)."""
     v = settings.validate
@@ -224,8 +225,8 @@ def _manifest(
         "num_queries": len(queries),
     }
     for sec in ("seed", "model", "train"):
-        out.update(store_lib.flatten({sec: config_lib.to_dict(settings)[sec]}))
-    for k in config_lib.RESUMABLE_TRAIN_KEYS:  # cadences and completions do not change a retrained model
+        out.update(store_lib.flatten({sec: settings.to_dict()[sec]}))
+    for k in step_lib.RESUMABLE_TRAIN_KEYS:  # cadences and completions do not change a retrained model
         if k != "num_steps":
             out.pop(f"train.{k}", None)
     return json.loads(json.dumps(out))
@@ -247,14 +248,14 @@ def check_manifest(workdir: pathlib.Path, want: dict) -> None:
         if saved.get(k) != want.get(k)
     ]
     if bad:
-        raise config_lib.ConfigError(
+        raise files.ConfigError(
             f"{path.parent} holds subsets retrained for another corpus or config: "
             + "; ".join(bad)
             + f" (use another workdir or remove {path.parent})"
         )
 
 
-def check_settings(settings: config_lib.Settings) -> config_lib.Settings:
+def check_settings(settings: settings_lib.TableSettings) -> settings_lib.TableSettings:
     """The settings the LDS runs with (`validate.num_queries` as `eval.max_queries`), refused
     before any work when the candidates are not the training examples.
 
@@ -262,7 +263,7 @@ def check_settings(settings: config_lib.Settings) -> config_lib.Settings:
       config.ConfigError: `candidates.passages` is not "all".
     """
     if settings.candidates.passages != "all":  # subsets are drawn over the training examples
-        raise config_lib.ConfigError(
+        raise files.ConfigError(
             f"config.candidates.passages={settings.candidates.passages!r}: the LDS retrains on subsets of the "
             "training examples and scores those same examples; use candidates.passages='all'"
         )
@@ -363,7 +364,7 @@ def paired_to_reference(rows: Sequence[dict], reference: str = PAIRED_REFERENCE,
         r[f"vs_{reference}"] = {"diff": iv.mean, "diff_ci": [iv.lo, iv.hi], "n": iv.n}
 
 
-def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
+def markdown(rows: Sequence[dict], v: settings_lib.ValidateSettings, num_steps: int, num_queries: int) -> str:
     """The LDS table: method, LDS [95% CI], M, alpha, queries (scored / left out)."""
     title = (
         f"## Linear datamodeling score (M={v.num_subsets}, alpha={v.fraction}, {num_steps} retraining steps, "
@@ -412,7 +413,7 @@ def markdown(rows: Sequence[dict], v: config_lib.ValidateSettings, num_steps: in
 def write_report(
     out_dir: pathlib.Path,
     rows: Sequence[dict],
-    v: config_lib.ValidateSettings,
+    v: settings_lib.ValidateSettings,
     num_steps: int,
     num_queries: int,
     seconds: float,

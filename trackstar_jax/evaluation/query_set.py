@@ -10,9 +10,10 @@ import pathlib
 
 import numpy as np
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
+from trackstar_jax import files
 from trackstar_jax.evaluation import queries as queries_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint as checkpoint_lib
 
@@ -68,7 +69,7 @@ class EvalQueries:
         ]
 
 
-def selection_config(settings: config_lib.Settings) -> queries_lib.SelectionConfig:
+def selection_config(settings: settings_lib.TableSettings) -> queries_lib.SelectionConfig:
     """§A.4 sampling settings from `config.eval`."""
     e = settings.eval
     return queries_lib.SelectionConfig(
@@ -82,7 +83,9 @@ def selection_config(settings: config_lib.Settings) -> queries_lib.SelectionConf
     )
 
 
-def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relations: list[str]) -> dict[str, list[str]]:
+def eval_templates(
+    run: checkpoint_lib.Run, ev: settings_lib.EvalSettings, relations: list[str]
+) -> dict[str, list[str]]:
     """The corpus's own templates (embedded source; LAMA with templated statements) or, for a
     LAMA corpus without them, `data.templates.load` (paper style, LAMA / ParaRel, subject inside)."""
     if run.corpus.templates:
@@ -92,7 +95,7 @@ def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relatio
         return {k: list(v) for k, v in run.corpus.templates.items()}
     lama = ev.lama_dir or run.data.path
     if not lama:
-        raise config_lib.ConfigError(
+        raise files.ConfigError(
             "the corpus has no prompt templates: set config.eval.lama_dir to a folder with LAMA relations.jsonl"
         )
     root = pathlib.Path(lama)
@@ -103,7 +106,7 @@ def eval_templates(run: checkpoint_lib.Run, ev: config_lib.EvalSettings, relatio
     )
 
 
-def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) -> EvalQueries:
+def make_eval_queries(run: checkpoint_lib.Run, settings: settings_lib.TableSettings) -> EvalQueries:
     """Facts -> sampled, labelled, encoded queries with the model's greedy completions (§4.2, §A.4).
 
     Raises:
@@ -117,7 +120,7 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: config_lib.Settings) ->
     have = sorted({f.relation for f in corpus.facts})
     missing = [r for r in ev.relation_list if r not in have]
     if missing:
-        raise config_lib.ConfigError(
+        raise files.ConfigError(
             f"config.eval.relations {missing} have no facts in corpus {corpus.name} (it has {have})"
         )
     relations = list(ev.relation_list) or have

@@ -6,19 +6,19 @@ import json
 import os
 import pathlib
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import metrics as metrics_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.evaluation.rows import Retrieved
 from trackstar_jax.retrieval import records
 
 EVAL_DIR = "eval"
 
 
-def eval_dir(settings: config_lib.Settings, workdir: str | os.PathLike) -> pathlib.Path:
+def eval_dir(settings: settings_lib.TableSettings, workdir: str | os.PathLike) -> pathlib.Path:
     """`workdir/<eval.output_dir>` if set; else `workdir/eval` for gold targets with template 0
     and `eval_<mode>[_t<variant>]` otherwise.
 

@@ -22,10 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import loop as loop_lib
 from trackstar_jax.training import step as step_lib
@@ -80,7 +80,7 @@ def query_losses(
 
 
 def retrain_subset(
-    settings: config_lib.Settings,
+    settings: settings_lib.TableSettings,
     corpus: data_lib.Corpus,
     tok: data_lib.Tokenizer,
     mask: np.ndarray,
@@ -145,7 +145,7 @@ def _parallel_fns(
 
 
 def retrain_subsets(
-    settings: config_lib.Settings,
+    settings: settings_lib.TableSettings,
     corpus: data_lib.Corpus,
     tok: data_lib.Tokenizer,
     masks: np.ndarray,
@@ -222,12 +222,12 @@ def _check_done(workdir: str | pathlib.Path, i: int, mask: np.ndarray) -> bool:
         return False
     saved = np.load(d / "mask.npy", allow_pickle=False)
     if not np.array_equal(saved, mask):  # the manifest check makes this unreachable unless files were edited
-        raise config_lib.ConfigError(f"{d}/mask.npy differs from subset {i} as drawn now; remove {d}")
+        raise files.ConfigError(f"{d}/mask.npy differs from subset {i} as drawn now; remove {d}")
     return True
 
 
 def run_subsets(
-    settings: config_lib.Settings,
+    settings: settings_lib.TableSettings,
     workdir: str | pathlib.Path,
     ids: Sequence[int],
     masks: Sequence[np.ndarray],

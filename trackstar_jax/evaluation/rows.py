@@ -29,13 +29,13 @@ import jax
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import baselines as baselines_lib
 from trackstar_jax.evaluation import embedding as embedding_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import scoring as scoring_lib
@@ -69,7 +69,7 @@ class Context:
     """What every row may need: the typed config, the run, its directory and the mesh, and
     the state rows share (`shared`), built once per context."""
 
-    settings: config_lib.Settings
+    settings: settings_lib.TableSettings
     workdir: pathlib.Path
     run: checkpoint_lib.Run
     mesh: jax.sharding.Mesh
@@ -293,7 +293,7 @@ def _dense(method: baselines_lib.Method, ctx: Context) -> Retriever:
     return TextRetriever(lambda: ctx.shared("dense", lambda: dense_index(ctx)), ctx.mesh)
 
 
-def build_index(ctx: Context, settings: config_lib.Settings) -> dict:
+def build_index(ctx: Context, settings: settings_lib.TableSettings) -> dict:
     """Builds (or reuses) the index of a row's `settings` from the run `ctx` holds (`index.build_from_run`)."""
     return build_lib.build_from_run(
         ctx.run, settings.vectors, settings.index, ctx.workdir, mesh_shape=settings.mesh.shape, mesh=ctx.mesh
@@ -425,7 +425,7 @@ class ServedGradient(Retriever):
     `r_eval` (mode "mixed") says where R_eval came from and the λ used."""
 
     ctx: Context
-    settings: config_lib.Settings
+    settings: settings_lib.TableSettings
     reader: Any
     vec_fn: vectors_lib.VectorFn
     scoring: scoring_lib.Scoring
@@ -511,7 +511,7 @@ register(RowKind("dense", _dense, unavailable=_dense_unavailable))
 register(RowKind("gold", lambda m, ctx: GoldRetriever(ctx), gold_attribution=True))
 
 
-def method_settings(settings: config_lib.Settings, m: baselines_lib.Method) -> config_lib.Settings:
+def method_settings(settings: settings_lib.TableSettings, m: baselines_lib.Method) -> settings_lib.TableSettings:
     """`settings` with the row's vectors / hessian settings and its own index directory
     (`methods.Method.overrides`: rows that share (output_fn, correction) share an index)."""
     return settings.replace(m.overrides(settings.index.dir))

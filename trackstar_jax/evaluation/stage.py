@@ -20,7 +20,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
 from trackstar_jax.data import templates as templates_lib
@@ -33,6 +32,7 @@ from trackstar_jax.evaluation import pair_cache, query_set, report
 from trackstar_jax.evaluation import plots as plots_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.evaluation import tailpatch as tailpatch_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
@@ -40,7 +40,7 @@ from trackstar_jax.training import logs
 from trackstar_jax.training import step as step_lib
 
 
-def check_methods(settings: config_lib.Settings) -> list[baselines_lib.Method]:
+def check_methods(settings: settings_lib.TableSettings) -> list[baselines_lib.Method]:
     """The table's rows, refused before any work: an unknown name, a row whose kind cannot run on
     this machine (`rows.RowKind.unavailable`: the dense row without its model) unless the row is
     in `eval.optional_methods`, then left out with a logged warning.
@@ -73,13 +73,13 @@ def accuracy_by_relation(eq: query_set.EvalQueries) -> dict[str, dict]:
     return {k: {**v, "accuracy": v["correct"] / v["n"]} for k, v in sorted(out.items())}
 
 
-def tailpatch_order(settings: config_lib.Settings, num_queries: int) -> list[int]:
+def tailpatch_order(settings: settings_lib.TableSettings, num_queries: int) -> list[int]:
     """The seeded order in which queries are tail-patched: the subset of `n` queries is the
     first `n` of it, so a smaller `tailpatch.max_queries` reuses the cached pairs of a larger one."""
     return [int(i) for i in np.random.default_rng(settings.eval.bootstrap_seed + 17).permutation(num_queries)]
 
 
-def tailpatch_queries(settings: config_lib.Settings, num_queries: int) -> list[int]:
+def tailpatch_queries(settings: settings_lib.TableSettings, num_queries: int) -> list[int]:
     """Indices of the tail-patched queries: all, or the first `tailpatch.max_queries` of
     `tailpatch_order` (sorted; the same for every row, so rows stay paired)."""
     n = settings.tailpatch.max_queries
@@ -92,7 +92,7 @@ def tailpatch_all(
     run: checkpoint_lib.Run,
     eq: query_set.EvalQueries,
     retrieved: dict[str, rows_lib.Retrieved],
-    settings: config_lib.Settings,
+    settings: settings_lib.TableSettings,
     mesh: jax.sharding.Mesh,
     workdir: pathlib.Path | None = None,
 ) -> dict[tuple[int, int], float]:
@@ -176,18 +176,20 @@ def tailpatch_all(
 STARTED_FILE = "started.json"
 
 
-def _settings_record(settings: config_lib.Settings) -> dict:
-    return config_lib.to_dict(settings.replace({"retrieval.overwrite": False}))
+def _settings_record(settings: settings_lib.TableSettings) -> dict:
+    return settings.replace({"retrieval.overwrite": False}).to_dict()
 
 
-def _differs(saved: dict | None, settings: config_lib.Settings, what: str) -> list[str]:
+def _differs(saved: dict | None, settings: settings_lib.TableSettings, what: str) -> list[str]:
     now = _settings_record(settings)
     if saved is None:
         return [f"({what} records no settings)"]
-    return config_lib.mismatches(saved, now, sections=tuple(now), ignore=("retrieval.overwrite",))
+    return settings.replace({"retrieval.overwrite": False}).differences(
+        saved, sections=tuple(now), ignore=("retrieval.overwrite",)
+    )
 
 
-def finished(settings: config_lib.Settings, out_dir: pathlib.Path) -> dict | None:
+def finished(settings: settings_lib.TableSettings, out_dir: pathlib.Path) -> dict | None:
     """The previous evaluation in `out_dir` if it was made with these settings (it is only
     reported); None when there is none, when it is this configuration's own unfinished
     evaluation (its `started.json` records the same settings: it is redone), or when
@@ -428,7 +430,7 @@ def evaluate_run(
 
 
 def checkpoint_curve(
-    settings: config_lib.Settings, workdir: pathlib.Path, final: checkpoint_lib.Run, eq: query_set.EvalQueries
+    settings: settings_lib.TableSettings, workdir: pathlib.Path, final: checkpoint_lib.Run, eq: query_set.EvalQueries
 ) -> list[dict]:
     """TrackStar's MRR, recall@10 and tail-patch@10 at each of `tailpatch.checkpoint_steps` (Fig. 2 right).
 

@@ -16,19 +16,19 @@ import json
 import os
 import pathlib
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 import numpy as np
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
-from trackstar_jax.distributed import multihost
+from trackstar_jax.distributed import multihost, runtime
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
+from trackstar_jax.index import hessian as hessian_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
@@ -39,6 +39,54 @@ from trackstar_jax.training import logs
 
 RETRIEVAL_DIR = "retrieval"
 RETRIEVAL_FORMAT = "trackstar_jax.retrieval/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSettings:
+    """`config.retrieval` (see experiments/base.py for the meaning of each key)."""
+
+    top_k: int = 10
+    query_batch_size: int = 64
+    read_chunk_rows: int = 65_536
+    queries: str = ""
+    output: str = ""
+    overwrite: bool = False
+    token_scores: bool = False
+    rerank_k: int = 0
+    precision: str = "float32"
+
+    def __post_init__(self):
+        if self.precision not in runtime.MATMUL_PRECISIONS:
+            raise ValueError(
+                f"retrieval.precision must be one of {tuple(runtime.MATMUL_PRECISIONS)}, got {self.precision!r}"
+            )
+        for key in ("top_k", "query_batch_size", "read_chunk_rows"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"retrieval.{key} must be >= 1, got {getattr(self, key)}")
+        if self.rerank_k < 0:
+            raise ValueError(f"retrieval.rerank_k must be >= 0 (0 = no reranking), got {self.rerank_k}")
+        if self.output and (pathlib.Path(self.output).name != self.output or self.output.startswith(".")):
+            raise ValueError(f"retrieval.output must be a plain file name stem, got {self.output!r}")
+
+
+class RowSettings(Protocol):
+    """The sections a gradient row's retrieval reads (`config.Settings` has them; a table row's
+    `evaluation.rows.method_settings` too): typed by what is read, not by the whole config."""
+
+    @property
+    def vectors(self) -> vectors_lib.VectorConfig: ...
+
+    @property
+    def hessian(self) -> hessian_lib.HessianConfig: ...
+
+    @property
+    def index(self) -> store_lib.IndexSettings: ...
+
+    @property
+    def retrieval(self) -> RetrievalSettings: ...
+
+    @property
+    def mesh(self) -> sharding_lib.MeshSettings: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,7 +211,7 @@ def same_text(a: Sequence[TextQuery], b: Sequence[TextQuery]) -> bool:
 
 
 def open_checked_index(
-    run: checkpoint_lib.Run, settings: config_lib.Settings, workdir: str | os.PathLike
+    run: checkpoint_lib.Run, settings: RowSettings, workdir: str | os.PathLike
 ) -> store_lib.IndexReader:
     """The index of `settings`, refused (naming the manifest field) unless it was built from
     this run's model, optimizer state, vector settings and corpus."""
@@ -184,7 +232,7 @@ def open_checked_index(
 
 def retrieve_queries(
     run: checkpoint_lib.Run,
-    settings: config_lib.Settings,
+    settings: RowSettings,
     workdir: str | os.PathLike,
     queries: Sequence[TextQuery],
     *,
@@ -226,7 +274,7 @@ def retrieve_queries(
     # the second stage's candidates: the index's top rerank_k (at least k, at most every row)
     k_index = min(max(k, st.rerank_k), reader.num_rows) if st.rerank_k else k
     if (st.rerank_k or st.token_scores) and multihost.is_multiprocess():
-        raise config_lib.ConfigError(
+        raise files.ConfigError(
             "config.retrieval.rerank_k / token_scores run on one process only; retrieve without --distributed"
         )
     info = {"index": str(reader.path), "index_rows": reader.num_rows, "index_dtype": reader.dtype_name, "k": k}
@@ -400,7 +448,7 @@ def seconds_by_part(info: dict, load_seconds: float) -> dict[str, float]:
 
 def write_retrieval(
     run: checkpoint_lib.Run,
-    settings: config_lib.Settings,
+    settings: RowSettings,
     workdir: str | os.PathLike,
     queries: Sequence[TextQuery],
     *,

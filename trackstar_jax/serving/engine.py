@@ -41,11 +41,11 @@ from typing import Any
 import jax
 from absl import logging
 
-from trackstar_jax import config as config_lib
 from trackstar_jax import methods as methods_lib
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.evaluation import rows as rows_lib
+from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.models import generate as generate_lib
 from trackstar_jax.retrieval import records
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -92,7 +92,7 @@ class Engine:
 
     def __init__(
         self,
-        settings: config_lib.Settings,
+        settings: settings_lib.TableSettings,
         workdir: str | os.PathLike,
         *,
         mesh: jax.sharding.Mesh,

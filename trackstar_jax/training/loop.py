@@ -41,34 +41,6 @@ METRICS_FILE = "metrics.jsonl"
 MAX_EVIDENCE_FOR_PROMPT = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class TrainSettings(step_lib.OptimizerConfig):
-    """`config.train`: the optimizer's keys (`OptimizerConfig`, §A.3) and the training loop's cadences."""
-
-    num_steps: int = 187_000
-    global_batch_size: int = 1024
-    log_every_steps: int = 50
-    eval_every_steps: int = 500
-    num_eval_batches: int = 4
-    checkpoint_every_steps: int = 1000
-    max_checkpoints_to_keep: int = 3
-    num_completions: int = 8
-    max_new_tokens: int = 8
-    max_fact_prompts: int = 256  # fact prompts completed for the train summary's fact_accuracy
-
-    def __post_init__(self):
-        for key in ("num_steps", "global_batch_size", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
-
-    @property
-    def optimizer(self) -> step_lib.OptimizerConfig:
-        """The optimizer's keys alone (a jit static argument that ignores the cadences)."""
-        return step_lib.OptimizerConfig(
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(step_lib.OptimizerConfig)}
-        )
-
-
 def prepare_corpus(data_cfg: data_lib.DataConfig, seed: int, workdir: str | os.PathLike) -> data_lib.Corpus:
     """Builds the corpus of `data_cfg` (`config.data`; `seed`: `config.seed`) into `workdir/corpus/`,
     or reloads it (written once)."""

@@ -35,6 +35,46 @@ class OptimizerConfig:
     weight_decay_rate: float | None = None
 
 
+# `config.train` keys that may change on resume (longer training, other cadences); all other train
+# keys (optimizer, batch size) must match.
+RESUMABLE_TRAIN_KEYS = (
+    "num_steps",
+    "log_every_steps",
+    "eval_every_steps",
+    "num_eval_batches",
+    "checkpoint_every_steps",
+    "max_checkpoints_to_keep",
+    "num_completions",
+    "max_new_tokens",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSettings(OptimizerConfig):
+    """`config.train`: the optimizer's keys (`OptimizerConfig`, §A.3) and the training loop's cadences."""
+
+    num_steps: int = 187_000
+    global_batch_size: int = 1024
+    log_every_steps: int = 50
+    eval_every_steps: int = 500
+    num_eval_batches: int = 4
+    checkpoint_every_steps: int = 1000
+    max_checkpoints_to_keep: int = 3
+    num_completions: int = 8
+    max_new_tokens: int = 8
+    max_fact_prompts: int = 256  # fact prompts completed for the train summary's fact_accuracy
+
+    def __post_init__(self):
+        for key in ("num_steps", "global_batch_size", "log_every_steps", "eval_every_steps", "checkpoint_every_steps"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"train.{key} must be >= 1, got {getattr(self, key)}")
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer's keys alone (a jit static argument that ignores the cadences)."""
+        return OptimizerConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(OptimizerConfig)})
+
+
 def make_schedule(cfg: OptimizerConfig) -> optax.Schedule:
     """Linear warmup to `learning_rate`, then inverse-square-root decay.
 
