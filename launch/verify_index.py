@@ -28,7 +28,7 @@ def main(argv):
     if _PATH.value:
         path = _PATH.value
     elif _CONFIG.value is not None and _WORKDIR.value:
-        path = index.index_dir(_config.settings(_CONFIG), _WORKDIR.value)
+        path = index.index_dir(_config.settings(_CONFIG).index, _WORKDIR.value)
     else:
         raise app.UsageError("give --path, or --config and --workdir")
     try:

@@ -4,6 +4,9 @@ bytes, and a changed corpus / projection seed / model is refused."""
 
 import errno
 import json
+import pathlib
+import subprocess
+import sys
 
 import ml_dtypes
 import numpy as np
@@ -127,6 +130,22 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
     np.testing.assert_array_equal(rows.view(np.uint16), f32.astype(ml_dtypes.bfloat16).view(np.uint16))
     report = index.verify_index(build.index_dir(config_lib.from_configdict(c).index, run_dir))
     assert report["ok"] and report["bytes_on_disk"] >= reader.num_rows * 256 * 2
+
+
+def test_verify_index_launcher_finds_the_index_of_a_config(run_dir, f32_index):
+    """`launch.verify_index --config --workdir` reads the index folder from the config's `index` section."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    args = [sys.executable, "-m", "launch.verify_index", "--config=experiments/tiny.py", f"--workdir={run_dir}"]
+    done = subprocess.run(
+        [*args, "--config.index.dir=index_f32", "--norecompute_r"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["ok"] and pathlib.Path(report["path"]).name == "index_f32"
 
 
 def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):

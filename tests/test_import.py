@@ -7,6 +7,7 @@ BPE tokenizer trained with `tokenizers` on the same corpus (400 ids, fits the 51
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -115,6 +116,20 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     for p, x in lm.flat_params(want).items():
         np.testing.assert_array_equal(np.asarray(lm.flat_params(run.params)[p]), x, err_msg=p)
     assert run.model_cfg.arch == "llama" and not (workdir / checkpoint.TOKENIZER_FILE).exists()
+
+    # Exported back (`stages.export_hf`): the folder's tensors bit for bit, and a tokenizer that
+    # encodes as the run's does.
+    out = stages.export_hf(workdir, tmp_path / "hf_out")
+    original, _ = hf_lib.open_safetensors(hf_folder)
+    exported, _ = hf_lib.open_safetensors(out)
+    assert set(exported) == {n for n in original if not hf_lib._BUFFERS.search(n)}
+    for n in exported:
+        np.testing.assert_array_equal(exported[n], original[n], err_msg=n)
+    text = "Paris is the capital of France."
+    assert hf_tokenizer.HFTokenizer.from_pretrained_dir(out).encode(text) == run.tokenizer.encode(text)
+    assert hf_lib.config_from_hf(json.loads((out / "config.json").read_text()), max_len=c.model.max_len) == (
+        dataclasses.replace(run.model_cfg, source="")
+    )
 
     # A rerun only reports: same summary, checkpoint untouched.
     ckpt = workdir / checkpoint.CHECKPOINT_DIR

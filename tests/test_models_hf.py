@@ -124,6 +124,58 @@ def test_logits_equal_transformers(name, tmp_path):
         assert cfg.arch == "gpt_neox" and cfg.rotary_dim == int(cfg.head_dim * _PARITY[name][2]["rotary_pct"])
 
 
+@pytest.mark.parametrize("name", sorted(_PARITY))
+def test_export_inverts_the_import(name, tmp_path):
+    """`save_hf(load_hf(folder))`: the same tensors bit for bit, read back as the same model, and
+    transformers' own loader runs the export to the original model's logits."""
+    transformers = _transformers()
+    model, torch = _save_random_hf_model(name, tmp_path / "in")
+    cfg, params = hf.load_hf(tmp_path / "in")
+    out = hf.save_hf(tmp_path / "out", cfg, params)
+    original, _ = hf.open_safetensors(tmp_path / "in")
+    exported, _ = hf.open_safetensors(out)
+    outputs = set(lm.architecture(cfg.arch).hf_output_names)
+    kept = {n for n in original if not hf._BUFFERS.search(n)}
+    assert len(exported) == len(kept) and all(n in kept or n in outputs for n in exported)
+    for n in exported:
+        want = original[n] if n in original else original[next(o for o in outputs if o in original)]
+        np.testing.assert_array_equal(exported[n], want, err_msg=n)
+    cfg2, params2 = hf.load_hf(out)
+    assert cfg2 == cfg
+    for p, x in lm.flat_params(params).items():
+        np.testing.assert_array_equal(lm.flat_params(params2)[p], x, err_msg=p)
+    theirs = getattr(transformers, _PARITY[name][0]).from_pretrained(out, attn_implementation="eager").eval()
+    tokens = torch.tensor(np.random.default_rng(1).integers(0, VOCAB, (2, T)))
+    with torch.no_grad():
+        np.testing.assert_allclose(theirs(tokens).logits.numpy(), model(tokens).logits.numpy(), rtol=1e-6, atol=1e-6)
+    with pytest.raises(FileExistsError, match="export into an empty folder"):
+        hf.save_hf(out, cfg, params)
+
+
+@pytest.mark.parametrize(
+    "arch,change,match",
+    [
+        (
+            "llama",
+            dict(qkv_bias=True, out_bias=False, mlp_bias=True),
+            r"model\.qkv_bias=True \(the config\.json says False\)",
+        ),
+        ("gpt_neox", dict(norm="layer", norm_bias=False, activation="gelu", mlp_bias=True), r"model\.norm_bias=False"),
+        (
+            "gpt_neox",
+            dict(norm="layer", norm_bias=True, activation="gelu", mlp_bias=True, head_dim=4),
+            r"model\.head_dim=4",
+        ),
+        ("palm", {}, "has no Hugging Face export registered"),
+    ],
+)
+def test_export_refuses_what_a_config_json_cannot_describe(arch, change, match):
+    base = dict(vocab_size=VOCAB, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=T)
+    cfg = lm.LMConfig(arch=arch, **{**base, **change})
+    with pytest.raises(ValueError, match=match):
+        hf.to_hf_config(cfg)
+
+
 def test_bfloat16_params(tmp_path):
     _save_random_hf_model("llama_gqa_biases", tmp_path)
     cfg, params = hf.load_hf(tmp_path, param_dtype="bfloat16", dtype="bfloat16")

@@ -131,6 +131,22 @@ def _from_hf(hf_cfg: Mapping[str, Any], *, dtype: str, param_dtype: str, max_len
     )
 
 
+def _to_hf(cfg: lm.LMConfig) -> dict[str, Any]:
+    """`cfg` as a GPT-NeoX `config.json` (norm, MLP and attention biases are HF's fixed layout:
+    `hf.to_hf_config` refuses a model without them; head_dim is `hidden_size / heads` there)."""
+    act = next(k for k, v in _HF_ACTIVATIONS.items() if v == cfg.activation)
+    return {
+        "model_type": "gpt_neox",
+        "architectures": ["GPTNeoXForCausalLM"],
+        **hf.common_to_hf(cfg),
+        "rotary_pct": cfg.rotary_pct,
+        "layer_norm_eps": cfg.norm_eps,
+        "use_parallel_residual": cfg.parallel_residual,
+        "hidden_act": act,
+        "attention_bias": cfg.qkv_bias,
+    }
+
+
 def _qkv(path: str, h: int, hd: int, what: str) -> Callable[[np.ndarray], dict[str, np.ndarray]]:
     """Splits HF's fused `query_key_value` (rows ordered `[head, q|k|v, head_dim]`) into
     our `query`, `key`, `value` (kernels `[in, h * hd]`, biases `[h * hd]`)."""
@@ -181,6 +197,7 @@ lm.register(
         hf_model_types=("gpt_neox",),
         from_hf=_from_hf,
         hf_tensors=_hf_tensors,
+        to_hf=_to_hf,
         hf_output_names=("embed_out.weight", "lm_head.weight"),  # `embed_out` before transformers 5
     )
 )

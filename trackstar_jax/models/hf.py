@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints -> (`lm.LMConfig`, parameters in our layout).
+"""Hugging Face checkpoints -> (`lm.LMConfig`, parameters in our layout), and back (`save_hf`).
 
 Supported `model_type`s are those the registered architectures name (`lm.Architecture`):
 `llama` (also SmolLM2), `mistral`, `qwen2` -> `arch="llama"` (llama.py); `gpt_neox` (Pythia) ->
@@ -24,7 +24,8 @@ Two config details that we translate rather than refuse:
   `rope_scaling`, `rotary_pct`).
 
 `from_hf_state_dict` is the loader's core, shared with other formats (a GGUF reader that
-produces HF-named tensors and an HF-style config dict).
+produces HF-named tensors and an HF-style config dict). The export (`to_hf_config`,
+`to_hf_state_dict`, `save_hf`) inverts the same tensor mapping and the architecture's `to_hf`.
 """
 
 from __future__ import annotations
@@ -414,3 +415,116 @@ def load_hf(
     config_from_hf(hf_config, dtype=dtype, param_dtype=param_dtype, max_len=max_len)  # refuse before reading weights
     tensors, source = open_safetensors(folder)
     return from_hf_state_dict(hf_config, tensors, dtype=dtype, param_dtype=param_dtype, max_len=max_len, source=source)
+
+
+# ---------------------------------------------------------------------------------------
+# Export: our (cfg, params) -> a Hugging Face folder (the import's inverse)
+# ---------------------------------------------------------------------------------------
+
+# `LMConfig` fields an HF config.json does not carry: the run's choices, not the model's.
+_NOT_IN_HF_CONFIG = ("source", "remat", "matmul_dtype", "dtype")
+
+
+def common_to_hf(cfg: lm.LMConfig) -> dict[str, Any]:
+    """The config.json keys every architecture writes the same way (`common_fields`' inverse)."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.embed_dim,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "intermediate_size": cfg.mlp_dim,
+        "max_position_embeddings": cfg.max_len,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "rope_theta": cfg.rope_base,
+        "torch_dtype": cfg.param_dtype,
+    }
+
+
+def to_hf_config(cfg: lm.LMConfig) -> dict[str, Any]:
+    """The HF `config.json` dict of a `cfg` model (the registered architecture's `to_hf`).
+
+    The dict is read back with `config_from_hf`, and every model field must come back equal, so
+    a model that an HF config cannot describe (e.g. a Llama with attention biases on q/k/v but
+    not on the output) is refused here, not exported wrong.
+
+    Raises:
+      ValueError: the architecture registers no export, or fields the config.json cannot
+        carry (each named with both values).
+    """
+    arch = lm.architecture(cfg.arch)
+    if arch.to_hf is None:
+        raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face export registered")
+    out = arch.to_hf(cfg)
+    back = config_from_hf(out, dtype=cfg.dtype, param_dtype=cfg.param_dtype, max_len=cfg.max_len)
+    bad = [
+        f"model.{f.name}={getattr(cfg, f.name)!r} (the config.json says {getattr(back, f.name)!r})"
+        for f in dataclasses.fields(lm.LMConfig)
+        if f.name not in _NOT_IN_HF_CONFIG
+        and getattr(dataclasses.replace(back, num_kv_heads=back.kv_heads), f.name)
+        != getattr(dataclasses.replace(cfg, num_kv_heads=cfg.kv_heads), f.name)
+    ]
+    if bad:
+        raise ValueError(f"a {out['model_type']} config.json cannot describe this model: " + "; ".join(bad))
+    return out
+
+
+def to_hf_state_dict(cfg: lm.LMConfig, params: Any) -> dict[str, np.ndarray]:
+    """Our params -> `{HF tensor name: array [HF shape]}`, the exact inverse of the import.
+
+    Each HF tensor's import conversion (`Tensor.convert`: a transpose, a split, a reshape) only
+    moves entries, so it is inverted by running it on the tensor's entry indices: every entry of
+    our parameters goes back to the HF position it came from (bit-exact; dtypes kept).
+
+    Raises:
+      ValueError: a conversion that is not a rearrangement, or a parameter no HF tensor holds.
+    """
+    flat = {p: np.asarray(x) for p, x in lm.flat_params(params).items()}
+    spec = _hf_tensors(cfg)
+    if not cfg.tie_embeddings:
+        spec.append(Tensor(_output_names(cfg)[-1], (cfg.vocab_size, cfg.embed_dim), transposed("unembed/kernel")))
+    out, used = {}, set()
+    for t in spec:
+        size = int(np.prod(t.shape))
+        where = t.convert(np.arange(size, dtype=np.int64).reshape(t.shape))
+        dtypes = {flat[p].dtype for p in where}
+        x, filled = np.empty(size, next(iter(dtypes))), np.zeros(size, bool)
+        for path, idx in where.items():
+            idx = np.asarray(idx)
+            if idx.dtype != np.int64 or idx.shape != flat[path].shape or len(dtypes) != 1:
+                raise ValueError(f"tensor {t.name!r}: its conversion to {path} is not a rearrangement of entries")
+            x[idx.ravel()], filled[idx.ravel()] = flat[path].ravel(), True
+            used.add(path)
+        if not filled.all():
+            raise ValueError(f"tensor {t.name!r}: {int((~filled).sum())} entries come from no parameter")
+        out[t.name] = x.reshape(t.shape)
+    left = sorted(set(flat) - used)
+    if left:
+        raise ValueError(f"parameters no {cfg.arch} HF tensor holds: {', '.join(left[:5])}")
+    return out
+
+
+def save_hf(folder: str | pathlib.Path, cfg: lm.LMConfig, params: Any, *, tokenizer: Any = None) -> pathlib.Path:
+    """Writes `cfg` / `params` as a Hugging Face folder: `config.json` and `model.safetensors`
+    (and `tokenizer.json` when `tokenizer` is a `data.hf_tokenizer.HFTokenizer`), which
+    `load_hf` and transformers' `from_pretrained` read. Nothing in `folder` is overwritten.
+
+    Raises:
+      ValueError: see `to_hf_config` / `to_hf_state_dict`. FileExistsError: the folder holds a model.
+    """
+    folder = pathlib.Path(folder)
+    hf_config = to_hf_config(cfg)
+    tensors = to_hf_state_dict(cfg, params)
+    for name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE):
+        if (folder / name).exists():
+            raise FileExistsError(f"{folder / name} exists: export into an empty folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    _safetensors()  # the optional package, with the install hint
+    from safetensors import numpy as st_numpy  # noqa: PLC0415
+
+    files_lib.atomic_write_with(
+        folder / SINGLE_FILE, lambda tmp: st_numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+    )
+    if tokenizer is not None:
+        tokenizer.save(folder)
+    files_lib.atomic_write_json(folder / CONFIG_FILE, hf_config, sort_keys=True)
+    return folder

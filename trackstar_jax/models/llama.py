@@ -142,6 +142,24 @@ def _hf_tensors(cfg: lm.LMConfig) -> list[hf.Tensor]:
     return spec
 
 
+def _to_hf(cfg: lm.LMConfig) -> dict[str, Any]:
+    """`cfg` as a `config.json`: Qwen2's when only q/k/v have biases (its fixed layout), else Llama's."""
+    if cfg.qkv_bias and not cfg.out_bias and not cfg.mlp_bias:
+        kind, extra = ("qwen2", "Qwen2ForCausalLM"), {"use_sliding_window": False}
+    else:  # `attention_bias` covers q/k/v and the output: `hf.to_hf_config` refuses them unequal
+        kind, extra = ("llama", "LlamaForCausalLM"), {"attention_bias": cfg.out_bias, "mlp_bias": cfg.mlp_bias}
+    return {
+        "model_type": kind[0],
+        "architectures": [kind[1]],
+        **hf.common_to_hf(cfg),
+        "head_dim": cfg.head_dim,
+        "num_key_value_heads": cfg.kv_heads,
+        "rms_norm_eps": cfg.norm_eps,
+        "hidden_act": "silu",
+        **extra,
+    }
+
+
 def _hf_config_from_gguf(meta: Mapping[str, Any], tensor_names: frozenset[str], path: Any) -> dict[str, Any]:
     """The transformers Llama `config.json` dict that GGUF `llama.*` metadata describes
     (`rope_theta` at top level, as in transformers 4.x files; see `gguf.hf_config_from_metadata`)."""
@@ -199,6 +217,7 @@ lm.register(
         hf_model_types=("llama", "mistral", "qwen2"),
         from_hf=_from_hf,
         hf_tensors=_hf_tensors,
+        to_hf=_to_hf,
         gguf=lm.GGUFNames(
             architecture="llama",
             hf_config=_hf_config_from_gguf,

@@ -112,6 +112,8 @@ class Architecture:
       from_hf: `(config.json dict, *, dtype, param_dtype, max_len) -> LMConfig`.
       hf_tensors: `cfg -> [hf.Tensor]`, the HF state dict's tensors but the untied output embedding.
       hf_output_names: accepted HF names of the untied output embedding (the last is the default).
+      to_hf: `cfg -> config.json dict`, the export (`models.hf.save_hf`; `from_hf` must read it back
+        to `cfg`), or None when it exports none.
       gguf: its GGUF names, or None when GGUF files of it are not read.
     """
 
@@ -123,6 +125,7 @@ class Architecture:
     from_hf: Callable[..., LMConfig] | None = None
     hf_tensors: Callable[[LMConfig], list] | None = None
     hf_output_names: tuple[str, ...] = ("lm_head.weight",)
+    to_hf: Callable[[LMConfig], dict] | None = None
     gguf: GGUFNames | None = None
 
 

@@ -16,10 +16,12 @@ instead of calling that stage's front door again.
 | 4 evaluate | `evaluate` | `evaluation.evaluate_run` |
 | validate | `validate` | `evaluation.lds` |
 | serve | `open_engine` | `serving.engine.Engine` |
+| export | `export_hf` | `models.hf.save_hf` |
 """
 
 from trackstar_jax.stages.build import build_index
 from trackstar_jax.stages.evaluate import evaluate, validate
+from trackstar_jax.stages.export import export_hf
 from trackstar_jax.stages.import_model import import_model
 from trackstar_jax.stages.retrieve import retrieve, retrieve_fact_queries
 from trackstar_jax.stages.run import LoadedRun, load_run, open_run, save_run_config
@@ -30,6 +32,7 @@ __all__ = [
     "LoadedRun",
     "build_index",
     "evaluate",
+    "export_hf",
     "import_model",
     "load_run",
     "open_engine",
