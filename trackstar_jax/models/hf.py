@@ -456,12 +456,12 @@ def to_hf_config(cfg: lm.LMConfig) -> dict[str, Any]:
         raise ValueError(f"model.arch={cfg.arch!r} has no Hugging Face export registered")
     out = arch.to_hf(cfg)
     back = config_from_hf(out, dtype=cfg.dtype, param_dtype=cfg.param_dtype, max_len=cfg.max_len)
+    # num_kv_heads None means num_heads: compare the heads each config actually has
+    want, got = (dataclasses.replace(c, num_kv_heads=c.kv_heads) for c in (cfg, back))
     bad = [
-        f"model.{f.name}={getattr(cfg, f.name)!r} (the config.json says {getattr(back, f.name)!r})"
+        f"model.{f.name}={getattr(want, f.name)!r} (the config.json says {getattr(got, f.name)!r})"
         for f in dataclasses.fields(lm.LMConfig)
-        if f.name not in _NOT_IN_HF_CONFIG
-        and getattr(dataclasses.replace(back, num_kv_heads=back.kv_heads), f.name)
-        != getattr(dataclasses.replace(cfg, num_kv_heads=cfg.kv_heads), f.name)
+        if f.name not in _NOT_IN_HF_CONFIG and getattr(want, f.name) != getattr(got, f.name)
     ]
     if bad:
         raise ValueError(f"a {out['model_type']} config.json cannot describe this model: " + "; ".join(bad))
