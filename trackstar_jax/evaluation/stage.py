@@ -181,12 +181,9 @@ def _settings_record(settings: settings_lib.TableSettings) -> dict:
 
 
 def _differs(saved: dict | None, settings: settings_lib.TableSettings, what: str) -> list[str]:
-    now = _settings_record(settings)
     if saved is None:
         return [f"({what} records no settings)"]
-    return settings.replace({"retrieval.overwrite": False}).differences(
-        saved, sections=tuple(now), ignore=("retrieval.overwrite",)
-    )
+    return settings.differences(saved, sections=tuple(settings.to_dict()), ignore=("retrieval.overwrite",))
 
 
 def finished(settings: settings_lib.TableSettings, out_dir: pathlib.Path) -> dict | None:
