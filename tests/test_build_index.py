@@ -201,6 +201,53 @@ def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monk
         )
 
 
+def test_companion_indices_are_written_in_one_pass_and_equal_their_own_builds(run_dir, f32_index, monkeypatch):
+    """`build_from_run(..., companions=...)`: Exp. 4's index (correction on) and Exp. 1's
+    (off) from one featurizer (one forward and backward per batch), each equal to its own
+    build, with its own manifest, R_train and resume. A disk that fills while the companion
+    writes stops both with every written chunk kept; the next call resumes each where it
+    stopped (the companion's lost chunk featurized on its own, the rest in one pass). A
+    companion that cannot share the pass is refused."""
+    c, _ = f32_index
+    settings = config_lib.from_configdict(c)
+    loaded = stages.open_run(settings, run_dir)
+    off = settings.replace({"vectors.correction": False, "index.dir": "index_f32_off"})
+    kw = dict(mesh_shape=settings.mesh.shape, mesh=loaded.mesh)
+    build.build_from_run(loaded.run, off.vectors, off.index, run_dir, **kw)  # Exp. 1's index on its own
+
+    on2 = settings.replace({"index.dir": "pass_on"})
+    off2 = off.replace({"index.dir": "pass_off"})
+    made, real_make, real_write = [], vectors.make_vector_fn, index.IndexBuilder._write_rows
+    monkeypatch.setattr(vectors, "make_vector_fn", lambda *a, **k: made.append(k["companions"]) or real_make(*a, **k))
+
+    def full_disk(self, lo, hi, stored, scale):
+        if self.path.name == "pass_off" and lo >= 64:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(self, lo, hi, stored, scale)
+
+    monkeypatch.setattr(index.IndexBuilder, "_write_rows", full_disk)
+    args = (loaded.run, on2.vectors, on2.index, run_dir)
+    with pytest.raises(index.IndexWriteError, match=r"pass_off: writing chunk 1, rows \[64, 128\)"):
+        build.build_from_run(*args, companions=[(off2.vectors, off2.index)], **kw)
+    assert made == [[off2.vectors]]
+    assert index.open_index(run_dir / "pass_off").complete_chunks == frozenset({0})
+    assert {0, 1} <= index.open_index(run_dir / "pass_on").complete_chunks
+    monkeypatch.setattr(index.IndexBuilder, "_write_rows", real_write)
+    summary = build.build_from_run(*args, companions=[(off2.vectors, off2.index)], **kw)
+    assert made[1:] == [[off2.vectors], []]  # the resume: one pass for both; the lost chunk alone
+    assert summary["complete"] and summary["shared_pass"] == [str(run_dir / "pass_off")]
+    for mine, own in (("pass_on", settings.index.dir), ("pass_off", "index_f32_off")):
+        got, want = index.open_index(run_dir / mine), index.open_index(run_dir / own)
+        assert got.is_complete and got.manifest["vectors"] == want.manifest["vectors"]
+        n = want.num_rows
+        np.testing.assert_allclose(got.read_dequantized(0, n), want.read_dequantized(0, n), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(got.r_train().total, want.r_train().total, rtol=1e-5)
+        assert index.verify_index(run_dir / mine)["ok"]
+    with pytest.raises(ValueError, match="vectors.proj_seed"):
+        other = off.replace({"vectors.proj_seed": 1, "index.dir": "never"})
+        build.build_from_run(*args, companions=[(other.vectors, other.index)], **kw)
+
+
 def test_config_sections_are_checked(tiny_config):
     tiny_config.index.chunk_size = 3
     with pytest.raises(ValueError, match="unknown config key.*config.index: chunk_size"):

@@ -157,6 +157,30 @@ def test_rows_on_one_index_featurize_the_queries_once(ctx_eq, monkeypatch):
     assert first.info["whitening"] != second.info["whitening"]  # other λ: another R
 
 
+def test_a_rows_index_is_written_with_the_indices_that_share_its_pass(ctx_eq):
+    """`make_retrievers` tells `build_index` the table's gradient rows: retrieving Exp. 1 writes
+    Exp. 4's index (correction on; same pass) beside its own, not TRAK's (another output
+    function, so another backward) nor one that is already finished."""
+    import json  # noqa: PLC0415
+
+    settings, ctx, eq = ctx_eq
+    settings = settings.replace({"index.dir": "pass"})
+    shared = rows.Context(settings, ctx.workdir, ctx.run, ctx.mesh)
+    table = [methods_lib.METHODS[n] for n in ("exp1", "exp2", "exp4", "trak")]
+    dirs = {m.name: rows.method_settings(settings, m).index.dir for m in table}
+    assert len({dirs["exp1"], dirs["exp4"], dirs["trak"]}) == 3 and dirs["exp1"] == dirs["exp2"]
+    retrievers = rows.make_retrievers(table, shared)
+    retrievers["exp1"].retrieve(eq, 5)
+    summary = json.loads((ctx.workdir / dirs["exp4"] / "build_summary-p0000.json").read_text())
+    assert (ctx.workdir / dirs["exp4"] / "COMPLETE").exists()
+    assert summary["shared_pass"] == [str(ctx.workdir / dirs["exp1"])]
+    assert not (ctx.workdir / dirs["trak"]).exists()
+    assert summary["rows_written"] == summary["rows"]
+    retrievers["exp4"].retrieve(eq, 5)
+    reused = json.loads((ctx.workdir / dirs["exp4"] / "build_summary-p0000.json").read_text())
+    assert reused["rows_written"] == 0 and reused["shared_pass"] == []  # finished: reused as written
+
+
 def test_every_table_row_has_a_registered_kind():
     assert {m.kind for m in methods_lib.METHODS.values()} <= set(rows.ROW_KINDS)
     assert [k for k, v in rows.ROW_KINDS.items() if v.gold_attribution] == ["gold"]

@@ -223,8 +223,15 @@ def make_retriever(method: baselines_lib.Method, ctx: Context) -> Retriever:
     return row_kind(method.kind).make(method, ctx)
 
 
+# `Context.cache` key: the settings of every gradient row of the table (`build_index` writes
+# the indices that can share a featurize pass together)
+GRADIENT_ROWS = "gradient_rows"
+
+
 def make_retrievers(methods: list[baselines_lib.Method], ctx: Context) -> dict[str, Retriever]:
-    """One retriever per row; BM25 and the dense index are built once per context and shared."""
+    """One retriever per row; BM25 and the dense index are built once per context and shared,
+    and gradient indices that can share a featurize pass are written in one (`build_index`)."""
+    ctx.cache[GRADIENT_ROWS] = [method_settings(ctx.settings, m) for m in methods if m.kind == "gradient"]
     return {m.name: make_retriever(m, ctx) for m in methods}
 
 
@@ -294,9 +301,28 @@ def _dense(method: baselines_lib.Method, ctx: Context) -> Retriever:
 
 
 def build_index(ctx: Context, settings: settings_lib.TableSettings) -> dict:
-    """Builds (or reuses) the index of a row's `settings` from the run `ctx` holds (`index.build_from_run`)."""
+    """Builds (or reuses) the index of a row's `settings` from the run `ctx` holds (`index.build_from_run`),
+    writing in the same pass every other row's unfinished index that can share it
+    (`vectors.shared_pass_error`: Exp. 1's index with Exp. 4's, which differ only in the correction)."""
+    companions = {}
+    for other in ctx.cache.get(GRADIENT_ROWS, ()):
+        d = other.index.dir
+        if (
+            d != settings.index.dir
+            and d not in companions
+            and other.index.storage == settings.index.storage
+            and vectors_lib.shared_pass_error(settings.vectors, other.vectors) is None
+            and not (build_lib.index_dir(other.index, ctx.workdir) / "COMPLETE").exists()
+        ):
+            companions[d] = (other.vectors, other.index)
     return build_lib.build_from_run(
-        ctx.run, settings.vectors, settings.index, ctx.workdir, mesh_shape=settings.mesh.shape, mesh=ctx.mesh
+        ctx.run,
+        settings.vectors,
+        settings.index,
+        ctx.workdir,
+        mesh_shape=settings.mesh.shape,
+        mesh=ctx.mesh,
+        companions=list(companions.values()),
     )
 
 

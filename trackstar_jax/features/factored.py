@@ -39,7 +39,7 @@ backward materialises that one layer's per-example gradient `G_b = sum_t x_t g_t
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +246,21 @@ def step_projections(
     return folded_projections(plan, correction, seed, exact_paths(correction, exact_v))
 
 
+def stack_projections(sets: Sequence[Mapping[str, tuple[Array, Array]]]) -> dict[str, tuple[Array, Array]]:
+    """Several featurizers' projections (`step_projections` of settings that differ only in their
+    correction) stacked along k: `{path: (P0 [n k, m], P1 [n k, n_out])}`, for one shared pass.
+
+    One backward pass then serves all n: a layer's captured `sum_t (P0 x_t)(P1 g_t)^T` is
+    `[n k, n k]`, and its k x k diagonal blocks are the n featurizers' own (`factored_vectors`
+    keeps those; the off-diagonal blocks, n (n - 1) k^2 multiply-adds per token, are dropped).
+    The projections themselves cost what n passes would; the forward and backward are paid once."""
+    if not sets:
+        raise ValueError("stack_projections needs at least one projection set")
+    if any(s.keys() != sets[0].keys() for s in sets):
+        raise ValueError("stack_projections: the projection sets cover different parameters")
+    return {p: tuple(jnp.concatenate([s[p][i] for s in sets]) for i in (0, 1)) for p in sets[0]}
+
+
 def factored_vectors(
     params: Any,
     correction: precond_lib.Correction | None,
@@ -276,13 +291,15 @@ def factored_vectors(
         one layer's per-example gradient at a time (`_capture_dense_exact`).
       projections: `step_projections(plan, correction, seed, exact_v)`, made once outside a
         jitted step and passed in; None makes them here (inside a jitted step their threefry
-        streams are ~30k HLO ops: ~20 s of XLA:CPU compile at the pythia-14m shape).
+        streams are ~30k HLO ops: ~20 s of XLA:CPU compile at the pythia-14m shape). n sets
+        stacked along k (`stack_projections`) make one pass give n featurizers' vectors.
 
     Returns:
-      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`.
+      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`; `[B, n, d]` for n stacked sets.
 
     Raises:
-      ValueError: if the model taps a parameter that is not in the block plan.
+      ValueError: if the model taps a parameter that is not in the block plan, or stacked
+        sets meet a correction applied element-wise (`exact_v`), which does not fold in.
     """
     params = grads_lib.pure_params(params)
     inputs, targets, weights = model_lib.lm_targets(batch)
@@ -294,6 +311,12 @@ def factored_vectors(
     lowp = layers_lib.LOWP_MATMUL.get(runtime.target_platform(), ())
     exact_od = model_od if exact and model_od in lowp else None
     projs = step_projections(plan, correction, seed, exact_v) if projections is None else projections
+    kk = next(iter(projs.values()))[1].shape[0] if projs else k  # n * k for n stacked sets
+    if kk % k:
+        raise ValueError(f"projections of {kk} rows are not a stack of k={k} row sets")
+    n = kk // k
+    if n > 1 and exact:
+        raise ValueError("stacked projections cannot share a pass with an element-wise (exact_v) correction")
     entries = {e.path: e for e in plan.entries}
     unembed = any(p.split("/")[0] == model_lib.UNEMBED for p in entries)  # vectors.unembed
 
@@ -314,7 +337,7 @@ def factored_vectors(
                 return _capture_scale(y, x, p0[:, 0], p1, zs[e.side])
             if path in exact:
                 return _capture_dense_exact(y, x, p0, p1, correction.full[path], zs[e.side], exact_od)
-            if e.shape[0] <= k:  # keeping x costs no more memory than keeping P0' x
+            if e.shape[0] <= kk:  # keeping x costs no more memory than keeping P0' x
                 return _capture_dense_lazy(y, x, p0, p1, zs[e.side])
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
             return _capture_dense(y, xp, p1, zs[e.side])
@@ -331,6 +354,11 @@ def factored_vectors(
             raise ValueError(f"block-plan parameter(s) never reached the model's tap: {', '.join(unused)}")
         return out
 
-    zs = [jnp.zeros((b, k, k), jnp.float32) for _ in range(plan.num_sides)]
-    sides = jax.grad(objective)(zs)
-    return jnp.stack(sides, axis=1).reshape(b, -1)
+    zs = [jnp.zeros((b, kk, kk), jnp.float32) for _ in range(plan.num_sides)]
+    sides = jnp.stack(jax.grad(objective)(zs), axis=1)  # [B, S, n k, n k]
+    if n == 1:
+        return sides.reshape(b, -1)
+    # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side
+    blocks = sides.reshape(b, plan.num_sides, n, k, n, k)
+    diag = jnp.diagonal(blocks, axis1=2, axis2=4)  # [B, S, k, k, n]
+    return jnp.moveaxis(diag, -1, 1).reshape(b, n, -1)

@@ -107,6 +107,29 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
     return proj_lib.layout(cfg.num_blocks, cfg.proj_dim)
 
 
+# The VectorConfig fields that may differ between featurizers sharing one pass (`shared_pass_error`):
+# the correction folds into the projections; the import-time keys do not enter the step.
+SHAREABLE_FIELDS = ("correction", "estimate_v_examples", "estimate_v_seed")
+
+
+def shared_pass_error(a: VectorConfig, b: VectorConfig) -> str | None:
+    """Why `a` and `b` cannot be featurized in one forward and backward pass (None: they can).
+
+    They can when they differ only in `SHAREABLE_FIELDS`, on the fast path, with every
+    correction folded into the projections (`exact_v` off): the pass is the same, only the
+    projections differ (`factored.stack_projections`)."""
+    if a.path != "fast" or b.path != "fast":
+        return "only the fast path shares a pass (the reference path materialises each gradient)"
+    if a.exact_v or b.exact_v:
+        return "an element-wise correction (vectors.exact_v) does not fold into the projections"
+    differ = [
+        f.name
+        for f in dataclasses.fields(VectorConfig)
+        if f.name not in SHAREABLE_FIELDS and getattr(a, f.name) != getattr(b, f.name)
+    ]
+    return f"they differ in {', '.join(f'vectors.{f}' for f in differ)}" if differ else None
+
+
 def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
     """The block plan of a (possibly abstract) parameter tree; errors name the offending parameter."""
     flat = model_lib.flat_params(grads_lib.pure_params(params))
@@ -157,20 +180,22 @@ def vector_step(
     vec_cfg: VectorConfig,
     plan: proj_lib.BlockPlan,
     role: str = "index",
-) -> tuple[Float[Array, "b d"], dict[str, Array]]:
+) -> tuple[Float[Array, "b d"] | Float[Array, "b n d"], dict[str, Array]]:
     """Pure featurize step: vectors plus per-row checks (jit it with `jit_vector_step`).
 
     Args:
       params: model parameters.
       precond: correction (None: no correction).
       batch: `tokens [B, T]`, `loss_mask [B, T]` (other keys are ignored).
-      projections: `step_projections(vec_cfg, plan, precond)` (None: made in the step).
+      projections: `step_projections(vec_cfg, plan, precond)` (None: made in the step), or
+        n featurizers' sets stacked (`factored.stack_projections`; fast path only).
       graphdef, vec_cfg, plan: static.
       role: "index" or "query" (only matters for output_fn="trak").
 
     Returns:
-      `(vectors [B, d] float32, aux)` with `aux["num_targets"] [B]` (target tokens per row)
-      and `aux["finite"] [B] bool` (no NaN/inf in the row's vector).
+      `(vectors [B, d] float32 ([B, n, d] for n stacked sets), aux)` with
+      `aux["num_targets"] [B]` (target tokens per row) and `aux["finite"] [B] bool` (no NaN/inf
+      in the row's vectors).
     """
     if vec_cfg.path == "fast":
         fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections)
@@ -192,7 +217,7 @@ def vector_step(
         )
     aux = {
         "num_targets": jnp.sum(batch["loss_mask"][:, 1:] > 0, axis=-1).astype(jnp.int32),
-        "finite": jnp.all(jnp.isfinite(vecs), axis=-1),
+        "finite": jnp.all(jnp.isfinite(vecs.reshape(vecs.shape[0], -1)), axis=-1),
     }
     return vecs, aux
 
@@ -260,11 +285,13 @@ def compile_vector_step(
     mesh: Mesh,
     vec_cfg: VectorConfig,
     plan: proj_lib.BlockPlan,
+    projections: Any = None,
 ) -> Any:
     """AOT-compiles a `jit_vector_step` (on `mesh`) for a `[batch_size, seq_len]` batch on the
     shapes of `params` / `precond` (arrays or ShapeDtypeStructs; nothing is computed or
     allocated). The structs carry the step's own shardings, so that a later call with arrays of
-    these shapes reuses the executable (JAX's cache of `step`; without them it compiles again)."""
+    these shapes reuses the executable (JAX's cache of `step`; without them it compiles again).
+    `projections`: the step's (stacked) projections or their shapes (None: `vec_cfg`'s own)."""
     pure = grads_lib.pure_params(params)
     rep, rows = sharding_lib.replicated(mesh), sharding_lib.batch_sharding(mesh, 2)
     params_sh = (
@@ -272,7 +299,10 @@ def compile_vector_step(
     )
     sds = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)  # noqa: E731
     batch = {k: jax.ShapeDtypeStruct((batch_size, seq_len), np.int32, sharding=rows) for k in ("tokens", "loss_mask")}
-    projs = jax.eval_shape(lambda c: step_projections(vec_cfg, plan, c), precond)
+    if projections is None:
+        projs = jax.eval_shape(lambda c: step_projections(vec_cfg, plan, c), precond)
+    else:
+        projs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), projections)
     args = (jax.tree.map(sds, pure, params_sh), jax.tree.map(lambda x: sds(x, rep), precond), batch)
     return step.lower(*args, jax.tree.map(lambda x: sds(x, rep), projs)).compile()
 
@@ -323,18 +353,27 @@ def check_outputs(vectors: Any, aux: Mapping[str, Any], example_ids: Any) -> Non
 class VectorFn:
     """Callable featurizer: `fn(params, precond, batch) -> np.ndarray [B, d]` (checked).
 
+    With `companions` (settings that share its pass, `shared_pass_error`), one step gives every
+    setting's vectors: `[B, 1 + len(companions), d]`, `vec_cfg`'s first.
+
     Attributes:
       precond: the correction built from the optimizer state (None if correction is off).
       plan: the block plan.
       vec_cfg: the settings.
+      configs: `(vec_cfg, *companions)`, the settings whose vectors a call returns.
       jitted: `jitted(params, precond, batch) -> (vectors, aux)` device arrays, unchecked: the
         compiled step (`step`) after placing the parameters in their shardings.
       step: the underlying `jit_vector_step`.
       mesh: the mesh the step is sharded over.
     """
 
-    def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role):
+    def __init__(self, graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role, companions=()):
         self.vec_cfg, self.model_cfg, self.role = vec_cfg, model_cfg, role
+        self.configs = (vec_cfg, *companions)
+        for c in companions:
+            why = shared_pass_error(vec_cfg, c)
+            if why:
+                raise ValueError(f"cannot featurize {c} in the pass of {vec_cfg}: {why}")
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_block_plan(params, model_cfg, vec_cfg)
         self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
@@ -344,6 +383,11 @@ class VectorFn:
             # state); placed as `compile_vector_step` describes it, a call reuses that compile
             self.precond = jax.device_put(self.precond, sharding_lib.replicated(self.mesh))
         self.projections = self._projections(self.precond)
+        if companions:  # the companions' projections stacked after ours: one pass serves all
+            sets = [self.projections]
+            for c in companions:
+                sets.append(step_projections(c, self.plan, make_precond(params, opt_state, c, self.plan)))
+            self.projections = jax.device_put(factored_lib.stack_projections(sets), sharding_lib.replicated(self.mesh))
         self._placed = None  # (params as passed, the same placed in fsdp shards)
 
     @property
@@ -361,7 +405,9 @@ class VectorFn:
         """
         seq_len = seq_len or self.model_cfg.max_len
         bs = self.vec_cfg.batch_size
-        compiled = compile_vector_step(self.step, params, self.precond, bs, seq_len, self.mesh, self.vec_cfg, self.plan)
+        compiled = compile_vector_step(
+            self.step, params, self.precond, bs, seq_len, self.mesh, self.vec_cfg, self.plan, self.projections
+        )
         mem = memory_lib.compiled_memory(compiled)
         what = f"{self.vec_cfg.path} path, {bs} rows x {seq_len} tokens on mesh {dict(self.mesh.shape)}"
         memory_lib.check_fits("featurize", mem.get("peak_bytes"), what=what)
@@ -395,7 +441,12 @@ class VectorFn:
         host = {k: np.asarray(v) for k, v in batch.items() if not isinstance(v, jax.Array)}
         if host:  # placed as `compile_vector_step` describes the batch: a call reuses that compile
             batch = {**batch, **sharding_lib.device_batch(host, self.mesh)}
-        projs = self.projections if precond is self.precond else self._projections(precond)
+        if precond is self.precond:
+            projs = self.projections
+        elif len(self.configs) > 1:
+            raise ValueError("a featurizer with companions runs with its own correction (fn.precond) only")
+        else:
+            projs = self._projections(precond)
         return self.step(self.place_params(params), precond, batch, projs)
 
     def __call__(self, params: Any, precond: precond_lib.Correction | None, batch: Mapping[str, Any]) -> np.ndarray:
@@ -419,6 +470,7 @@ def make_vector_fn(
     *,
     mesh: Mesh | None = None,
     role: str = "index",
+    companions: tuple[VectorConfig, ...] = (),
 ) -> VectorFn:
     """Builds the checked, jit-compiled featurizer for one model + optimizer state.
 
@@ -430,17 +482,20 @@ def make_vector_fn(
       opt_state: optimizer state (Adafactor or Adam); may be None when `correction=False`.
       mesh: device mesh (default: all devices on the data axis).
       role: "index" for corpus rows, "query" for queries (matters for output_fn="trak").
+      companions: settings featurized in the same pass (`shared_pass_error`); a call then
+        returns `[B, 1 + len(companions), d]`.
 
     Returns:
       A `VectorFn`; call it as `fn(params, fn.precond, batch)`.
 
     Raises:
       ValueError: bad settings, a parameter tree that does not fit the block plan (naming
-        the parameter), or a missing optimizer state while the correction is on.
+        the parameter), a missing optimizer state while the correction is on, or a
+        companion that cannot share the pass (saying why).
     """
     if role not in grads_lib.ROLES:
         raise ValueError(f"role must be one of {grads_lib.ROLES}, got {role!r}")
-    return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role)
+    return VectorFn(graphdef, model_cfg, vec_cfg, params, opt_state, mesh, role, tuple(companions))
 
 
 def projection_dim_for(d: int, num_blocks: int) -> int:

@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
@@ -186,6 +186,7 @@ def build_from_run(
     *,
     mesh_shape: tuple[int, ...],
     mesh: jax.sharding.Mesh | None = None,
+    companions: Sequence[tuple[vectors_lib.VectorConfig, store_lib.IndexSettings]] = (),
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
@@ -198,6 +199,12 @@ def build_from_run(
     index settings may differ from the ones it was opened with (a table row's
     `method_settings`). A finished index (`COMPLETE`) is checked against the manifest and
     reused without compiling the featurize step.
+
+    `companions` are other indices of the same rows whose settings share the featurize pass
+    (`vectors.shared_pass_error`: they differ only in the correction, as Exp. 1's and Exp. 4's):
+    the unfinished ones are written in the same pass (`builder.build_together`), one forward and
+    backward per batch for all of them. Each is an ordinary index (its own manifest, resume and
+    R_train), the same as when built alone.
 
     Resumes an interrupted build (refusing one whose model, vectors, storage or corpus
     differ); with `process_count > 1`, this call writes only its share of whole R_train
@@ -218,64 +225,99 @@ def build_from_run(
       mesh_shape: `config.mesh.shape`, over this process's devices (`index_mesh`).
       mesh: the mesh `run`'s arrays are on; when it spans several processes (a pod's
         evaluation) the run is loaded again onto this process's devices.
+      companions: `(vectors, index)` settings of indices written in the same pass.
 
     Returns:
-      Summary (also written to `index/build_summary-pXXXX.json`): rows, examples/s, tokens/s,
-      write_fraction, bytes per example.
+      Summary of `index` (also written to `index/build_summary-pXXXX.json`, and each
+      companion's to its own folder): rows, examples/s, tokens/s, write_fraction, bytes per
+      example, and `shared_pass` (the other indices written in the same pass).
+
+    Raises:
+      ValueError: a companion that cannot share the pass (saying why) or has the same folder.
     """
-    path = index_dir(index, workdir)
-    storage = index.storage
+    targets = [(vec_cfg, index), *companions]
+    paths = [index_dir(ix, workdir) for _, ix in targets]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"indices built in one pass need folders of their own, got {[str(p) for p in paths]}")
+    for c_vec, _ in companions:
+        why = vectors_lib.shared_pass_error(vec_cfg, c_vec)
+        if why:
+            raise ValueError(f"index {paths[0]}: cannot write a companion index in its pass: {why}")
     process_index, process_count = multihost.writer_partition(process_index, process_count)
     spmd = multihost.is_multiprocess()
     local = index_mesh(mesh_shape, vec_cfg.batch_size)
     if mesh is not None and mesh.is_multi_process:  # its arrays span processes; a writer needs its own copy
         run = checkpoint_lib.reload(run, mesh=local)
-    finished = (path / "COMPLETE").exists()
+    todo = [i for i, p in enumerate(paths) if not (p / "COMPLETE").exists()]
 
     @functools.cache
-    def featurizer() -> vectors_lib.VectorFn:  # made only when a chunk is to be written
+    def featurizer(which: tuple[int, ...]) -> vectors_lib.VectorFn:  # made only when a chunk is to be written
+        first, *rest = (targets[i][0] for i in which)
         return vectors_lib.make_vector_fn(
-            run.graphdef, run.model_cfg, vec_cfg, run.params, run.opt_state, mesh=local, role="index"
+            run.graphdef, run.model_cfg, first, run.params, run.opt_state, mesh=local, role="index", companions=rest
         )
 
-    manifest = index_manifest(run, vec_cfg, storage, vec_cfg.dim)
+    manifests = [index_manifest(run, v, ix.storage, v.dim) for v, ix in targets]
     # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
     # the others, which then fail at once instead of waiting for it at the barrier.
     with multihost.step("build_index:written", sync_timeout_s):
-        if not finished:
+        if todo:
             # A featurize step of the longest batch that cannot fit is refused before anything is
             # written (the compile is the one the longest batches reuse).
-            featurizer().check_fits(run.params)
-        builder = builder_lib.IndexBuilder(path, manifest, process_index=process_index, process_count=process_count)
+            featurizer(tuple(todo)).check_fits(run.params)
+        builders = [
+            builder_lib.IndexBuilder(p, m, process_index=process_index, process_count=process_count)
+            for p, m in zip(paths, manifests)
+        ]
         counters = {"tokens": 0, "truncated": 0}
-        rows_fn = functools.cache(lambda: make_rows_fn(run, featurizer(), counters))
-        logging.info(
-            "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)%s",
-            path,
-            builder.num_rows,
-            vec_cfg.dim,
-            storage.dtype,
-            builder.chunk_rows,
-            builder.chunks.start,
-            builder.chunks.stop,
-            "; finished, reused" if finished else "",
-        )
-        with logs.progress(total=len(builder.chunks), desc="index", unit="chunk") as bar:
-            stats = builder.build(
-                lambda lo, hi: rows_fn()(lo, hi),
+        rows_fn = functools.cache(lambda which: make_rows_fn(run, featurizer(which), counters))
+
+        def shared_rows(lo: int, hi: int, which: tuple[int, ...]) -> list:
+            """The rows of the indices `which` from one pass (`[n, d]` per example for n > 1);
+            normally the unfinished ones, or a finished index's lost chunk on its own."""
+            vecs = rows_fn(which)(lo, hi)
+            return [vecs] if len(which) == 1 else [vecs[:, j] for j in range(len(which))]
+
+        for i, (b, (v, ix)) in enumerate(zip(builders, targets)):
+            logging.info(
+                "index %s: %d rows x d=%d (%s), chunks of %d rows, this process writes chunks [%d, %d)%s",
+                b.path,
+                b.num_rows,
+                v.dim,
+                ix.storage.dtype,
+                b.chunk_rows,
+                b.chunks.start,
+                b.chunks.stop,
+                "; finished, reused"
+                if i not in todo
+                else (f"; in one pass with {len(todo) - 1} other(s)" if len(todo) > 1 else ""),
+            )
+        with logs.progress(total=len(builders[0].chunks), desc="index", unit="chunk") as bar:
+            stats = builder_lib.build_together(
+                builders,
+                shared_rows,
                 progress=lambda done, total: bar.update(done - bar.n),
                 finalize_when_done=not spmd,
             )
     if spmd:  # every writer is done: finalise exactly once, on process 0
         with multihost.step("build_index:finalized", sync_timeout_s):
             if multihost.is_primary():
-                builder_lib.finalize(path, finalized_by=f"process {process_index} of {process_count}")
-        stats.finalized = (path / "COMPLETE").exists()
+                for p in paths:
+                    builder_lib.finalize(p, finalized_by=f"process {process_index} of {process_count}")
+        for p, st in zip(paths, stats):
+            st.finalized = (p / "COMPLETE").exists()
     if counters["truncated"]:
         logging.warning(
             "%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len
         )
-    return _write_summary(path, builder, stats, counters, vec_cfg.dim, storage, process_index, process_count)
+    summaries = [
+        _write_summary(
+            b.path, b, st, counters, v.dim, ix.storage, process_index, process_count,
+            shared_pass=[str(paths[j]) for j in todo if j != i] if i in todo else [],
+        )
+        for i, (b, st, (v, ix)) in enumerate(zip(builders, stats, targets))
+    ]  # fmt: skip
+    return summaries[0]
 
 
 def _write_summary(
@@ -287,6 +329,7 @@ def _write_summary(
     storage: store_lib.StorageConfig,
     process_index: int,
     process_count: int,
+    shared_pass: list[str],
 ) -> dict:
     itemsize = np.dtype(store_lib.NP_DTYPES[storage.dtype]).itemsize
     summary = {
@@ -309,6 +352,7 @@ def _write_summary(
         "bytes_per_example": dim * itemsize + (4 if storage.dtype == "int8" else 0),
         "complete": stats.finalized,
         "finalized_by": builder_lib.finalized_by(path) if stats.finalized else None,
+        "shared_pass": shared_pass,  # the other indices this pass wrote (their time is this one's)
     }
     files.atomic_write_json(path / f"build_summary-p{process_index:04d}.json", summary)
     logging.info(

@@ -6,6 +6,7 @@ See `store.py` for the on-disk layout and how R_train composes with resume and w
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import hashlib
@@ -13,7 +14,7 @@ import json
 import os
 import pathlib
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -137,6 +138,10 @@ class IndexBuilder:
         """Chunks of this writer marked complete whose files are gone (a stat per chunk)."""
         return [c for c in self.chunks if c in complete and not all(f.exists() for f in self._chunk_files(c))]
 
+    def chunk_index(self, start: int) -> int:
+        """The chunks before the one starting at row `start`, in this writer's range (progress)."""
+        return start // self.chunk_rows - self.chunks.start
+
     def chunk_rows_range(self, c: int) -> tuple[int, int]:
         return c * self.chunk_rows, min((c + 1) * self.chunk_rows, self.num_rows)
 
@@ -197,7 +202,15 @@ class IndexBuilder:
           ValueError: rows_fn returned the wrong shape or non-finite values (names the rows).
         """
         with self._writer_lock():
-            return self._build(rows_fn, progress, finalize_when_done)
+            steps = self._build(progress, finalize_when_done)
+            try:
+                request = next(steps)
+                while True:
+                    request = steps.send(rows_fn(*request))
+            except StopIteration as done:
+                return done.value
+            finally:
+                steps.close()  # a failing rows_fn: submitted writes land and are marked
 
     def _resume_point(self) -> tuple[frozenset[int], int, np.ndarray]:
         """`(complete chunks, chunk up to which R_train is summed, that running sum)`.
@@ -230,11 +243,14 @@ class IndexBuilder:
         return complete, upto, running
 
     def _build(
-        self, rows_fn: RowsFn, progress: Callable[[int, int], None] | None, finalize_when_done: bool
-    ) -> BuildStats:
+        self, progress: Callable[[int, int], None] | None, finalize_when_done: bool
+    ) -> Generator[tuple[int, int], Any, BuildStats]:
         """The build's steps: what is already done (`_resume_point`), then per chunk either a
         read-back for R_train or featurize + quantise + write (`_ChunkWriter`), with the R_train
-        running sum saved at every segment end (`_save_running`)."""
+        running sum saved at every segment end (`_save_running`).
+
+        A generator: it yields `(start, stop)` for each chunk it needs rows of and is sent the
+        rows, so that one caller can drive several builders in step (`build_together`)."""
         stats = BuildStats()
         t_start = time.perf_counter()
         complete, upto, running = self._resume_point()
@@ -256,7 +272,7 @@ class IndexBuilder:
                         stats.chunks_read_back += 1
                         stats.readback_seconds += time.perf_counter() - t0
                 else:
-                    rows = rows_fn(lo, hi)
+                    rows = yield lo, hi
                     if tuple(rows.shape) != (hi - lo, self.dim):
                         raise ValueError(
                             f"rows_fn({lo}, {hi}) returned shape {tuple(rows.shape)}, expected {(hi - lo, self.dim)}"
@@ -407,6 +423,64 @@ class _ChunkWriter:
 
     def close(self) -> None:
         self.committer.shutdown(wait=True)
+
+
+# (start, stop, which) -> the rows of examples start..stop-1 for the builders `which` (indices
+# into `build_together`'s builders), one [stop-start, d] array each, in that order
+SharedRowsFn = Callable[[int, int, tuple[int, ...]], Sequence[Any]]
+
+
+def build_together(
+    builders: Sequence[IndexBuilder],
+    rows_fn: SharedRowsFn,
+    *,
+    progress: Callable[[int, int], None] | None = None,
+    finalize_when_done: bool = True,
+) -> list[BuildStats]:
+    """`IndexBuilder.build` for several indices of the same rows whose vectors come from one
+    pass (`vectors.VectorFn` with companions): `rows_fn(start, stop, which)` returns the rows of
+    examples `start..stop-1` for the builders `which` (those that still need that chunk, in
+    order), and is called once per chunk that any of them needs.
+
+    Each index keeps everything `build` gives it: its own resume, R_train, markers and writer
+    lock (all taken before anything is written).
+
+    Raises:
+      ValueError: the builders' chunks differ (rows, chunk size or this writer's range);
+        what `build` raises.
+    """
+    layout = {(b.num_rows, b.chunk_rows, b.chunks.start, b.chunks.stop) for b in builders}
+    if len(layout) != 1:
+        raise ValueError(f"indices built together must have the same rows, chunks and writer range, got {layout}")
+    stats: list[BuildStats | None] = [None] * len(builders)
+    with contextlib.ExitStack() as stack:
+        for b in builders:
+            stack.enter_context(b._writer_lock())
+        steps = [b._build(None, finalize_when_done) for b in builders]
+        for s in steps:
+            stack.callback(s.close)  # a failure: every builder's submitted writes land and are marked
+        requests: list[tuple[int, int] | None] = [None] * len(builders)
+
+        def advance(i: int, rows: Any = None, first: bool = False) -> None:
+            try:
+                requests[i] = next(steps[i]) if first else steps[i].send(rows)
+            except StopIteration as done:
+                requests[i], stats[i] = None, done.value
+
+        for i in range(len(builders)):
+            advance(i, first=True)
+        total = len(builders[0].chunks)
+        while any(r is not None for r in requests):
+            lo, hi = min(r for r in requests if r is not None)  # every builder walks its chunks in order
+            which = tuple(i for i, r in enumerate(requests) if r == (lo, hi))
+            rows = rows_fn(lo, hi, which)
+            if len(rows) != len(which):
+                raise ValueError(f"rows_fn({lo}, {hi}) returned {len(rows)} row sets for {len(which)} indices")
+            for i, r in zip(which, rows):
+                advance(i, r)
+            if progress is not None:
+                progress(builders[0].chunk_index(lo) + 1, total)
+    return [s for s in stats if s is not None]
 
 
 def finalize(path: str | os.PathLike, finalized_by: Any = None) -> bool:
