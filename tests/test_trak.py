@@ -89,3 +89,22 @@ def test_a_trak_index_with_q_folded_in_is_refused(trak_run):
     run = stages.load_run(workdir, runtime=s)
     man = build.index_manifest(run, s.vectors, s.index.storage, 64)
     assert man["vectors"]["trak_q"] == "scores"  # an old trak index (no such key) fails the identity check
+
+
+def test_q_comes_from_the_index_pass_and_equals_its_own_forward(trak_run, monkeypatch):
+    """The trak index's build caches Q = 1 - p̄ from the featurize pass's own forward (no
+    second pass over the candidates); it equals numpy's p̄ and `candidate_q`'s own forward
+    pass, which still computes it when the cache is gone (a resumed or split build)."""
+    s, workdir = trak_run
+    run = stages.load_run(workdir, runtime=s)
+    reader = store.open_index(build.index_dir(s.index, workdir))
+    cached = trak_lib.q_file(reader.path, reader.manifest)
+    assert cached.exists()
+    real = trak_lib.mean_probs
+    monkeypatch.setattr(trak_lib, "mean_probs", lambda *a, **k: pytest.fail("a second forward pass"))
+    from_pass = trak_lib.candidate_q(run, reader)
+    np.testing.assert_allclose(from_pass, 1.0 - _numpy_mean_probs(run), rtol=1e-4, atol=1e-5)
+    cached.unlink()
+    monkeypatch.setattr(trak_lib, "mean_probs", real)
+    np.testing.assert_allclose(trak_lib.candidate_q(run, reader), from_pass, rtol=1e-5, atol=1e-6)
+    assert cached.exists()

@@ -273,9 +273,10 @@ def factored_vectors(
     seed: int = 0,
     exact_v: bool = False,
     projections: Mapping[str, tuple[Array, Array]] | None = None,
-) -> Float[Array, "b d"]:
+    return_mean_prob: bool = False,
+) -> Float[Array, "b d"] | tuple[Array, Array | None]:
     """Projected, corrected per-example gradients by the factored path (same signature as
-    `grads.reference_vectors`, plus `exact_v`).
+    `grads.reference_vectors`, plus `exact_v` and `return_mean_prob`).
 
     Args:
       params: model parameters.
@@ -294,8 +295,12 @@ def factored_vectors(
         streams are ~30k HLO ops: ~20 s of XLA:CPU compile at the pythia-14m shape). n sets
         stacked along k (`stack_projections`) make one pass give n featurizers' vectors.
 
+      return_mean_prob: also return each row's p̄ (`grads.mean_target_prob`, TRAK's Q = 1 - p̄)
+        from the same forward, or None where the pass makes no logits (the fused loss head).
+
     Returns:
-      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`; `[B, n, d]` for n stacked sets.
+      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`; `[B, n, d]` for n stacked sets;
+      with `return_mean_prob`, `(vectors, p̄ [B] or None)`.
 
     Raises:
       ValueError: if the model taps a parameter that is not in the block plan, or stacked
@@ -345,20 +350,24 @@ def factored_vectors(
         if output_fn == "loss" and not unembed:
             # The fused head (no [B, T, V] logits; its input gradient made in the forward pass).
             # The loss weights are the objective's constant c_t = w_t (`grads.token_objective`).
-            out = model_lib.nll_sum(graphdef, params, inputs, targets, weights, tap, weight_grad=False)
+            out, pbar = model_lib.nll_sum(graphdef, params, inputs, targets, weights, tap, weight_grad=False), None
         else:
             logits = model_lib.apply(graphdef, params, inputs, tap)
             out = jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
+            pbar = grads_lib.mean_target_prob(jax.lax.stop_gradient(logits), targets, weights)
         unused = sorted(set(entries) - seen)
         if unused:
             raise ValueError(f"block-plan parameter(s) never reached the model's tap: {', '.join(unused)}")
-        return out
+        return out, pbar
 
     zs = [jnp.zeros((b, kk, kk), jnp.float32) for _ in range(plan.num_sides)]
-    sides = jnp.stack(jax.grad(objective)(zs), axis=1)  # [B, S, n k, n k]
+    grads, pbar = jax.grad(objective, has_aux=True)(zs)
+    sides = jnp.stack(grads, axis=1)  # [B, S, n k, n k]
     if n == 1:
-        return sides.reshape(b, -1)
-    # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side
-    blocks = sides.reshape(b, plan.num_sides, n, k, n, k)
-    diag = jnp.diagonal(blocks, axis1=2, axis2=4)  # [B, S, k, k, n]
-    return jnp.moveaxis(diag, -1, 1).reshape(b, n, -1)
+        vecs = sides.reshape(b, -1)
+    else:
+        # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side
+        blocks = sides.reshape(b, plan.num_sides, n, k, n, k)
+        diag = jnp.diagonal(blocks, axis1=2, axis2=4)  # [B, S, k, k, n]
+        vecs = jnp.moveaxis(diag, -1, 1).reshape(b, n, -1)
+    return (vecs, pbar) if return_mean_prob else vecs

@@ -70,9 +70,7 @@ def token_objective(
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
     logits = logits.astype(jnp.float32)
     w = weights.astype(jnp.float32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    logp = target_logit - lse
+    logp, target_logit = _target_log_probs(logits, targets)
     p = jax.lax.stop_gradient(jnp.exp(logp))
     if output_fn == "loss":
         f, c = -logp, w
@@ -87,6 +85,16 @@ def token_objective(
     return jnp.sum(jax.lax.stop_gradient(c) * f, axis=-1)
 
 
+def _target_log_probs(
+    logits: Float[Array, "b t v"], targets: Int[Array, "b t"]
+) -> tuple[Float[Array, "b t"], Float[Array, "b t"]]:
+    """`(log p(target_t), logit_t)` in float32, as logit - logsumexp (no `[b, t, v]` log-softmax:
+    in one step with `token_objective` the two share it)."""
+    logits = logits.astype(jnp.float32)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return target_logit - jax.nn.logsumexp(logits, axis=-1), target_logit
+
+
 def mean_target_prob(
     logits: Float[Array, "b t v"], targets: Int[Array, "b t"], weights: Float[Array, "b t"]
 ) -> Float[Array, " b"]:
@@ -94,7 +102,7 @@ def mean_target_prob(
 
     A row without target tokens gets 0 (Q = 1).
     """
-    logp = model_lib.token_log_probs(logits, targets)
+    logp, _ = _target_log_probs(logits, targets)
     w = weights.astype(jnp.float32)
     return jnp.sum(w * jnp.exp(logp), axis=-1) / jnp.maximum(jnp.sum(w, axis=-1), 1.0)
 

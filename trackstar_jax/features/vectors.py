@@ -194,11 +194,16 @@ def vector_step(
 
     Returns:
       `(vectors [B, d] float32 ([B, n, d] for n stacked sets), aux)` with
-      `aux["num_targets"] [B]` (target tokens per row) and `aux["finite"] [B] bool` (no NaN/inf
-      in the row's vectors).
+      `aux["num_targets"] [B]` (target tokens per row), `aux["finite"] [B] bool` (no NaN/inf
+      in the row's vectors) and, for TRAK's rows on the fast path, `aux["mean_prob"] [B]`
+      (p̄ of the row's targets, from the same forward).
     """
+    # TRAK's rows: p̄ from the pass's own forward (the index caches Q = 1 - p̄, `index.trak`)
+    mean_prob = vec_cfg.path == "fast" and vec_cfg.output_fn == "trak"
     if vec_cfg.path == "fast":
-        fn = functools.partial(factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections)
+        fn = functools.partial(
+            factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections, return_mean_prob=mean_prob
+        )
     else:
         fn = functools.partial(grads_lib.reference_vectors, projections=projections)
     batch = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}
@@ -215,10 +220,13 @@ def vector_step(
             role=role,
             seed=vec_cfg.proj_seed,
         )
+    vecs, pbar = vecs if mean_prob else (vecs, None)
     aux = {
         "num_targets": jnp.sum(batch["loss_mask"][:, 1:] > 0, axis=-1).astype(jnp.int32),
         "finite": jnp.all(jnp.isfinite(vecs.reshape(vecs.shape[0], -1)), axis=-1),
     }
+    if pbar is not None:
+        aux["mean_prob"] = pbar
     return vecs, aux
 
 

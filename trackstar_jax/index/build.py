@@ -25,6 +25,7 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import builder as builder_lib
 from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
 
@@ -139,7 +140,8 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     batches), are padded to `vectors.batch_size` rows and to a power-of-two length, and are
     dispatched without blocking: the device works on them while the builder writes the
     previous chunk (on a multi-device CPU each batch is waited for: `multihost.settle`).
-    `counters["tokens"]` accumulates the non-padding tokens.
+    `counters["tokens"]` accumulates the non-padding tokens; `counters["mean_prob"]`, when
+    present (`[num_rows]`), receives each featurized row's p̄ (TRAK's rows, `vectors.vector_step`).
     """
     tok, max_len, bs = run.tokenizer, run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
     texts = run.corpus.texts
@@ -155,7 +157,9 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
             batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
             host = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}  # `jitted` places it on vec_fn.mesh
             # CPU with several devices: one collective program at a time (`multihost.settle`)
-            vecs, _ = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, host))
+            vecs, aux = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, host))
+            if "mean_prob" in aux and "mean_prob" in counters:  # TRAK's p̄ from this forward
+                counters["mean_prob"][lo:hi] = np.asarray(aux["mean_prob"])[: hi - lo]
             outs.append(vecs[: hi - lo])
         return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
 
@@ -270,6 +274,8 @@ def build_from_run(
             for p, m in zip(paths, manifests)
         ]
         counters = {"tokens": 0, "truncated": 0}
+        if any(v.output_fn == "trak" for v, _ in targets):
+            counters["mean_prob"] = np.full(builders[0].num_rows, np.nan, np.float32)
         rows_fn = functools.cache(lambda which: make_rows_fn(run, featurizer(which), counters))
 
         def shared_rows(lo: int, hi: int, which: tuple[int, ...]) -> list:
@@ -306,6 +312,12 @@ def build_from_run(
                     builder_lib.finalize(p, finalized_by=f"process {process_index} of {process_count}")
         for p, st in zip(paths, stats):
             st.finalized = (p / "COMPLETE").exists()
+    for b, st, (v, _) in zip(builders, stats, targets):
+        # TRAK's Q = 1 - p̄ from the pass's own forward, when this call featurized every row
+        # (else `trak.candidate_q` runs its own forward pass when a row first scores)
+        p = counters.get("mean_prob")
+        if v.output_fn == "trak" and st.finalized and st.rows_written == b.num_rows and np.isfinite(p).all():
+            trak_lib.save_q(b.path, b.manifest, 1.0 - p)
     if counters["truncated"]:
         logging.warning(
             "%d passages were truncated to model.max_len=%d tokens", counters["truncated"], run.model_cfg.max_len

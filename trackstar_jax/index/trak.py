@@ -5,9 +5,10 @@ multiplying each candidate's score by `Q_m = 1 - p̄_m`, `p̄_m` the model's mea
 candidate's tokens (§A.1.1). The factor is applied after R: scores are `Q_m · φ_mᵀ R⁻¹ φ_q`
 with `R = Σ_m φ_m φ_mᵀ` over the stored margin gradients. Folding Q into the stored vectors
 instead would make R = Σ Q_m² φ_m φ_mᵀ (another method). The index of a "trak" row holds
-plain margin gradients (`features/grads.py`); `candidate_q` computes Q with one forward pass
-over the candidates, cached beside the index, and retrieval multiplies the per-row scale by it
-(`scoring.Scoring.row_scale`).
+plain margin gradients (`features/grads.py`); its build caches Q beside it from the featurize
+pass's own forward (`save_q`; the fast path), and otherwise (a resumed or split build, the
+reference path) `candidate_q` computes it with one forward pass over the candidates; retrieval
+multiplies the per-row scale by it (`scoring.Scoring.row_scale`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import io
+import pathlib
 
 import jax
 import numpy as np
@@ -57,6 +59,25 @@ def mean_probs(run: checkpoint_lib.Run, texts: list[str], batch_size: int = 32) 
     return out
 
 
+def q_file(path: pathlib.Path, manifest: dict) -> pathlib.Path:
+    """Where Q of the index at `path` is cached, keyed by its manifest (model weights, corpus)."""
+    key = hashlib.sha256(store_lib.manifest_fingerprint(manifest).encode()).hexdigest()[:32]
+    return pathlib.Path(path) / "scoring" / f"{key}-{Q_FILE}"
+
+
+def save_q(path: pathlib.Path, manifest: dict, q: np.ndarray) -> None:
+    """Caches `Q [num_rows]` of the index at `path` (with its sha256; process 0 only)."""
+    f = q_file(path, manifest)
+    if jax.process_index() == 0:
+        f.parent.mkdir(exist_ok=True)
+        data = files.npy_bytes(np.asarray(q, np.float32))
+        files.atomic_write(f.with_suffix(".sha256"), files.sha256_bytes(data))
+        files.atomic_write(f, data)
+    logging.info(
+        "trak: Q = 1 - p̄ over %d candidates: min %.3f, median %.3f, max %.3f", len(q), q.min(), np.median(q), q.max()
+    )
+
+
 def candidate_q(run: checkpoint_lib.Run, reader: store_lib.IndexReader, batch_size: int = 32) -> np.ndarray:
     """`Q_m = 1 - p̄_m` for every row of `reader` (the run's candidates), `[num_rows]` float32.
 
@@ -69,8 +90,7 @@ def candidate_q(run: checkpoint_lib.Run, reader: store_lib.IndexReader, batch_si
     texts = run.corpus.texts
     if len(texts) != reader.num_rows:
         raise ValueError(f"index {reader.path} has {reader.num_rows} rows but the run has {len(texts)} candidates")
-    key = hashlib.sha256(store_lib.manifest_fingerprint(reader.manifest).encode()).hexdigest()[:32]
-    f = reader.path / "scoring" / f"{key}-{Q_FILE}"
+    f = q_file(reader.path, reader.manifest)
     sums = f.with_suffix(".sha256")
     if f.exists() and sums.exists():
         data = f.read_bytes()
@@ -80,14 +100,7 @@ def candidate_q(run: checkpoint_lib.Run, reader: store_lib.IndexReader, batch_si
                 return q
         logging.warning("trak: cached Q at %s is damaged; recomputing it", f)
     q = (1.0 - mean_probs(run, texts, batch_size)).astype(np.float32)
-    if jax.process_index() == 0:
-        f.parent.mkdir(exist_ok=True)
-        data = files.npy_bytes(q)
-        files.atomic_write(sums, files.sha256_bytes(data))
-        files.atomic_write(f, data)
-    logging.info(
-        "trak: Q = 1 - p̄ over %d candidates: min %.3f, median %.3f, max %.3f", len(q), q.min(), np.median(q), q.max()
-    )
+    save_q(reader.path, reader.manifest, q)
     return q
 
 

@@ -1,0 +1,84 @@
+"""Two indices in one featurize pass vs two passes, on a run's own candidates (side by side).
+
+Exp. 4's index (correction on) and Exp. 1's (off) differ only in the correction, so one
+forward and backward can write both (`index.build_from_run(companions=...)`). This times the
+index builder's own row function (`index.build.make_rows_fn`: encoding, length buckets, the
+jitted step, the device-to-host copy; writing is < 1% of a build) over the first `--rows`
+candidates of a run: once per setting alone, then both in one pass, in one process, after a
+warm-up batch of every length bucket (compiles are reported apart). One JSON line.
+
+    python -m benchmarks.shared_pass --workdir=runs/smollm2_table1 --rows=512
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+import jax
+import numpy as np
+
+from trackstar_jax import config as config_lib
+from trackstar_jax import data as data_lib
+from trackstar_jax import stages
+from trackstar_jax.features import vectors as vectors_lib
+from trackstar_jax.index import build as build_lib
+
+
+def _warm(run, fn, rows: int) -> float:
+    """Compiles `fn`'s step for every length bucket among the first `rows` candidates (one batch each)."""
+    t0 = time.perf_counter()
+    bs, max_len = fn.vec_cfg.batch_size, run.model_cfg.max_len
+    seen = set()
+    for lo in range(0, rows, bs):
+        items, _ = data_lib.encode_passages(run.tokenizer, run.corpus.texts[lo : lo + bs], max_len)
+        seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
+        if seq_len not in seen:
+            seen.add(seq_len)
+            build_lib.make_rows_fn(run, fn, {"tokens": 0, "truncated": 0})(lo, min(lo + bs, rows))
+    return time.perf_counter() - t0
+
+
+def _timed(run, fn, rows: int) -> tuple[float, np.ndarray]:
+    counters = {"tokens": 0, "truncated": 0}
+    t0 = time.perf_counter()
+    out = np.asarray(jax.block_until_ready(build_lib.make_rows_fn(run, fn, counters)(0, rows)))
+    return time.perf_counter() - t0, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workdir", required=True, help="a run (trained or imported) with an optimizer state")
+    ap.add_argument("--rows", type=int, default=512)
+    args = ap.parse_args()
+    settings = config_lib.load_run_settings(args.workdir)
+    run = stages.load_run(args.workdir, runtime=settings)
+    rows = min(args.rows, len(run.corpus.texts))
+    on = dataclasses.replace(settings.vectors, correction=True)
+    off = dataclasses.replace(on, correction=False)
+    make = lambda vc, comp=(): vectors_lib.make_vector_fn(  # noqa: E731
+        run.graphdef, run.model_cfg, vc, run.params, run.opt_state, role="index", companions=comp
+    )
+    out = {"workdir": str(args.workdir), "rows": rows, "d": on.dim, "batch_size": on.batch_size}
+    vecs = {}
+    for name, fn in (("on", make(on)), ("off", make(off)), ("shared", make(on, (off,)))):
+        out[f"{name}_compile_seconds"] = round(_warm(run, fn, rows), 1)
+        out[f"{name}_seconds"], vecs[name] = _timed(run, fn, rows)
+    out["two_passes_seconds"] = out["on_seconds"] + out["off_seconds"]
+    out["speedup"] = out["two_passes_seconds"] / out["shared_seconds"]
+    out["examples_per_s_shared"] = rows / out["shared_seconds"]
+    # the shared pass's rows are each setting's own (to float32 round-off)
+    for i, name in enumerate(("on", "off")):
+        ref = vecs[name]
+        out[f"max_rel_diff_{name}"] = float(np.abs(vecs["shared"][:, i] - ref).max() / np.abs(ref).max())
+    dev = jax.devices()[0]
+    out["device"] = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
+    out["loadavg_1m"] = round(os.getloadavg()[0], 2)
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in out.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
