@@ -107,7 +107,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     )
     c.vectors.estimate_v_seed = 0  # seed of that sample
     # float32 GEMMs of the featurize step: "float32" (exact on every chip) | "tf32" | "bf16"
-    # (a bf16 model's GEMMs are bf16 whatever this says; README "Matmul precision")
+    # (on a CPU bf16 rounds the model's operands itself; a bf16 model's GEMMs are bf16 whatever
+    # this says; docs/scaling.md)
     c.vectors.matmul_precision = "float32"
 
     # --- Hessian approximation R and normalisation (§3, §A.1.3) ---

@@ -339,3 +339,26 @@ def test_companions_share_one_pass_and_equal_their_own_featurizers(arch):
     ]:
         with pytest.raises(ValueError, match=why):
             make(vec_cfg=on, companions=(other,))
+
+
+def test_bf16_precision_rounds_the_operands_on_a_cpu():
+    """XLA:CPU computes float32 GEMMs in float32 whatever precision is asked, so there
+    `matmul_precision="bf16"` runs the step with the model's bf16 operand dtype
+    (`vectors.PRECISION_BY_OPERANDS`): the vectors are those of `model.matmul_dtype=bfloat16`,
+    bit for bit, and differ from float32's at bf16 rounding."""
+    cfg, graphdef, state = _state()
+    batch = _batch(3)
+    vc = {
+        p: vectors.VectorConfig(num_blocks=2, proj_dim=4, proj_seed=3, matmul_precision=p) for p in ("float32", "bf16")
+    }
+    got = {}
+    for p, c in vc.items():
+        fn = vectors.make_vector_fn(graphdef, cfg, c, state.params, state.opt_state)
+        got[p] = fn(state.params, fn.precond, batch)
+    bf_cfg = dataclasses.replace(cfg, matmul_dtype="bfloat16")
+    bf_graphdef = model_lib.abstract_params(bf_cfg)[0]
+    fn = vectors.make_vector_fn(bf_graphdef, bf_cfg, vc["float32"], state.params, state.opt_state)
+    np.testing.assert_array_equal(got["bf16"], fn(state.params, fn.precond, batch))
+    rel = np.abs(got["bf16"] - got["float32"]).max() / np.abs(got["float32"]).max()
+    assert 1e-4 < rel < 5e-2, rel
+    assert vectors.step_graphdef(bf_graphdef, bf_cfg, vc["bf16"]) is bf_graphdef  # the model's own dtype wins

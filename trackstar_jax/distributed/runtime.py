@@ -29,7 +29,8 @@ DEFAULT_DIR = pathlib.Path.home() / ".cache" / "trackstar_jax" / "xla"
 # `jax.default_matmul_precision` the featurize step is traced under. "float32": exact float32
 # products on every chip (`Precision.HIGHEST`); "tf32": `Precision.HIGH` (TF32 on NVIDIA GPUs,
 # 3 bf16 passes on TPU); "bf16": operands rounded to bfloat16, float32 accumulation (the
-# BF16_BF16_F32 dot algorithm). XLA:CPU computes float32 dots in float32 whatever is asked.
+# BF16_BF16_F32 dot algorithm). XLA:CPU computes float32 dots in float32 whatever is asked
+# (the featurize step rounds its operands itself there: `vectors.PRECISION_BY_OPERANDS`).
 # GEMMs whose operands are already bfloat16 (a bf16 model) are bf16 at every setting.
 MATMUL_PRECISIONS = {"float32": "highest", "tf32": "tensorfloat32", "bf16": "BF16_BF16_F32"}
 

@@ -64,8 +64,9 @@ class VectorConfig:
         imported model, which ships no optimizer state (`training.second_moment`; 0 = none).
       estimate_v_seed: seed of that sample.
       matmul_precision: "float32" | "tf32" | "bf16": the precision of the step's float32 GEMMs
-        (`runtime.MATMUL_PRECISIONS`; float32 = exact on every chip; a bf16 model's GEMMs are
-        bf16 at every setting).
+        (`runtime.MATMUL_PRECISIONS`; float32 = exact on every chip; on a CPU, "bf16" rounds
+        the operands through the model's `matmul_dtype`, `PRECISION_BY_OPERANDS`, and "tf32"
+        is float32; a bf16 model's GEMMs are bf16 at every setting).
     """
 
     output_fn: str = "loss"
@@ -128,6 +129,23 @@ def shared_pass_error(a: VectorConfig, b: VectorConfig) -> str | None:
         if f.name not in SHAREABLE_FIELDS and getattr(a, f.name) != getattr(b, f.name)
     ]
     return f"they differ in {', '.join(f'vectors.{f}' for f in differ)}" if differ else None
+
+
+# Platforms whose float32 GEMMs ignore `jax.default_matmul_precision` (XLA:CPU computes them
+# in float32 whatever is asked): there a precision below float32 rounds the operands itself,
+# through the model's `matmul_dtype` (`layers.lowp_matmul`: float32 accumulation), so that
+# `vectors.matmul_precision="bf16"` does on a CPU what it does on a GPU or TPU.
+PRECISION_BY_OPERANDS = {"cpu": {"bf16": "bfloat16"}}
+
+
+def step_graphdef(graphdef: nnx.GraphDef, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> nnx.GraphDef:
+    """The model graph the featurize step runs: `graphdef`, or on a platform that emulates
+    `vec_cfg.matmul_precision` (`PRECISION_BY_OPERANDS`) the same model with that operand
+    dtype, unless the model sets `matmul_dtype` itself or computes in a low-precision dtype."""
+    dt = PRECISION_BY_OPERANDS.get(runtime.target_platform(), {}).get(vec_cfg.matmul_precision)
+    if dt is None or model_cfg.matmul_dtype or jnp.dtype(model_cfg.dtype) != jnp.float32:
+        return graphdef
+    return model_lib.abstract_params(dataclasses.replace(model_cfg, matmul_dtype=dt))[0]
 
 
 def make_block_plan(params: Any, model_cfg: model_lib.LMConfig, vec_cfg: VectorConfig) -> proj_lib.BlockPlan:
@@ -331,7 +349,7 @@ def featurize_step_memory(
     optimizer state (ShapeDtypeStructs, e.g. `checkpoint.abstract_state`): the planner's figure."""
     plan = make_block_plan(params, model_cfg, vec_cfg)
     precond = abstract_precond(params, opt_state, vec_cfg, plan)
-    step = jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params=params)
+    step = jit_vector_step(step_graphdef(graphdef, model_cfg, vec_cfg), vec_cfg, plan, mesh, role, params=params)
     compiled = compile_vector_step(
         step, params, precond, vec_cfg.batch_size, seq_len or model_cfg.max_len, mesh, vec_cfg, plan
     )
@@ -384,6 +402,7 @@ class VectorFn:
                 raise ValueError(f"cannot featurize {c} in the pass of {vec_cfg}: {why}")
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_block_plan(params, model_cfg, vec_cfg)
+        graphdef = step_graphdef(graphdef, model_cfg, vec_cfg)
         self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
         if self.precond is not None:
