@@ -213,11 +213,12 @@ def vector_step(
     Returns:
       `(vectors [B, d] float32 ([B, n, d] for n stacked sets), aux)` with
       `aux["num_targets"] [B]` (target tokens per row), `aux["finite"] [B] bool` (no NaN/inf
-      in the row's vectors) and, for TRAK's rows on the fast path, `aux["mean_prob"] [B]`
+      in the row's vectors) and, for TRAK's index rows on the fast path, `aux["mean_prob"] [B]`
       (p̄ of the row's targets, from the same forward).
     """
-    # TRAK's rows: p̄ from the pass's own forward (the index caches Q = 1 - p̄, `index.trak`)
-    mean_prob = vec_cfg.path == "fast" and vec_cfg.output_fn == "trak"
+    # TRAK's index rows: p̄ from the pass's own forward (the index caches Q = 1 - p̄,
+    # `index.trak`); queries have no use for it
+    mean_prob = vec_cfg.path == "fast" and vec_cfg.output_fn == "trak" and role == "index"
     if vec_cfg.path == "fast":
         fn = functools.partial(
             factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections, return_mean_prob=mean_prob
