@@ -1102,12 +1102,16 @@ def test_token_heatmap_in_headless_chromium(served):
         # a file's token strings are data
         driver.find_element(By.ID, "filepath").send_keys("retrieval/hostile.jsonl")
         driver.find_element(By.ID, "loadpath").click()
-        wait.until(lambda d: d.find_elements(By.CSS_SELECTOR, "#pane1 .item .heat .tok"))
-        spans = driver.find_elements(By.CSS_SELECTOR, "#pane1 .item .heat .tok")
-        assert [driver.execute_script("return arguments[0].textContent", sp) for sp in spans[:2]] == [
-            hostile,
-            " & <b>x</b>",
-        ]
+
+        # The previous query's spans are still on the page until the file's render replaces them:
+        # read the texts in one script call (no stale handles) until the file's are shown.
+        def first_two_texts(d):
+            return d.execute_script(
+                "return Array.from(document.querySelectorAll('#pane1 .item .heat .tok'))"
+                ".slice(0, 2).map(e => e.textContent)"
+            )
+
+        wait.until(lambda d: first_two_texts(d) == [hostile, " & <b>x</b>"])
         assert not driver.find_elements(By.CSS_SELECTOR, "#pane1 img, #pane1 .heat b")
         assert driver.title != "1"
 
