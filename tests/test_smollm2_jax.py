@@ -18,7 +18,7 @@ if not hasattr(hf_lib, "from_hf_state_dict"):
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from trackstar_jax.models import gguf, lm  # noqa: E402
+from trackstar_jax.models import generate, gguf, lm  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -90,3 +90,7 @@ def test_greedy_completion_of_france(ours, reference, tok):
         theirs.append(int(reference(theirs)[-1].argmax()))
     assert mine == theirs
     assert tok.decode(mine[len(ids) :]) == FRANCE_GREEDY
+    # the cached decoder (`models.generate`) continues as transformers does
+    cfg, params = ours
+    graphdef, _ = lm.abstract_params(cfg)
+    assert generate.greedy_generate(graphdef, params, [ids], 8, PAD_TO, eos_id=-1) == [theirs[len(ids) :]]

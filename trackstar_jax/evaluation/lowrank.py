@@ -78,13 +78,6 @@ def supported(graphdef: nnx.GraphDef, params: Any) -> str | None:
     return None
 
 
-def _head(model: model_lib.DecoderLM, h: Array) -> Float[Array, "... v"]:
-    """Logits `[..., V]` float32 from the final hidden states, as `DecoderLM.__call__`."""
-    if model.cfg.tie_embeddings:
-        return layers.dense_matmul(h, model.head_matrix(), model.cfg.matmul_dtype or None).astype(jnp.float32)
-    return model.unembed(h).astype(jnp.float32)
-
-
 def _head_scale(model: model_lib.DecoderLM) -> float:
     return 1.0 / math.sqrt(model.cfg.embed_dim) if model.SCALE_TIED_LOGITS else 1.0
 
@@ -113,7 +106,7 @@ def gradient_factors(
             return y + perts[path].astype(y.dtype)
 
         h = model.hidden(inputs, tap)
-        logits = _head(model, h) + perts["@logits"]
+        logits = model.logits(h) + perts["@logits"]
         nll = -jnp.sum(layers.token_log_probs(logits, targets) * weights)
         return nll / jnp.maximum(jnp.sum(weights), 1.0), (xs, h)
 
@@ -259,7 +252,7 @@ def patched_log_probs(
 
     def logits_fn(tokens):
         h = model.hidden(tokens, tap)
-        logits = _head(model, h)
+        logits = model.logits(h)
         hf = h.astype(jnp.float32)
         if model.cfg.tie_embeddings:  # logits = H s (E + dE)^T
             p, s = patch[EMBED], _head_scale(model)

@@ -1,7 +1,10 @@
-"""Greedy decoding with the pure forward pass (no KV cache: prompts here are short).
+"""Greedy decoding with a key/value cache.
 
-Used to report completions of fact prompts after pretraining and to get the model's own
-prediction as a query target (`eval.query_mode = "prediction"`, paper §4.2).
+Used to report completions of fact prompts after pretraining, to get the model's own
+prediction as a query target (`eval.query_mode = "prediction"`, paper §4.2) and for §A.4's
+cap on facts the model gets wrong (one completion per candidate fact: minutes on a CPU).
+One forward over the prompts fills the cache (`DecoderLM.decode`), then each new token costs
+one position per row instead of a forward over the whole buffer.
 """
 
 from __future__ import annotations
@@ -16,49 +19,84 @@ from flax import nnx
 from jaxtyping import Array, Int
 
 from trackstar_jax.data import tokenizer as tokenizer_lib
-from trackstar_jax.models import lm as model_lib
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "eos_id", "vocab_limit"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "prefill", "max_new_tokens", "eos_id", "vocab_limit"))
 def greedy_step_loop(
     params: Any,
     tokens: Int[Array, "b t"],
     lengths: Int[Array, " b"],
     *,
     graphdef: nnx.GraphDef,
+    prefill: int,
     max_new_tokens: int,
     eos_id: int,
     vocab_limit: int | None = None,
 ) -> tuple[Int[Array, "b t"], Int[Array, " b"]]:
     """Appends up to `max_new_tokens` argmax tokens after each row's first `lengths[b]` tokens.
 
-    Rows are right-padded; causal attention means padding after position `lengths[b]-1`
-    never changes that position's logits. A row stops after emitting `eos_id` or when the
-    buffer `[b, t]` is full. Only ids below `vocab_limit` are chosen: the embedding table may
-    be larger than the tokenizer (a small corpus trains fewer pieces than `model.vocab_size`),
-    and an id the tokenizer does not have cannot be decoded.
+    Rows are right-padded, every `lengths[b] <= prefill`: one forward over `tokens[:, :prefill]`
+    fills the cache (causal attention: padding after a row's prompt never changes its last
+    prompt position, and a padded position's cache entry is overwritten before that row reads
+    it), then each step decodes the token just written at the row's own position. A row stops
+    after emitting `eos_id` or when the buffer `[b, t]` is full. Only ids below `vocab_limit`
+    are chosen: the embedding table may be larger than the tokenizer (a small corpus trains
+    fewer pieces than `model.vocab_size`), and an id the tokenizer does not have cannot be decoded.
 
     Returns:
       `(tokens [b, t], lengths [b])` with the new tokens written in place.
     """
-    t = tokens.shape[1]
-    rows = jnp.arange(tokens.shape[0])
+    if max_new_tokens <= 0:
+        return tokens, lengths
+    b, t = tokens.shape
+    rows = jnp.arange(b)
+    model = nnx.merge(graphdef, params)
 
-    def body(_, carry):
+    def emit(carry, logits):
+        """Writes the argmax of `logits [b, v]` at each unfinished row's next position."""
         tokens, lengths, done = carry
-        logits = model_lib.apply(graphdef, params, tokens)  # [b, t, v]
-        last = logits[rows, jnp.clip(lengths - 1, 0, t - 1)]
-        nxt = jnp.argmax(last[:, :vocab_limit], axis=-1).astype(tokens.dtype)
+        nxt = jnp.argmax(logits[:, :vocab_limit], axis=-1).astype(tokens.dtype)
+        at = jnp.clip(lengths, 0, t - 1)
         write = ~done & (lengths < t)
-        tokens = tokens.at[rows, jnp.clip(lengths, 0, t - 1)].set(
-            jnp.where(write, nxt, tokens[rows, jnp.clip(lengths, 0, t - 1)])
-        )
+        tokens = tokens.at[rows, at].set(jnp.where(write, nxt, tokens[rows, at]))
         lengths = lengths + write.astype(lengths.dtype)
         done = done | (write & (nxt == eos_id)) | (lengths >= t)
-        return tokens, lengths, done
+        return (tokens, lengths, done), nxt, at
 
-    tokens, lengths, _ = jax.lax.fori_loop(0, max_new_tokens, body, (tokens, lengths, jnp.zeros_like(lengths, bool)))
+    h, cache = model.decode(tokens[:, :prefill], model.init_cache(b, t), jnp.zeros_like(lengths))
+    carry, nxt, at = emit(
+        (tokens, lengths, jnp.zeros_like(lengths, bool)), model.logits(h[rows, jnp.clip(lengths - 1, 0, prefill - 1)])
+    )
+
+    def body(_, state):
+        carry, nxt, at, cache = state
+        # A finished row decodes its last token again at a position nobody reads: harmless.
+        h, cache = model.decode(nxt[:, None], cache, at)
+        carry, nxt, at = emit(carry, model.logits(h[:, 0]))
+        return carry, nxt, at, cache
+
+    (tokens, lengths, _), *_ = jax.lax.fori_loop(0, max_new_tokens - 1, body, (carry, nxt, at, cache))
     return tokens, lengths
+
+
+def prompt_buffer(
+    prompts: Sequence[Sequence[int]], max_new_tokens: int, max_len: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Right-padded prompts with room for `max_new_tokens`: `(tokens [b, t] int32, lengths [b],
+    prefill)`. `t` is rounded up to a multiple of 16 and `prefill` (covers every prompt) to one of
+    8, both capped at `max_len`, so that calls share compilations.
+
+    Raises:
+      ValueError: a prompt leaves no room to generate below `max_len`.
+    """
+    longest = max(len(p) for p in prompts)
+    if longest >= max_len:
+        raise ValueError(f"a prompt of {longest} tokens leaves no room below max_len={max_len}")
+    t = min(-(-(longest + max_new_tokens) // 16) * 16, max_len)
+    buf = np.full((len(prompts), t), tokenizer_lib.PAD_ID, np.int32)
+    for i, p in enumerate(prompts):
+        buf[i, : len(p)] = p
+    return buf, np.asarray([len(p) for p in prompts], np.int32), min(-(-longest // 8) * 8, t)
 
 
 def greedy_generate(
@@ -81,21 +119,14 @@ def greedy_generate(
     """
     if not prompts:
         return []
-    longest = max(len(p) for p in prompts)
-    if longest >= max_len:
-        raise ValueError(f"a prompt of {longest} tokens leaves no room below max_len={max_len}")
-    # Buffer length rounded up to a multiple of 16 so that calls share compilations.
-    t = min(-(-(longest + max_new_tokens) // 16) * 16, max_len)
-    buf = np.full((len(prompts), t), tokenizer_lib.PAD_ID, np.int32)
-    for i, p in enumerate(prompts):
-        buf[i, : len(p)] = p
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
+    buf, lengths, prefill = prompt_buffer(prompts, max_new_tokens, max_len)
     out, new_len = jax.device_get(
         greedy_step_loop(
             params,
             jnp.asarray(buf),
             jnp.asarray(lengths),
             graphdef=graphdef,
+            prefill=prefill,
             max_new_tokens=max_new_tokens,
             eos_id=eos_id,
             vocab_limit=vocab_limit,

@@ -34,7 +34,7 @@ _ACTIVATIONS = {
 }
 
 
-class Attention(nnx.Module):
+class Attention(layers.RotaryAttention):
     """Causal multi-head attention with partial rotary embeddings."""
 
     def __init__(self, cfg: lm.LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -47,16 +47,10 @@ class Attention(nnx.Module):
         self.rope_base, self.rotary_dim = cfg.rope_base, cfg.rotary_dim
         self.matmul_dtype = cfg.matmul_dtype or None
 
-    def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
+    def qkv(self, x: Float[Array, "b t d"], tap: layers.Tap | None) -> tuple[Array, Array, Array]:
         b, t, _ = x.shape
         shape = (b, t, self.num_heads, self.head_dim)
-        q = self.query(x, tap).reshape(shape)
-        k = self.key(x, tap).reshape(shape)
-        v = self.value(x, tap).reshape(shape)
-        q = layers.rope(q, self.rope_base, self.rotary_dim)
-        k = layers.rope(k, self.rope_base, self.rotary_dim)
-        ctx = layers.causal_attention(q, k, v, self.matmul_dtype).reshape(b, t, self.num_heads * self.head_dim)
-        return self.out(ctx, tap)
+        return self.query(x, tap).reshape(shape), self.key(x, tap).reshape(shape), self.value(x, tap).reshape(shape)
 
 
 class MLP(nnx.Module):
@@ -72,7 +66,7 @@ class MLP(nnx.Module):
         return self.down(_ACTIVATIONS[self.activation](self.up(x, tap)), tap)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(layers.ResidualBlock):
     """GPT-NeoX block, parallel or sequential residual."""
 
     def __init__(self, cfg: lm.LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -81,13 +75,6 @@ class DecoderLayer(nnx.Module):
         self.mlp_norm = layers.Norm(cfg.embed_dim, f"{path}/mlp_norm", cfg)
         self.mlp = MLP(cfg, f"{path}/mlp", rngs=rngs)
         self.parallel = cfg.parallel_residual
-
-    def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
-        a = self.attn(self.attn_norm(x, tap), tap)
-        if self.parallel:
-            return x + a + self.mlp(self.mlp_norm(x, tap), tap)
-        x = x + a
-        return x + self.mlp(self.mlp_norm(x, tap), tap)
 
 
 class Transformer(lm.DecoderLM):

@@ -23,6 +23,7 @@ Batch convention (shared by training, featurization, retrieval and tail-patch):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
@@ -255,8 +256,13 @@ class Norm(nnx.Module):
         return y
 
 
-def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = None) -> Float[Array, "b t ... h"]:
-    """Rotary position embedding over the last axis, positions 0..T-1.
+def rope(
+    x: Float[Array, "b t ... h"],
+    base: float,
+    rotary_dim: int | None = None,
+    positions: Int[Array, "b t"] | None = None,
+) -> Float[Array, "b t ... h"]:
+    """Rotary position embedding over the last axis, at `positions` (None: 0..T-1 in every row).
 
     Rotate-half layout (HF's `rotate_half`, GPT-NeoX and Llama): within the first
     `rotary_dim` features (all by default), feature i is paired with i + rotary_dim/2 and
@@ -266,8 +272,11 @@ def rope(x: Float[Array, "b t ... h"], base: float, rotary_dim: int | None = Non
     t, h = x.shape[1], x.shape[-1]
     r = h if rotary_dim is None else rotary_dim
     inv_freq = 1.0 / (base ** (jnp.arange(0, r, 2, dtype=jnp.float32) / r))  # [r/2]
-    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # [t, r/2]
-    shape = (1, t) + (1,) * (x.ndim - 3) + (r // 2,)
+    if positions is None:
+        angles = jnp.arange(t, dtype=jnp.float32)[None, :, None] * inv_freq  # [1, t, r/2]
+    else:
+        angles = positions.astype(jnp.float32)[:, :, None] * inv_freq  # [b, t, r/2]
+    shape = angles.shape[:2] + (1,) * (x.ndim - 3) + (r // 2,)
     sin, cos = jnp.sin(angles).reshape(shape), jnp.cos(angles).reshape(shape)
     xf = x.astype(jnp.float32)
     x1, x2, rest = xf[..., : r // 2], xf[..., r // 2 : r], xf[..., r:]
@@ -386,6 +395,138 @@ def causal_attention(
         probs = _causal_softmax(logits, _scores_mask(t, r), d).astype(v.dtype)
         o = jnp.einsum("nmk,nkd->nmd", probs, vh)
     return jnp.transpose(o.reshape(b, g, r, t, d), (0, 3, 1, 2, 4)).reshape(b, t, h, d)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """One attention layer's keys and values for incremental decoding, `k, v [b, s, g, d]`:
+    positions 0..s-1 of each row, keys after the rotary embedding. Rows advance at their own
+    pace (right-padded prompts of different lengths): `attend` writes row i's new tokens at its
+    own positions, and an entry past what a row has written is never read by that row."""
+
+    k: Float[Array, "b s g d"]
+    v: Float[Array, "b s g d"]
+
+    @classmethod
+    def empty(cls, batch: int, length: int, kv_heads: int, head_dim: int, dtype: Any) -> KVCache:
+        z = jnp.zeros((batch, length, kv_heads, head_dim), dtype)
+        return cls(z, z)
+
+
+def cached_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t g d"],
+    v: Float[Array, "b t g d"],
+    cache: KVCache,
+    pos: Int[Array, " b"],
+    operand_dtype: str | None = None,
+) -> tuple[Float[Array, "b t h d"], KVCache]:
+    """`causal_attention` for `t` new tokens per row at positions `pos[b] + 0..t-1`: their keys
+    and values are written into `cache` first (positions past its length are dropped), then
+    each new token attends to the cache's positions up to its own.
+
+    Same head order, float32 scores and softmax (`_causal_softmax`) and operand rounding
+    (`operand_dtype`, float32 accumulation) as `causal_attention`, whose output it equals at
+    those positions (a test pins it per architecture).
+    """
+    b, t, h, d = q.shape
+    s, g = cache.k.shape[1], cache.k.shape[2]
+    at = pos[:, None] + jnp.arange(t)  # [b, t]
+    rows = jnp.arange(b)[:, None]
+    ck = cache.k.at[rows, at].set(k.astype(cache.k.dtype), mode="drop")
+    cv = cache.v.at[rows, at].set(v.astype(cache.v.dtype), mode="drop")
+    od = jnp.dtype(operand_dtype or q.dtype)
+    qg = q.reshape(b, t, g, h // g, d).astype(od)
+    logits = jnp.einsum("bqgrd,bkgd->bgrqk", qg, ck.astype(od), preferred_element_type=jnp.float32)
+    sees = jnp.arange(s)[None, None, :] <= at[:, :, None]  # [b, t, s]
+    probs = _causal_softmax(logits, sees[:, None, None], d)
+    o = jnp.einsum("bgrqk,bkgd->bqgrd", probs.astype(od), cv.astype(od), preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(b, t, h, d), KVCache(ck, cv)
+
+
+def rotary_attention(
+    q: Float[Array, "b t h d"],
+    k: Float[Array, "b t g d"],
+    v: Float[Array, "b t g d"],
+    *,
+    base: float,
+    rotary_dim: int | None = None,
+    operand_dtype: str | None = None,
+    cache: KVCache | None = None,
+    pos: Int[Array, " b"] | None = None,
+) -> tuple[Float[Array, "b t h d"], KVCache | None]:
+    """Rotary embedding on `q` and `k`, then causal attention: what every architecture's attention
+    does between its projections. Without a cache the tokens sit at positions 0..T-1
+    (`causal_attention`; returns `(out, None)`); with one, at `pos[b] + 0..T-1`
+    (`cached_attention`; returns `(out, updated cache)`)."""
+    if cache is None:
+        q, k = rope(q, base, rotary_dim), rope(k, base, rotary_dim)
+        return causal_attention(q, k, v, operand_dtype), None
+    positions = pos[:, None] + jnp.arange(q.shape[1])
+    q, k = rope(q, base, rotary_dim, positions), rope(k, base, rotary_dim, positions)
+    return cached_attention(q, k, v, cache, pos, operand_dtype)
+
+
+class RotaryAttention(nnx.Module):
+    """Causal attention with rotary embeddings, the part every architecture shares: subclasses
+    build `query`, `key`, `value` and `out` (`Linear`s), set `rope_base`, `rotary_dim` (None:
+    the whole head), `matmul_dtype`, `num_heads`, `head_dim`, and split `qkv`."""
+
+    rotary_dim: int | None = None
+
+    def qkv(self, x: Float[Array, "b t d"], tap: Tap | None) -> tuple[Array, Array, Array]:
+        """`q [b, t, h, hd]`, `k, v [b, t, g, hd]`, before the rotary embedding."""
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        x: Float[Array, "b t d"],
+        tap: Tap | None = None,
+        cache: KVCache | None = None,
+        pos: Int[Array, " b"] | None = None,
+    ) -> Any:
+        """`y [b, t, d]`; with a `cache` (decoding at positions `pos + 0..t-1`), `(y, cache)`."""
+        b, t, _ = x.shape
+        q, k, v = self.qkv(x, tap)
+        ctx, cache = rotary_attention(
+            q,
+            k,
+            v,
+            base=self.rope_base,
+            rotary_dim=self.rotary_dim,
+            operand_dtype=self.matmul_dtype,
+            cache=cache,
+            pos=pos,
+        )
+        y = self.out(ctx.reshape(b, t, self.num_heads * self.head_dim), tap)
+        return y if cache is None else (y, cache)
+
+
+class ResidualBlock(nnx.Module):
+    """Pre-norm residual decoder block: `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`, or
+    both branches from `x` when `parallel` (GPT-NeoX's `use_parallel_residual`). Subclasses
+    build `attn_norm`, `attn` (a `RotaryAttention`), `mlp_norm` and `mlp`. With a `cache`
+    (`DecoderLM.decode`) returns `(x, cache)`."""
+
+    parallel: bool = False
+
+    def __call__(
+        self,
+        x: Float[Array, "b t d"],
+        tap: Tap | None = None,
+        cache: KVCache | None = None,
+        pos: Int[Array, " b"] | None = None,
+    ) -> Any:
+        a = self.attn(self.attn_norm(x, tap), tap, cache, pos)
+        if cache is not None:
+            a, cache = a
+        if self.parallel:
+            x = x + a + self.mlp(self.mlp_norm(x, tap), tap)
+        else:
+            x = x + a
+            x = x + self.mlp(self.mlp_norm(x, tap), tap)
+        return x if cache is None else (x, cache)
 
 
 def lm_targets(batch: Mapping[str, Array]) -> tuple[Int[Array, "b t1"], Int[Array, "b t1"], Float[Array, "b t1"]]:

@@ -24,7 +24,7 @@ from jaxtyping import Array, Float
 from trackstar_jax.models import gguf, hf, layers, lm
 
 
-class Attention(nnx.Module):
+class Attention(layers.RotaryAttention):
     """Causal grouped-query attention: `num_heads` query heads over `kv_heads` key/value heads."""
 
     def __init__(self, cfg: lm.LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -36,14 +36,12 @@ class Attention(nnx.Module):
         self.num_heads, self.kv_heads, self.head_dim, self.rope_base = h, g, hd, cfg.rope_base
         self.matmul_dtype = cfg.matmul_dtype or None
 
-    def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
+    def qkv(self, x: Float[Array, "b t d"], tap: layers.Tap | None) -> tuple[Array, Array, Array]:
         b, t, _ = x.shape
         q = self.query(x, tap).reshape(b, t, self.num_heads, self.head_dim)
         k = self.key(x, tap).reshape(b, t, self.kv_heads, self.head_dim)
         v = self.value(x, tap).reshape(b, t, self.kv_heads, self.head_dim)
-        q, k = layers.rope(q, self.rope_base), layers.rope(k, self.rope_base)
-        ctx = layers.causal_attention(q, k, v, self.matmul_dtype).reshape(b, t, self.num_heads * self.head_dim)
-        return self.out(ctx, tap)
+        return q, k, v
 
 
 class SwiGLU(nnx.Module):
@@ -59,7 +57,7 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x, tap)) * self.up(x, tap), tap)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(layers.ResidualBlock):
     """Pre-norm residual block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
     def __init__(self, cfg: lm.LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -67,10 +65,6 @@ class DecoderLayer(nnx.Module):
         self.attn = Attention(cfg, f"{path}/attn", rngs=rngs)
         self.mlp_norm = layers.Norm(cfg.embed_dim, f"{path}/mlp_norm", cfg)
         self.mlp = SwiGLU(cfg, f"{path}/mlp", rngs=rngs)
-
-    def __call__(self, x: Float[Array, "b t d"], tap: layers.Tap | None = None) -> Float[Array, "b t d"]:
-        x = x + self.attn(self.attn_norm(x, tap), tap)
-        return x + self.mlp(self.mlp_norm(x, tap), tap)
 
 
 class Transformer(lm.DecoderLM):

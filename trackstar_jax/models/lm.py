@@ -36,6 +36,7 @@ from jaxtyping import Array, Float, Int
 
 from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
     NORM_TYPES,
+    KVCache,
     Linear,
     Norm,
     Tap,
@@ -414,10 +415,32 @@ class DecoderLM(nnx.Module):
         w = self.embed[...].astype(self.cfg.dtype).T
         return w / math.sqrt(self.cfg.embed_dim) if self.SCALE_TIED_LOGITS else w
 
-    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
-        x = self.hidden(tokens, tap)
+    def logits(self, h: Float[Array, "... d"], tap: Tap | None = None) -> Float[Array, "... v"]:
+        """The output head on final hidden states: logits `[..., vocab]` float32."""
         if self.cfg.tie_embeddings:
-            logits = dense_matmul(x, self.head_matrix(), self.cfg.matmul_dtype or None)
+            logits = dense_matmul(h, self.head_matrix(), self.cfg.matmul_dtype or None)
         else:
-            logits = self.unembed(x, tap)
+            logits = self.unembed(h, tap)
         return logits.astype(jnp.float32)
+
+    def init_cache(self, batch: int, length: int) -> list[KVCache]:
+        """Empty per-layer key/value caches for `decode`, positions 0..length-1."""
+        c = self.cfg
+        return [KVCache.empty(batch, length, c.kv_heads, c.head_dim, c.dtype) for _ in range(c.num_layers)]
+
+    def decode(
+        self, tokens: Int[Array, "b t"], cache: list[KVCache], pos: Int[Array, " b"]
+    ) -> tuple[Float[Array, "b t d"], list[KVCache]]:
+        """`hidden` for `t` new tokens per row at positions `pos[b] + 0..t-1`, attending to what
+        `cache` holds before them; returns the final norm's output and the caches with the new
+        keys and values written (incremental greedy decoding, `models.generate`). Row i's
+        hidden states equal `hidden`'s at those positions of its whole sequence."""
+        x = embed_tokens(self.embed[...], tokens, self.cfg.dtype)
+        out = []
+        for i, c in enumerate(cache):
+            x, c = getattr(self, f"layer_{i}")(x, None, c, pos)
+            out.append(c)
+        return self.final_norm(x), out
+
+    def __call__(self, tokens: Int[Array, "b t"], tap: Tap | None = None) -> Float[Array, "b t v"]:
+        return self.logits(self.hidden(tokens, tap), tap)

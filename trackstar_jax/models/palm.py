@@ -21,7 +21,7 @@ from trackstar_jax.models.layers import Linear, Norm, Tap
 from trackstar_jax.models.lm import LMConfig
 
 
-class MultiQueryAttention(nnx.Module):
+class MultiQueryAttention(layers.RotaryAttention):
     """Causal multi-query attention: `num_heads` query heads share one key/value head."""
 
     def __init__(self, cfg: LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -33,15 +33,11 @@ class MultiQueryAttention(nnx.Module):
         self.num_heads, self.head_dim, self.rope_base = h, hd, cfg.rope_base
         self.matmul_dtype = cfg.matmul_dtype or None
 
-    def __call__(self, x: Float[Array, "b t d"], tap: Tap | None = None) -> Float[Array, "b t d"]:
+    def qkv(self, x: Float[Array, "b t d"], tap: Tap | None) -> tuple[Array, Array, Array]:
         b, t, _ = x.shape
         q = self.query(x, tap).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.key(x, tap)  # [b, t, hd]: the single shared head
-        v = self.value(x, tap)
-        q, k = layers.rope(q, self.rope_base), layers.rope(k, self.rope_base)
-        ctx = layers.causal_attention(q, k[:, :, None], v[:, :, None], self.matmul_dtype)
-        ctx = ctx.reshape(b, t, self.num_heads * self.head_dim)
-        return self.out(ctx, tap)
+        # [b, t, 1, hd]: the single shared head
+        return q, self.key(x, tap)[:, :, None], self.value(x, tap)[:, :, None]
 
 
 class SwiGLU(nnx.Module):
@@ -57,7 +53,7 @@ class SwiGLU(nnx.Module):
         return self.down(jax.nn.silu(self.gate(x, tap)) * self.up(x, tap), tap)
 
 
-class DecoderLayer(nnx.Module):
+class DecoderLayer(layers.ResidualBlock):
     """Pre-norm residual block: attention then MLP."""
 
     def __init__(self, cfg: LMConfig, path: str, *, rngs: nnx.Rngs):
@@ -65,10 +61,6 @@ class DecoderLayer(nnx.Module):
         self.attn = MultiQueryAttention(cfg, f"{path}/attn", rngs=rngs)
         self.mlp_norm = Norm(cfg.embed_dim, f"{path}/mlp_norm", cfg)
         self.mlp = SwiGLU(cfg, f"{path}/mlp", rngs=rngs)
-
-    def __call__(self, x: Float[Array, "b t d"], tap: Tap | None = None) -> Float[Array, "b t d"]:
-        x = x + self.attn(self.attn_norm(x, tap), tap)
-        return x + self.mlp(self.mlp_norm(x, tap), tap)
 
 
 class Transformer(lm.DecoderLM):
