@@ -7,6 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from trackstar_jax import config as config_lib
 from trackstar_jax.models import gguf, hf, llama, lm
@@ -54,8 +55,13 @@ def test_every_registered_architecture_round_trips(name):
     _, abstract = lm.abstract_params(cfg)
     shapes = lambda t: {p: tuple(x.shape) for p, x in lm.flat_params(t).items()}  # noqa: E731
     assert shapes(params) == shapes(abstract)
-    logits = lm.apply(graphdef, params, jnp.ones((1, 4), jnp.int32))
+    tokens = jnp.asarray([[1, 5, 2, 7]], jnp.int32)
+    logits = lm.apply(graphdef, params, tokens)
     assert logits.shape == (1, 4, cfg.vocab_size)
+    # greedy generation's cached path (`DecoderLM.decode`) is the same model
+    model = nnx.merge(graphdef, params)
+    h, _ = model.decode(tokens, model.init_cache(1, 4), jnp.zeros(1, jnp.int32))
+    np.testing.assert_allclose(model.logits(h), logits, rtol=1e-5, atol=1e-5)
     if arch.hf_tensors is None:
         return
     rng = np.random.default_rng(0)
