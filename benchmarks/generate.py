@@ -26,11 +26,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.imported import _load
+from experiments import trex_table1
 from trackstar_jax.evaluation import queries
 from trackstar_jax.models import generate
 from trackstar_jax.models import lm as model_lib
 
-RELATIONS = ("P19", "P20", "P101", "P103", "P106", "P264", "P364", "P413")  # trex_table1.CPU_RELATIONS
+RELATIONS = tuple(trex_table1.CPU_RELATIONS.split(","))  # Run A's
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens"))
