@@ -15,7 +15,6 @@ from conftest import tiny_run_config
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
-from trackstar_jax import data as data_pkg
 from trackstar_jax import index, stages
 from trackstar_jax.features import vectors
 from trackstar_jax.index import build
@@ -255,7 +254,6 @@ def test_config_sections_are_checked(tiny_config):
     tiny_config.hessian.lam = 0.5
     with pytest.raises(ValueError, match="config.hessian: lam"):
         config_lib.from_configdict(tiny_config).hessian
-    assert data_pkg.bucket_len(3, 64) == 16 and data_pkg.bucket_len(17, 64) == 32 and data_pkg.bucket_len(70, 64) == 64
 
 
 def test_config_of_another_run_is_refused(run_dir):

@@ -364,6 +364,26 @@ def test_pad_batch_convention():
         data.pad_batch([(np.arange(9), np.ones(9))], [0], 1, 6)
 
 
+@pytest.mark.parametrize("per", [1, 2, 4])
+def test_bucket_len_is_the_least_ladder_step_at_or_above_the_longest_row(monkeypatch, per):
+    """`bucket_len` against a brute-force ladder: per doubling (n, 2n], `per` equal steps."""
+    monkeypatch.setattr(data.batching, "BUCKETS_PER_OCTAVE", per)
+    ladder = [16] + [n + (n // per) * j for n in (16, 32, 64, 128) for j in range(1, per + 1)]
+    for longest in range(1, 257):
+        want = min(x for x in ladder if x >= longest)
+        assert data.bucket_len(longest, 256) == want
+        assert data.bucket_len(longest, 40) == min(want, 40)
+    assert len({data.bucket_len(n, 256) for n in range(1, 257)}) == 4 * per + 1  # the compile bound
+
+
+def test_length_groups_batch_rows_of_like_length():
+    lengths = [5, 3, 9, 3, 1, 7, 9]
+    groups = data.length_groups(lengths, 3)
+    assert [g.tolist() for g in groups] == [[4, 1, 3], [0, 5, 2], [6]]  # stable: ties keep their order
+    assert sorted(np.concatenate(groups).tolist()) == list(range(7))
+    assert data.length_groups([], 4) == []
+
+
 def test_index_batches_are_ordered_and_padded(embedded, tok):
     batches = list(data.index_batches(embedded, tok, 64, 48))
     ids = np.concatenate([b["example_id"] for b in batches])

