@@ -17,6 +17,7 @@ from trackstar_jax import methods as methods_lib
 from trackstar_jax import stages
 from trackstar_jax.distributed import sharding
 from trackstar_jax.evaluation import baselines, lds, query_set, rows
+from trackstar_jax.index import open_index, trak
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -159,8 +160,9 @@ def test_rows_on_one_index_featurize_the_queries_once(ctx_eq, monkeypatch):
 
 def test_a_rows_index_is_written_with_the_indices_that_share_its_pass(ctx_eq):
     """`make_retrievers` tells `build_index` the table's gradient rows: retrieving Exp. 1 writes
-    Exp. 4's index (correction on; same pass) beside its own, not TRAK's (another output
-    function, so another backward) nor one that is already finished."""
+    Exp. 4's index (correction on) and TRAK's (another output function: its backward runs
+    beside the loss's after the one forward, and TRAK's Q = 1 - p̄ comes from that forward)
+    beside its own, in one pass, but not one that is already finished."""
     import json  # noqa: PLC0415
 
     settings, ctx, eq = ctx_eq
@@ -172,10 +174,15 @@ def test_a_rows_index_is_written_with_the_indices_that_share_its_pass(ctx_eq):
     retrievers = rows.make_retrievers(table, shared)
     retrievers["exp1"].retrieve(eq, 5)
     summary = json.loads((ctx.workdir / dirs["exp4"] / "build_summary-p0000.json").read_text())
-    assert (ctx.workdir / dirs["exp4"] / "COMPLETE").exists()
-    assert summary["shared_pass"] == [str(ctx.workdir / dirs["exp1"])]
-    assert not (ctx.workdir / dirs["trak"]).exists()
+    assert (ctx.workdir / dirs["exp4"] / "COMPLETE").exists() and (ctx.workdir / dirs["trak"] / "COMPLETE").exists()
+    assert sorted(summary["shared_pass"]) == sorted(str(ctx.workdir / dirs[n]) for n in ("exp1", "trak"))
     assert summary["rows_written"] == summary["rows"]
+    trak_index = open_index(ctx.workdir / dirs["trak"])
+    q_path = trak.q_file(trak_index.path, trak_index.manifest)
+    assert q_path.exists()  # Q from the shared pass's forward: equal to its own forward pass's
+    q_pass = np.load(q_path)
+    q_path.unlink()
+    np.testing.assert_allclose(trak.candidate_q(ctx.run, trak_index), q_pass, rtol=1e-5, atol=1e-6)
     retrievers["exp4"].retrieve(eq, 5)
     reused = json.loads((ctx.workdir / dirs["exp4"] / "build_summary-p0000.json").read_text())
     assert reused["rows_written"] == 0 and reused["shared_pass"] == []  # finished: reused as written

@@ -268,7 +268,7 @@ def factored_vectors(
     *,
     graphdef: nnx.GraphDef,
     plan: proj_lib.BlockPlan,
-    output_fn: str = "loss",
+    output_fn: str | Sequence[str] = "loss",
     role: str = "index",
     seed: int = 0,
     exact_v: bool = False,
@@ -285,7 +285,10 @@ def factored_vectors(
       batch: `tokens [B, T]`, `loss_mask [B, T]`.
       graphdef: model graph definition.
       plan: block plan (k = plan.proj_dim).
-      output_fn, role: see `grads.token_objective`.
+      output_fn, role: see `grads.token_objective`. For n stacked sets, `output_fn` may name
+        one output function per set (a tuple of n): the forward pass is shared and the backward
+        runs once per distinct function (`jax.vjp`, vmapped over their cotangents), so TRAK's
+        margin rows and the loss rows come from one pass.
       seed: projection seed.
       exact_v: apply the exact element-wise factor (`correction.full`, built with
         `from_opt_state(..., exact=True)`) to the dense layers that have one, by materialising
@@ -320,6 +323,10 @@ def factored_vectors(
     if kk % k:
         raise ValueError(f"projections of {kk} rows are not a stack of k={k} row sets")
     n = kk // k
+    fns = (output_fn,) * n if isinstance(output_fn, str) else tuple(output_fn)
+    if len(fns) != n:
+        raise ValueError(f"{len(fns)} output functions for {n} stacked projection sets")
+    objs = tuple(dict.fromkeys(fns))  # the distinct objectives, in order: one backward each
     if n > 1 and exact:
         raise ValueError("stacked projections cannot share a pass with an element-wise (exact_v) correction")
     entries = {e.path: e for e in plan.entries}
@@ -347,13 +354,14 @@ def factored_vectors(
             xp = jnp.einsum("btm,km->btk", x, p0.astype(x.dtype), preferred_element_type=jnp.float32)
             return _capture_dense(y, xp, p1, zs[e.side])
 
-        if output_fn == "loss" and not unembed:
+        if objs == ("loss",) and not unembed:
             # The fused head (no [B, T, V] logits; its input gradient made in the forward pass).
             # The loss weights are the objective's constant c_t = w_t (`grads.token_objective`).
             out, pbar = model_lib.nll_sum(graphdef, params, inputs, targets, weights, tap, weight_grad=False), None
+            out = out[None]
         else:
             logits = model_lib.apply(graphdef, params, inputs, tap)
-            out = jnp.sum(grads_lib.token_objective(logits, targets, weights, output_fn, role))
+            out = jnp.stack([jnp.sum(grads_lib.token_objective(logits, targets, weights, f, role)) for f in objs])
             pbar = grads_lib.mean_target_prob(jax.lax.stop_gradient(logits), targets, weights)
         unused = sorted(set(entries) - seen)
         if unused:
@@ -361,13 +369,24 @@ def factored_vectors(
         return out, pbar
 
     zs = [jnp.zeros((b, kk, kk), jnp.float32) for _ in range(plan.num_sides)]
-    grads, pbar = jax.grad(objective, has_aux=True)(zs)
-    sides = jnp.stack(grads, axis=1)  # [B, S, n k, n k]
+    if len(objs) == 1:
+
+        def scalar(z):
+            out, pbar = objective(z)
+            return out[0], pbar
+
+        grads, pbar = jax.grad(scalar, has_aux=True)(zs)
+        sides = jnp.stack(grads, axis=1)[None]  # [1, B, S, n k, n k]
+    else:  # one forward; the backward batched over the objectives' unit cotangents
+        out, pull, pbar = jax.vjp(objective, zs, has_aux=True)
+        (grads,) = jax.vmap(pull)(jnp.eye(len(objs), dtype=out.dtype))
+        sides = jnp.stack(grads, axis=2)  # [m, B, S, n k, n k]
     if n == 1:
-        vecs = sides.reshape(b, -1)
+        vecs = sides[0].reshape(b, -1)
     else:
-        # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side
-        blocks = sides.reshape(b, plan.num_sides, n, k, n, k)
-        diag = jnp.diagonal(blocks, axis1=2, axis2=4)  # [B, S, k, k, n]
-        vecs = jnp.moveaxis(diag, -1, 1).reshape(b, n, -1)
+        # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side, in
+        # the backward of its own objective
+        blocks = sides.reshape(len(objs), b, plan.num_sides, n, k, n, k)
+        diag = jnp.diagonal(blocks, axis1=3, axis2=5)  # [m, B, S, k, k, n]
+        vecs = jnp.stack([diag[objs.index(f), ..., i] for i, f in enumerate(fns)], axis=1).reshape(b, n, -1)
     return (vecs, pbar) if return_mean_prob else vecs

@@ -109,16 +109,18 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
 
 
 # The VectorConfig fields that may differ between featurizers sharing one pass (`shared_pass_error`):
-# the correction folds into the projections; the import-time keys do not enter the step.
-SHAREABLE_FIELDS = ("correction", "estimate_v_examples", "estimate_v_seed")
+# the correction folds into the projections; output functions share the forward pass, each
+# with its own backward (`factored.factored_vectors`); the import-time keys do not enter the step.
+SHAREABLE_FIELDS = ("correction", "output_fn", "estimate_v_examples", "estimate_v_seed")
 
 
 def shared_pass_error(a: VectorConfig, b: VectorConfig) -> str | None:
     """Why `a` and `b` cannot be featurized in one forward and backward pass (None: they can).
 
     They can when they differ only in `SHAREABLE_FIELDS`, on the fast path, with every
-    correction folded into the projections (`exact_v` off): the pass is the same, only the
-    projections differ (`factored.stack_projections`)."""
+    correction folded into the projections (`exact_v` off): the forward is the same, only the
+    projections (`factored.stack_projections`) and, for another output function, the backward
+    differ."""
     if a.path != "fast" or b.path != "fast":
         return "only the fast path shares a pass (the reference path materialises each gradient)"
     if a.exact_v or b.exact_v:
@@ -198,6 +200,7 @@ def vector_step(
     vec_cfg: VectorConfig,
     plan: proj_lib.BlockPlan,
     role: str = "index",
+    output_fns: tuple[str, ...] | None = None,
 ) -> tuple[Float[Array, "b d"] | Float[Array, "b n d"], dict[str, Array]]:
     """Pure featurize step: vectors plus per-row checks (jit it with `jit_vector_step`).
 
@@ -209,6 +212,8 @@ def vector_step(
         n featurizers' sets stacked (`factored.stack_projections`; fast path only).
       graphdef, vec_cfg, plan: static.
       role: "index" or "query" (only matters for output_fn="trak").
+      output_fns: static; for n stacked sets, each set's output function (None: every set
+        takes `vec_cfg.output_fn`), one forward for all (`factored.factored_vectors`).
 
     Returns:
       `(vectors [B, d] float32 ([B, n, d] for n stacked sets), aux)` with
@@ -218,7 +223,10 @@ def vector_step(
     """
     # TRAK's index rows: p̄ from the pass's own forward (the index caches Q = 1 - p̄,
     # `index.trak`); queries have no use for it
-    mean_prob = vec_cfg.path == "fast" and vec_cfg.output_fn == "trak" and role == "index"
+    fns = output_fns or (vec_cfg.output_fn,)
+    mean_prob = vec_cfg.path == "fast" and "trak" in fns and role == "index"
+    if output_fns and vec_cfg.path != "fast":
+        raise ValueError("only the fast path featurizes several output functions in one pass")
     if vec_cfg.path == "fast":
         fn = functools.partial(
             factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections, return_mean_prob=mean_prob
@@ -235,7 +243,7 @@ def vector_step(
             batch,
             graphdef=graphdef,
             plan=plan,
-            output_fn=vec_cfg.output_fn,
+            output_fn=output_fns or vec_cfg.output_fn,
             role=role,
             seed=vec_cfg.proj_seed,
         )
@@ -264,10 +272,12 @@ def jit_vector_step(
     mesh: Mesh,
     role: str = "index",
     params: Any = None,
+    output_fns: tuple[str, ...] | None = None,
 ):
     """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), correction
     replicated, vectors `[B, d]` split like the batch; parameters replicated, or split over the
     `fsdp` axis when it has size > 1 (pass `params`, possibly abstract, to derive those).
+    `output_fns`: see `vector_step`.
 
     Returns:
       `jitted(params, precond, batch, projections) -> (vectors, aux)` (`step_projections`).
@@ -278,18 +288,20 @@ def jit_vector_step(
             raise ValueError("jit_vector_step needs `params` (shapes) to shard them over the fsdp axis")
         leaves, treedef = jax.tree.flatten(param_shardings(grads_lib.pure_params(params), mesh))
         params_sh = (treedef, tuple(leaves))
-    return _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh)
+    return _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns)
 
 
 # One jitted step per (model, settings, mesh, role): the stages' VectorFns (build_index, query
 # featurization, evaluate's memory check) share it, so a shape compiled once, for a memory
 # check or a batch, is not compiled again in the same process.
 @functools.lru_cache(maxsize=16)
-def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh):
+def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns=None):
     rep = sharding_lib.replicated(mesh)
     rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
     params_sh = rep if params_sh is None else jax.tree.unflatten(params_sh[0], params_sh[1])
-    step = functools.partial(vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role)
+    step = functools.partial(
+        vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role, output_fns=output_fns
+    )
     return jax.jit(step, in_shardings=(params_sh, rep, rows, rep), out_shardings=(rows, rows))
 
 
@@ -404,7 +416,10 @@ class VectorFn:
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
         self.plan = make_block_plan(params, model_cfg, vec_cfg)
         graphdef = step_graphdef(graphdef, model_cfg, vec_cfg)
-        self.step = jit_vector_step(graphdef, vec_cfg, self.plan, self.mesh, role, params=params)
+        fns = tuple(c.output_fn for c in self.configs)  # several: one forward, a backward each
+        self.step = jit_vector_step(
+            graphdef, vec_cfg, self.plan, self.mesh, role, params=params, output_fns=fns if len(set(fns)) > 1 else None
+        )
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
         if self.precond is not None:
             # the step takes it replicated on the mesh (it may come from an fsdp-sharded optimizer
