@@ -16,8 +16,8 @@ trained on web text, not on them, as the paper's model was trained on C4. Querie
 paper-style template 0 ("[X] was born in the city of:"), gold targets, balanced as §A.4 (at
 most `max_per_bucket / 10` facts the model gets wrong per frequency bucket).
 
-Variants (`:arg`): "cpu" (default; 3,200 sentences, every query §A.4 admits (177 for SmolLM2), 160
-of them tail-patched) and
+Variants (`:arg`): "cpu" (default; 10,000 sentences, every query §A.4 admits, 150 of them
+tail-patched) and
 "tiny" (a few dozen sentences; for tests, with `--config.model.source=<a small HF folder>`).
 Any LAMA-format relation set: `--config.data.path=<folder> --config.data.relations=P36,P37`.
 """
@@ -36,16 +36,16 @@ def get_config(arg: str | None = None):
     c.data.relations = trex_table1.CPU_RELATIONS
     c.data.statements_per_fact = 0  # nothing is trained here: no templated statements
     c.data.eval_fact_fraction = 0.0  # every fact may be queried
-    c.data.max_examples = 3200  # natural evidence sentences (every candidate)
+    c.data.max_examples = 10000  # natural evidence sentences (every candidate): >= 300 queries (BUILD_NOTES §7)
     c.data.eval_fraction = 0.0
     c.candidates.passages = "natural"  # the paper's closed set: natural sentences only
     c.eval.methods = trex_table1.ALL_METHODS
     c.eval.optional_methods = ("dense",)  # left out, with a logged warning, when its model is not installed
     c.eval.template_variant = 0  # paper style ("[X] was born in the city of:")
-    c.eval.max_queries = 320
+    c.eval.max_queries = 400  # above what §A.4 admits here: every admitted query is kept
     c.eval.max_per_bucket = 1000  # §A.4: then at most 100 wrong facts per bucket (eval.max_incorrect_per_bucket = -1)
-    c.eval.max_per_relation_target_per_bucket = 10
-    c.eval.max_per_relation_target = 25
+    c.eval.max_per_relation_target_per_bucket = 25  # §A.4's caps on one (relation, target): 25 per bucket,
+    c.eval.max_per_relation_target = 100  # 100 overall
     c.hessian.r_eval_source = "task_prompts"
     c.hessian.r_eval_prompts = 1000  # blocks are 256 wide (d = 4096 = 16 x 256)
     # Tail-patch sets Run A's wall time: ~63 distinct (query, proponent) pairs per query over the 9
@@ -53,7 +53,7 @@ def get_config(arg: str | None = None):
     # one Adafactor step of 135M parameters per proponent serves up to `queries_per_step` of its
     # queries (BUILD_NOTES §7). Cached pairs are reused by a larger value (`tailpatch_order`), so
     # raising it only computes the new queries.
-    c.tailpatch.max_queries = 160
+    c.tailpatch.max_queries = 150
     c.tailpatch.methods = VERDICT_ROWS
     if arg == "tiny":
         c.data.max_examples = 80
