@@ -1,11 +1,15 @@
-"""Two indices in one featurize pass vs two passes, on a run's own candidates (side by side).
+"""Three indices in one featurize pass vs one pass each, on a run's own candidates (side by side).
 
-Exp. 4's index (correction on) and Exp. 1's (off) differ only in the correction, so one
-forward and backward can write both (`index.build_from_run(companions=...)`). This times the
-index builder's own row function (`index.build.make_rows_fn`: encoding, length buckets, the
-jitted step, the device-to-host copy; writing is < 1% of a build) over the first `--rows`
-candidates of a run: once per setting alone, then both in one pass, in one process, after a
-warm-up batch of every length bucket (compiles are reported apart). One JSON line.
+Exp. 4's index (correction on) and Exp. 1's (off) differ only in the correction, and TRAK's
+(off, margin output function) in the output function too, so one forward can write all three
+(`index.build_from_run(companions=...)`): the two loss settings share the backward as well,
+TRAK's gets a backward of its own. This times the index builder's own row function
+(`index.build.make_rows_fn`: encoding, length buckets, the jitted step, the device-to-host copy;
+writing is < 1% of a build) over the first `--rows` candidates of a run: once per setting alone,
+the two loss settings in one pass (`shared2`), then all three in one pass (`shared3`), in one
+process, after a warm-up batch of every length bucket (compiles are reported apart). One JSON
+line: `speedup` = on + off over shared2, `speedup_trak` = trak + shared2 over shared3 (the
+session-28 lever), `speedup_all` = the three alone over shared3.
 
     python -m benchmarks.shared_pass --workdir=runs/smollm2_table1 --rows=512
 """
@@ -29,16 +33,19 @@ from trackstar_jax.index import build as build_lib
 
 
 def _warm(run, fn, rows: int) -> float:
-    """Compiles `fn`'s step for every length bucket among the first `rows` candidates (one batch each)."""
+    """Compiles `fn`'s step for every length bucket the row function forms over the first
+    `rows` candidates (`data.length_groups`, `data.bucket_len`): one batch each."""
     t0 = time.perf_counter()
     bs, max_len = fn.vec_cfg.batch_size, run.model_cfg.max_len
+    items, _ = data_lib.encode_passages(run.tokenizer, run.corpus.texts[:rows], max_len)
     seen = set()
-    for lo in range(0, rows, bs):
-        items, _ = data_lib.encode_passages(run.tokenizer, run.corpus.texts[lo : lo + bs], max_len)
-        seq_len = data_lib.bucket_len(max(len(t) for t, _ in items), max_len)
+    for pos in data_lib.length_groups([len(t) for t, _ in items], bs):
+        part = [items[i] for i in pos]
+        seq_len = data_lib.bucket_len(max(len(t) for t, _ in part), max_len)
         if seq_len not in seen:
             seen.add(seq_len)
-            build_lib.make_rows_fn(run, fn, {"tokens": 0, "truncated": 0})(lo, min(lo + bs, rows))
+            b = data_lib.pad_batch(part, pos.tolist(), bs, seq_len)
+            jax.block_until_ready(fn.jitted(run.params, fn.precond, {k: b[k] for k in ("tokens", "loss_mask")}))
     return time.perf_counter() - t0
 
 
@@ -57,23 +64,28 @@ def main() -> None:
     settings = config_lib.load_run_settings(args.workdir)
     run = stages.load_run(args.workdir, runtime=settings)
     rows = min(args.rows, len(run.corpus.texts))
-    on = dataclasses.replace(settings.vectors, correction=True)
+    on = dataclasses.replace(settings.vectors, correction=True, output_fn="loss")
     off = dataclasses.replace(on, correction=False)
+    trak = dataclasses.replace(off, output_fn="trak")
     make = lambda vc, comp=(): vectors_lib.make_vector_fn(  # noqa: E731
         run.graphdef, run.model_cfg, vc, run.params, run.opt_state, role="index", companions=comp
     )
     out = {"workdir": str(args.workdir), "rows": rows, "d": on.dim, "batch_size": on.batch_size}
     vecs = {}
-    for name, fn in (("on", make(on)), ("off", make(off)), ("shared", make(on, (off,)))):
+    passes = (("on", make(on)), ("off", make(off)), ("trak", make(trak)))
+    passes += (("shared2", make(on, (off,))), ("shared3", make(trak, (on, off))))
+    for name, fn in passes:
         out[f"{name}_compile_seconds"] = round(_warm(run, fn, rows), 1)
         out[f"{name}_seconds"], vecs[name] = _timed(run, fn, rows)
-    out["two_passes_seconds"] = out["on_seconds"] + out["off_seconds"]
-    out["speedup"] = out["two_passes_seconds"] / out["shared_seconds"]
-    out["examples_per_s_shared"] = rows / out["shared_seconds"]
-    # the shared pass's rows are each setting's own (to float32 round-off)
-    for i, name in enumerate(("on", "off")):
-        ref = vecs[name]
-        out[f"max_rel_diff_{name}"] = float(np.abs(vecs["shared"][:, i] - ref).max() / np.abs(ref).max())
+    out["speedup"] = (out["on_seconds"] + out["off_seconds"]) / out["shared2_seconds"]
+    out["speedup_trak"] = (out["trak_seconds"] + out["shared2_seconds"]) / out["shared3_seconds"]
+    out["speedup_all"] = (out["on_seconds"] + out["off_seconds"] + out["trak_seconds"]) / out["shared3_seconds"]
+    out["examples_per_s_shared3"] = rows / out["shared3_seconds"]
+    # the shared passes' rows are each setting's own (to float32 round-off)
+    for shared, names in (("shared2", ("on", "off")), ("shared3", ("trak", "on", "off"))):
+        for i, name in enumerate(names):
+            ref = vecs[name]
+            out[f"max_rel_diff_{shared}_{name}"] = float(np.abs(vecs[shared][:, i] - ref).max() / np.abs(ref).max())
     dev = jax.devices()[0]
     out["device"] = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)
