@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Copies the LAMA T-REx files into .gpu_data/lama (ignored by git) so that they travel with the
-# working tree to a device host (the device tool's `carry`), where ../shared/data does not exist.
+# Copies the LAMA T-REx files into .gpu_data/lama and, when it is beside them, the ParaRel
+# patterns folder into .gpu_data/pararel (ignored by git) so that they travel with the working
+# tree to a device host (the device tool's `carry`), where ../shared/data does not exist.
 #
 #   bash benchmarks/prepare_lama.sh [SRC]     # SRC default: ../shared/data/lama
 #
@@ -14,4 +15,5 @@ size_kib=$(du -sk "$SRC" | cut -f1)
 (( size_kib <= 48 * 1024 )) || { echo "prepare_lama: $SRC is ${size_kib} KiB, over the 48 MiB budget" >&2; exit 2; }
 rm -rf "$DST"; mkdir -p "$DST"
 cp -r "$SRC/relations.jsonl" "$SRC/TREx" "$DST/"
+if [[ -d "$SRC/../pararel" ]]; then rm -rf .gpu_data/pararel; cp -r "$SRC/../pararel" .gpu_data/pararel; fi
 echo "prepare_lama: $DST ($(du -sh "$DST" | cut -f1))"

@@ -93,3 +93,58 @@ def test_accelerator_limits_fit_eight_minutes_and_name_every_part():
 def test_ignored_folders_for_the_device_carry():
     ignored = pathlib.Path(REPO / ".gitignore").read_text().split()
     assert ".wheels/" in ignored and ".gpu_data/" in ignored
+
+
+def test_gpu_table1_script_runs_the_gpu_variant_at_toy_size(tmp_path):
+    """benchmarks/gpu_table1.sh (Run B's `:gpu` variant on a device host) at toy sizes on the CPU:
+    the table, its log and wall.json come back to OUTDIR."""
+    from _lama_util import write_lama
+
+    lama = write_lama(tmp_path / "lama", relations=("P36", "P37"), facts_per_relation=30, sentences=2)
+    out = tmp_path / "out"
+    xla = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "XLA_FLAGS": xla, "JAX_PLATFORMS": "cpu"}
+    env["GPU_TABLE1_WORKDIR"] = str(tmp_path / "work")
+    toy = [
+        f"--config.data.path={lama}",
+        "--config.data.relations=P36,P37",
+        "--config.data.pararel_dir=",
+        "--config.eval.pararel_dir=",
+        "--config.data.statements_per_fact=1",
+        "--config.model.dtype=float32",  # XLA:CPU runs no small bfloat16 GEMMs (BUILD_NOTES section 13)
+        *(f"--config.model.{k}={v}" for k, v in dict(vocab_size=256, num_layers=4, embed_dim=32).items()),
+        *(f"--config.model.{k}={v}" for k, v in dict(num_heads=2, head_dim=16, mlp_dim=64, max_len=48).items()),
+        "--config.train.num_steps=20",
+        "--config.train.warmup_steps=5",
+        "--config.train.min_dim_size_to_factor=32",
+        "--config.train.checkpoint_every_steps=10",
+        "--config.train.eval_every_steps=10",
+        "--config.train.global_batch_size=16",
+        "--config.vectors.proj_dim=4",
+        "--config.vectors.batch_size=16",
+        "--config.hessian.lambda_component_fraction=0.0625",
+        "--config.hessian.r_eval_prompts=40",
+        "--config.index.chunk_rows=32",
+        "--config.retrieval.read_chunk_rows=64",
+        "--config.eval.methods=('trex_gold','bm25','trackstar')",
+        "--config.tailpatch.methods=('bm25','trackstar')",
+        "--config.eval.max_queries=8",
+        "--config.eval.max_new_tokens=3",
+        "--config.tailpatch.max_queries=4",
+        "--config.tailpatch.batch_size=4",
+        "--config.tailpatch.checkpoint_steps=(10,20)",
+    ]
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_table1.sh"), str(out), *toy],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((out / "wall.json").read_text())["rc"] == 0
+    table = json.loads((out / "table.json").read_text())
+    assert {r["method"] for r in table["rows"]} == {"trex_gold", "bm25", "trackstar"}
+    assert [p["step"] for p in table["checkpoints"]] == [10, 20]
+    assert "stage tailpatch:" in (out / "log.txt").read_text()
