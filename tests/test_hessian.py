@@ -1,5 +1,7 @@
 """hessian.py against numpy references: R (block autocorrelation), automatic λ, R^{-1/2}, unit norm."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -232,6 +234,51 @@ def test_on_the_fly_scores_equal_finalised_and_dense_reference(mode, unit_norm):
     np.testing.assert_allclose(on_the_fly, ref, rtol=1e-4, atol=1e-4 * scale)
 
 
+def test_inverse_sqrt_equals_the_reference_formula():
+    """V diag(w^-1/2) Vᵀ per block, written out with numpy's eigh and a loop (float64)."""
+    r = _random_spd(np.random.default_rng(21), 3, 24, 1e4)
+    got = hessian.inverse_sqrt(r, damping=1e-3)
+    ref = []
+    for b in r:
+        w, v = np.linalg.eigh(0.5 * (b + b.T))
+        ref.append(v @ np.diag(np.maximum(w, 1e-3 * np.linalg.eigvalsh(r).max()) ** -0.5) @ v.T)
+    np.testing.assert_allclose(got.matrix, np.stack(ref), rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_rows_on_one_index_decompose_r_train_and_r_eval_once(monkeypatch):
+    """A λ sweep on one index: the second row's only eigendecomposition is its own mixture's
+    (one batched eigh); the spectra and R_train^{-1/2} of the first are reused, read-only."""
+    rng = np.random.default_rng(22)
+    g = rng.standard_normal((300, 48)).astype(np.float32)
+    q = rng.standard_normal((60, 48)).astype(np.float32) + 2.0
+    rt, re = hessian.r_eval(g, 3), hessian.r_eval(q, 3)
+    calls = {"eigh": 0, "eigvalsh": 0}
+    for name in calls:
+        real = getattr(np.linalg, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(hessian.np.linalg, name, counted)
+    cfg = hessian.HessianConfig(mode="mixed", lambda_component_fraction=4 / 48, damping=1e-6)
+    first = hessian.make_whitening(cfg, rt, re)
+    assert calls["eigh"] >= 2 and calls["eigvalsh"] >= 2
+    calls.update(eigh=0, eigvalsh=0)
+    for lam in (0.5, 0.9):
+        other = hessian.make_whitening(dataclasses.replace(cfg, mix_lambda=lam), rt, re)
+        assert other.mix_lambda == lam and other.r_eval["dim"] == first.r_eval["dim"]
+    assert calls == {"eigh": 2, "eigvalsh": 0}
+    # the same values as computed afresh (nothing stale), and a cached spectrum cannot be changed
+    hessian._MEMO.clear()
+    again = hessian.make_whitening(dataclasses.replace(cfg, mix_lambda=0.9), rt, re)
+    np.testing.assert_array_equal(again.matrix, other.matrix)
+    assert again.r_eval == other.r_eval
+    spectrum = hessian.block_eigenvalues(re.mean())
+    with pytest.raises(ValueError, match="read-only"):
+        spectrum[0, 0] = 1.0
+
+
 def test_make_whitening_modes():
     rng = np.random.default_rng(12)
     g = rng.standard_normal((200, 32)).astype(np.float32)
@@ -322,3 +369,23 @@ def test_num_downweighted_is_the_crossing_count_whatever_the_scale():
     ) + (1 - lam)
     assert int((mu > 1 + 1e-9).sum()) == 0  # what the old diagnostic reported here
     assert info["num_downweighted_2x"] > 0 and info["weight_spread"]["max_over_min"] > 2
+
+
+def test_whitening_benchmark_runs_and_agrees_with_the_old_formula():
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    out = subprocess.run(
+        [sys.executable, "-m", "benchmarks.whitening", "--shapes=2x32"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    ).stdout
+    (row,) = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert row["d"] == 64 and row["rel_err_vs_einsum"] < 1e-6
+    assert row["einsum_s"] > 0 and row["inverse_sqrt_s"] > 0 and row["first_row_s"] > 0 and row["next_row_s"] > 0

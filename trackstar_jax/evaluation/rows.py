@@ -346,6 +346,15 @@ class GradientRetriever(Retriever):
             r_eval_queries=eq.r_eval_queries(),
             memo=self.ctx.shared,  # rows on one index (λ sweep, Exp. 4 / 5) featurize the queries once
         )
+        # where a row's time goes (the stage line has only the total)
+        logging.info(
+            "retrieve %s: index %.1fs, featurize queries %.1fs, R / λ / row scales %.1fs, top-k %.1fs",
+            self.settings.index.dir,
+            summary.get("seconds") or 0.0,
+            info.get("featurize_seconds", 0.0),
+            info.get("scoring_prep_seconds", 0.0),
+            info.get("retrieval_seconds", 0.0),
+        )
         return Retrieved(
             [r["proponent_ids"] for r in recs],
             [r["proponent_scores"] for r in recs],
