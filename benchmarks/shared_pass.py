@@ -26,7 +26,6 @@ import jax
 import numpy as np
 
 from trackstar_jax import config as config_lib
-from trackstar_jax import data as data_lib
 from trackstar_jax import stages
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
@@ -34,17 +33,12 @@ from trackstar_jax.index import build as build_lib
 
 def _warm(run, fn, rows: int) -> float:
     """Compiles `fn`'s step for every length bucket the row function forms over the first
-    `rows` candidates (`data.length_groups`, `data.bucket_len`): one batch each."""
+    `rows` candidates (`index.build.length_batches`): one batch each."""
     t0 = time.perf_counter()
-    bs, max_len = fn.vec_cfg.batch_size, run.model_cfg.max_len
-    items, _ = data_lib.encode_passages(run.tokenizer, run.corpus.texts[:rows], max_len)
     seen = set()
-    for pos in data_lib.length_groups([len(t) for t, _ in items], bs):
-        part = [items[i] for i in pos]
-        seq_len = data_lib.bucket_len(max(len(t) for t, _ in part), max_len)
-        if seq_len not in seen:
-            seen.add(seq_len)
-            b = data_lib.pad_batch(part, pos.tolist(), bs, seq_len)
+    for _, b in build_lib.length_batches(run, 0, rows, fn.vec_cfg.batch_size):
+        if b["tokens"].shape[1] not in seen:
+            seen.add(b["tokens"].shape[1])
             jax.block_until_ready(fn.jitted(run.params, fn.precond, {k: b[k] for k in ("tokens", "loss_mask")}))
     return time.perf_counter() - t0
 

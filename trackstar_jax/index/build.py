@@ -12,7 +12,7 @@ import dataclasses
 import functools
 import os
 import pathlib
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -133,6 +133,24 @@ def expected_identity(
     return {section: m[section] for section in ("model", "vectors", "corpus")}
 
 
+def length_batches(
+    run: checkpoint_lib.Run, start: int, stop: int, batch_size: int, counters: dict | None = None
+) -> Iterator[tuple[np.ndarray, dict[str, np.ndarray]]]:
+    """The padded batches the index featurizes for corpus rows `[start, stop)`: in order of
+    length (`data.length_groups`), each `batch_size` rows padded to its longest row's step of
+    `data.bucket_len`. Yields `(positions within the range, data.pad_batch dict)`; with
+    `counters`, adds the truncated passages and the non-padding tokens to it."""
+    max_len = run.model_cfg.max_len
+    items, truncated = data_lib.encode_passages(run.tokenizer, run.corpus.texts[start:stop], max_len)
+    if counters is not None:
+        counters["truncated"] += truncated
+        counters["tokens"] += sum(len(t) for t, _ in items)
+    for pos in data_lib.length_groups([len(t) for t, _ in items], batch_size):
+        part = [items[i] for i in pos]
+        seq_len = data_lib.bucket_len(max(len(t) for t, _ in part), max_len)
+        yield pos, data_lib.pad_batch(part, (start + pos).tolist(), batch_size, seq_len)
+
+
 def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters: dict) -> Any:
     """`rows_fn(start, stop)` for `IndexBuilder`: featurizes examples `[start, stop)`.
 
@@ -145,19 +163,12 @@ def make_rows_fn(run: checkpoint_lib.Run, vec_fn: vectors_lib.VectorFn, counters
     `counters["mean_prob"]`, when present (`[num_rows]`), receives each featurized row's p̄
     (TRAK's rows, `vectors.vector_step`).
     """
-    tok, max_len, bs = run.tokenizer, run.model_cfg.max_len, vec_fn.vec_cfg.batch_size
-    texts = run.corpus.texts
+    bs = vec_fn.vec_cfg.batch_size
 
     def rows_fn(start: int, stop: int) -> jax.Array:
-        items, truncated = data_lib.encode_passages(tok, texts[start:stop], max_len)
-        counters["truncated"] += truncated
-        counters["tokens"] += sum(len(t) for t, _ in items)
-        groups = data_lib.length_groups([len(t) for t, _ in items], bs)
-        outs = []
-        for pos in groups:
-            part = [items[i] for i in pos]
-            seq_len = data_lib.bucket_len(max(len(t) for t, _ in part), max_len)
-            batch = data_lib.pad_batch(part, (start + pos).tolist(), bs, seq_len)
+        groups, outs = [], []
+        for pos, batch in length_batches(run, start, stop, bs, counters):
+            groups.append(pos)
             host = {"tokens": batch["tokens"], "loss_mask": batch["loss_mask"]}  # `jitted` places it on vec_fn.mesh
             # CPU with several devices: one collective program at a time (`multihost.settle`)
             vecs, aux = multihost.settle(vec_fn.jitted(run.params, vec_fn.precond, host))
