@@ -1,0 +1,161 @@
+"""tools/orderings.py (the evidence for Run A's failing orderings in docs/results.md) on a small
+hand-made evaluation: contrasts against a hand computation, the answer split, the subset MRR
+and the rank correlation against a numpy reference, and `--scores` on a finished tiny
+evaluation (its rescoring gives back the table's MRR)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from conftest import REPO
+
+from trackstar_jax import data
+from trackstar_jax.data import corpus as corpus_lib
+
+sys.path.insert(0, str(REPO / "tools"))
+import orderings  # noqa: E402
+
+TEXTS = [
+    "Ada Lovelace was born in London.",  # 0: gold of query 0
+    "London is a large city.",  # 1: names query 0's answer
+    "Paris is in France.",  # 2: names query 1's answer
+    "Victor Hugo died in Paris.",  # 3: gold of query 1
+    "Cats sleep a lot.",  # 4
+    "The river is long.",  # 5
+]
+QUERIES = [
+    {"query_id": 0, "subject": "Ada Lovelace", "object": "London", "prompt": "Ada Lovelace was born in the city of:",
+     "target": " London", "aliases": ["London"], "subject_aliases": [], "entailing_ids": [0]},
+    {"query_id": 1, "subject": "Victor Hugo", "object": "Paris", "prompt": "Victor Hugo died in the city of:",
+     "target": " Paris", "aliases": ["Paris"], "subject_aliases": [], "entailing_ids": [3]},
+]  # fmt: skip
+# per row: per query (ids, tail-patch deltas)
+ROWS = {
+    "exp2": {0: ([1, 0, 4], [0.3, 0.2, 0.1]), 1: ([2, 5, 3], [0.4, 0.0, 0.2])},
+    "exp4": {0: ([4, 5, 0], [0.1, 0.05, 0.2]), 1: ([3, 2, 4], [0.2, 0.4, 0.1])},
+}
+
+
+@pytest.fixture
+def evaluation(tmp_path):
+    ex = [corpus_lib.Example(i, t) for i, t in enumerate(TEXTS)]
+    data.save_corpus(corpus_lib.Corpus("test", ex, [], {}, corpus_lib.fingerprint(TEXTS)), tmp_path / "corpus")
+    (tmp_path / "eval" / "retrievals").mkdir(parents=True)
+    (tmp_path / "eval" / "queries.jsonl").write_text("".join(json.dumps(q) + "\n" for q in QUERIES))
+    for row, per_q in ROWS.items():
+        lines = [
+            json.dumps({"example_id": str(q), "proponent_ids": ids, "proponent_tailpatch": tp})
+            for q, (ids, tp) in per_q.items()
+        ]
+        (tmp_path / "eval" / "retrievals" / f"{row}.jsonl").write_text("\n".join(lines) + "\n")
+    return tmp_path
+
+
+def test_contrast_is_the_paired_mean_difference_of_the_two_rows(evaluation):
+    e = orderings.Evaluation.read(evaluation)
+    by_metric = {c["metric"]: c for c in orderings.contrasts(e)}
+    assert {c["contrast"] for c in by_metric.values()} == {"optimizer correction (Exp. 4 − Exp. 2)"}
+    # MRR: exp2 ranks query 0's gold 2nd and query 1's 3rd; exp4 ranks them 3rd and 1st
+    assert by_metric["mrr"]["without"] == pytest.approx((1 / 2 + 1 / 3) / 2)
+    assert by_metric["mrr"]["with"] == pytest.approx((1 / 3 + 1) / 2)
+    tp2, tp4 = (0.6 / 3 + 0.6 / 3) / 2, (0.35 / 3 + 0.7 / 3) / 2
+    assert by_metric["tailpatch_at_10"]["difference"] == pytest.approx(tp4 - tp2)
+    assert by_metric["tailpatch_at_10"]["n"] == 2
+
+
+def test_composition_and_answer_split_count_the_right_passages(evaluation):
+    e = orderings.Evaluation.read(evaluation)
+    men = orderings.Mentions(e.texts)
+    comp = orderings.composition(e, men)
+    # exp2's lists: query 0 -> {1, 0} name London; query 1 -> {2, 3} name Paris: 4 of 6
+    assert comp["exp2"]["names_answer"] == pytest.approx(4 / 6)
+    assert comp["exp2"]["entails"] == pytest.approx(2 / 6)
+    assert comp["exp4"]["names_answer"] == pytest.approx(3 / 6)
+    assert comp["exp2"]["distinct_passages"] == 6
+    split = orderings.tailpatch_split(e, men)
+    # distinct pairs naming the answer: (0,1) .3, (0,0) .2, (1,2) .4, (1,3) .2
+    assert split["names_answer"]["mean"] == pytest.approx(np.mean([0.3, 0.2, 0.4, 0.2]))
+    assert split["names_answer"]["n"] == 4
+    assert split["does_not"]["mean"] == pytest.approx(np.mean([0.1, 0.0, 0.05, 0.1]))
+    assert split["per_row"]["exp4"]["share_naming_answer"] == pytest.approx(3 / 6)
+
+
+def test_spearman_matches_pearson_of_ranks():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=20), rng.normal(size=20)
+    rx, ry = np.argsort(np.argsort(x)), np.argsort(np.argsort(y))
+    assert orderings.spearman(x, y) == pytest.approx(np.corrcoef(rx, ry)[0, 1])
+    assert np.isnan(orderings.spearman(x[:2], y[:2])) and np.isnan(orderings.spearman(x, np.ones(20)))
+
+
+def test_mrr_with_distractors_keeps_the_gold_and_is_exact_on_the_whole_set():
+    scores = np.asarray([[0.9, 0.5, 0.8, 0.1], [0.2, 0.7, 0.1, 0.3], [0.0, 0.0, 0.0, 0.0]])
+    gold = [[1], [3], []]  # the third query has no evidence: left out
+    out = orderings.mrr_with_distractors(scores, gold, counts=(0, 1, 10**9), draws=50)
+    assert out[0] == pytest.approx(1.0)  # the gold alone
+    # one distractor: query 0's gold (0.5) loses to 2 of its 3 others (expected RR 2/3 * 1/2 + 1/3),
+    # query 1's (0.3) to 1 of 3 (1/3 * 1/2 + 2/3)
+    assert out[1] == pytest.approx(((2 / 3 * 1 / 2 + 1 / 3) + (1 / 3 * 1 / 2 + 2 / 3)) / 2, abs=0.08)
+    assert out[10**9] == pytest.approx((1 / 3 + 1 / 2) / 2)  # every passage: the table's MRR
+
+
+def test_cli_prints_the_report(evaluation):
+    out = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "orderings.py"), str(evaluation)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rep = json.loads(out.stdout)
+    assert rep["num_queries"] == 2 and set(rep["composition"]) == {"exp2", "exp4"}
+
+
+# ---------------------------------------------------------------------------------------
+# --scores on a finished tiny evaluation: the rescoring gives back the table's MRR
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def evaluated(tiny_run):
+    from conftest import tiny_run_config, update_compiler_config
+
+    from trackstar_jax import config as config_lib
+    from trackstar_jax import stages
+
+    old = update_compiler_config({"jax_disable_most_optimizations": True})
+    try:
+        c = tiny_run_config(num_facts=20, num_distractors=20, num_steps=40, chunk_rows=32)
+        c.vectors.proj_dim = 4
+        c.eval.methods = ("exp1", "exp2", "exp4", "trak")
+        c.eval.optional_methods = ()
+        c.eval.max_new_tokens = 2
+        c.tailpatch.max_queries = 6
+        c.tailpatch.top_ks = (1, 10)
+        workdir = tiny_run(c)
+        table = stages.evaluate(config_lib.from_configdict(c), workdir)
+        yield workdir, table
+    finally:
+        update_compiler_config(old)
+
+
+def test_rescoring_gives_back_the_tables_mrr(evaluated, tmp_path):
+    workdir, table = evaluated
+    rows = ("exp1", "exp2", "exp4", "trak")
+    cache = tmp_path / "scores.npz"
+    rep = orderings.report(workdir, scores=True, cache=cache, score_rows=rows, sizes=(5, 10**9))
+    got = rep["rescored"]
+    for r in table["rows"]:
+        assert got[r["method"]]["mrr"] == pytest.approx(r["mrr"], abs=1e-9), r["method"]
+        assert got[r["method"]]["recall_at_10"] == pytest.approx(r["recall_at_10"], abs=1e-9)
+    for name, *_ in orderings.ABLATIONS:
+        assert 0 <= got[name]["mrr"] <= 1
+    assert -1 <= got[orderings.ONE_SIDED]["spearman_with_tailpatch"] <= 1
+    for kind in ("loss_nocorr", "loss_corr"):
+        assert sum(got[orderings.QUERY_VECTORS + kind]["mean_share_per_side"]) == pytest.approx(1, abs=0.01)
+    assert set(rep["block_energy"]) == {"index", "index_loss_nocorr", "index_trak_nocorr"}
+    # the cached matrices give the same report without the run
+    assert orderings.report(workdir, scores=True, cache=cache, score_rows=rows, sizes=(5, 10**9))["rescored"] == got
