@@ -137,6 +137,17 @@ def test_stages_refuse_a_step_that_does_not_fit_before_any_work(small_run, monke
         assert not (workdir / "eval_plan").exists()
 
 
+def test_check_fits_benchmark_times_every_row_and_the_tailpatch_step(small_run, capsys):
+    from benchmarks import check_fits as bench
+
+    _, workdir = small_run
+    bench.main(["--workdir", str(workdir)])
+    out = json.loads(capsys.readouterr().out)
+    rows = config_lib.load_run_settings(workdir).eval.methods
+    assert set(out["check_fits_s"]) <= set(rows) and "trackstar" in out["check_fits_s"]
+    assert out["tailpatch_s"] > 0 and out["total_s"] >= out["open_run_s"] + out["tailpatch_s"]
+
+
 def test_the_retrieval_read_chunk_is_refused_naming_read_chunk_rows(monkeypatch):
     """The scoring step of a 2^17-row bfloat16 read chunk (8 MB per device here) under a 1 MB limit:
     refused from shapes alone (nothing read or allocated); a 1k-row chunk fits."""
