@@ -29,8 +29,7 @@ from trackstar_jax.stages import run as run_lib
 def measure(workdir: pathlib.Path, from_table: bool = False) -> dict:
     """`{"open_run_s", "check_fits_s": {row: s}, "tailpatch_s", "total_s"}` for the run in `workdir`."""
     if from_table:
-        path = workdir / "eval" / "table.json"
-        settings = config_lib.from_dict(config_lib.read_json(path)["settings"], source=str(path))
+        settings = config_lib.load_table_settings(workdir / "eval" / "table.json")
     else:
         settings = config_lib.load_run_settings(workdir)
     t0 = time.perf_counter()

@@ -280,6 +280,8 @@ def rescore(
     """Every query against every candidate for `rows`, the ablations and the one-sided product
     (see the module docstring). Loads the run (the evaluation's own settings, `table.json`);
     with `cache`, the score matrices are kept in that .npz and reused."""
+    from trackstar_jax.index import store
+
     if cache is not None and cache.exists():
         with np.load(cache) as z:
             full = {k: z[k] for k in z.files}
@@ -287,8 +289,6 @@ def rescore(
         full = score_matrices(workdir, e, rows)
         if cache is not None:
             np.savez(cache, **full)
-    from trackstar_jax.index import store
-
     sides = store.open_index(workdir / "index").num_blocks_total
     return summarize_scores(e, full, sizes, draws, sides)
 
@@ -302,8 +302,7 @@ def score_matrices(workdir: pathlib.Path, e: Evaluation, rows: Sequence[str]) ->
     from trackstar_jax.retrieval import stage as retrieval_stage
     from trackstar_jax.stages import run as run_lib
 
-    table = json.loads((workdir / "eval" / "table.json").read_text())
-    settings = config_lib.from_dict(table["settings"], source=str(workdir / "eval" / "table.json"))
+    settings = config_lib.load_table_settings(workdir / "eval" / "table.json")
     loaded = run_lib.open_run(settings, workdir)
     ctx = rows_lib.Context(settings, workdir, loaded.run, loaded.mesh)
     qids = sorted(e.queries, key=int)
@@ -396,8 +395,7 @@ def v_stability(workdir: pathlib.Path, seeds: Sequence[int], sizes: Sequence[int
     from trackstar_jax.stages import run as run_lib
     from trackstar_jax.training import second_moment as sm_lib
 
-    table = json.loads((workdir / "eval" / "table.json").read_text())
-    settings = config_lib.from_dict(table["settings"], source=str(workdir / "eval" / "table.json"))
+    settings = config_lib.load_table_settings(workdir / "eval" / "table.json")
     run = run_lib.open_run(settings, workdir).run
     min_dim = settings.train.optimizer.min_dim_size_to_factor
 

@@ -404,6 +404,11 @@ def load_run_settings(workdir: str | os.PathLike) -> Settings:
     return from_dict(read_json(path), source=str(path))
 
 
+def load_table_settings(table: str | os.PathLike) -> Settings:
+    """The `Settings` an evaluation ran with (the "settings" of its `table.json`)."""
+    return from_dict(read_json(table)["settings"], source=str(table))
+
+
 def section(name: str, values: Any) -> Any:
     """One typed section (e.g. `section("data", {"source": "text", "path": ...})`) from a
     ConfigDict section or a plain dict, checked like a whole config (notebooks, tests)."""
