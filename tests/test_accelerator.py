@@ -32,6 +32,7 @@ def _smoke(tmp_path, part, lama_dir="") -> tuple[dict, list[dict]]:
     # one CPU device, as on the GPU host (conftest forces 8 for this process)
     xla = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
     env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "LAMA_DIR": lama_dir, "XLA_FLAGS": xla}
+    env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"  # toy sizes: compiling is most of each part's time
     proc = subprocess.run(
         ["bash", str(SCRIPT), str(tmp_path), "--smoke", part], env=env, capture_output=True, text=True, timeout=600
     )

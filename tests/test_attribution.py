@@ -28,6 +28,8 @@ from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import attribution, rerank
 from trackstar_jax.retrieval import stage as retrieval_stage
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
 GRADIENT_ROWS = [n for n, m in methods_lib.METHODS.items() if m.kind == "gradient" and not m.rerank_k]
 # The fixed-λ TrackStar rows differ from "trackstar" only in λ, which `_settings` fixes for all
 # of them (two queries are too few for the automatic λ): the same test, so run once.

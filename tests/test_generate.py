@@ -17,6 +17,8 @@ from flax import nnx
 from trackstar_jax.models import generate
 from trackstar_jax.models import lm as model_lib
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
 VOCAB = 64
 # Each architecture's attention path: GQA with biases and an untied head (llama), multi-head with
 # partial rotary, parallel and sequential residual (gpt_neox), multi-query with the scaled tied

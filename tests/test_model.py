@@ -16,6 +16,8 @@ from trackstar_jax.distributed import runtime
 from trackstar_jax.models import layers, palm
 from trackstar_jax.models import lm as model_lib
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
 SMALL = model_lib.LMConfig(vocab_size=50, num_layers=2, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=24, max_len=12)
 
 

@@ -19,6 +19,8 @@ from trackstar_jax.retrieval import native
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk as retrieval
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "int8": np.int8}
 
 

@@ -19,6 +19,8 @@ from trackstar_jax.training import checkpoint, loop
 from trackstar_jax.training import step as step_lib
 from trackstar_jax.training import step as train
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
 
 def _config(tiny_config, steps):
     c = tiny_config
