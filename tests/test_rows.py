@@ -101,6 +101,26 @@ def test_the_memory_check_asks_each_rows_kind(registered, ctx_eq, monkeypatch):
     assert sorted(out) == ["featurize:trackstar", "retrieve:trackstar", "tailpatch", "toy"]
 
 
+def test_the_evaluation_checks_memory_only_against_a_known_limit(ctx_eq, monkeypatch, tmp_path):
+    """`stage.prepare` runs `check_fits` where a device memory limit is known (a GPU / TPU, or
+    `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`) and skips it on a CPU without one: there it could refuse
+    nothing, and its compiles are not the programs the stage runs."""
+    from trackstar_jax.distributed import memory
+    from trackstar_jax.evaluation import stage
+
+    _, ctx, _ = ctx_eq
+    ctx = dataclasses.replace(ctx, workdir=tmp_path)  # its eval folder goes there
+    calls = []
+    monkeypatch.setattr(stage, "check_fits", lambda c, m: calls.append(m) or {})
+    monkeypatch.delenv(memory.MEMORY_ENV, raising=False)
+    assert memory.device_memory_limit() is None  # the CPU reports no bytes_limit
+    out = stage.prepare(ctx, [methods_lib.METHODS["trackstar"]])
+    assert calls == [] and (out / stage.STARTED_FILE).is_file()
+    monkeypatch.setenv(memory.MEMORY_ENV, str(1 << 40))
+    stage.prepare(ctx, [methods_lib.METHODS["trackstar"]])
+    assert calls == [[methods_lib.METHODS["trackstar"]]]
+
+
 def test_built_in_kinds_give_their_scores_through_the_interface(ctx_eq):
     """Gold: 1 on the fact's evidence; BM25: its top-k is the top of its own score matrix."""
     _, ctx, eq = ctx_eq

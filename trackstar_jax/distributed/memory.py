@@ -8,7 +8,7 @@ abstract shapes): the train step before the first step; the featurize step
 (`features.vectors.VectorFn.check_fits`) before `build_index` writes anything and before
 `retrieve` / `evaluate` featurize a query; the tail-patch step (`evaluation.tailpatch.check_fits`)
 and the retrieval scoring step (`retrieval.topk.check_fits`) before `evaluate` / `retrieve` do
-any work.
+any work (`evaluate` only where a limit is known: without one its compiles could refuse nothing).
 """
 
 from __future__ import annotations
