@@ -25,8 +25,10 @@ fi
 PY="${PYTHON:-python3}"
 WORK="${GPU_TABLE1_WORKDIR:-$(mktemp -d)}"
 "$PY" -c "import jax; print('gpu_table1: devices', jax.devices())"
+# A call killed at its limit is resumed by a second one on the same warm host with this folder.
+echo "gpu_table1: workdir $WORK (GPU_TABLE1_WORKDIR=$WORK resumes it)" | tee "$OUT/log.txt"
 t0=$(date +%s.%N)
-PYTHONUNBUFFERED=1 "$PY" -m launch.evaluate --config=experiments/trex_table1.py:gpu --workdir="$WORK" "$@" 2>&1 | tee "$OUT/log.txt"
+PYTHONUNBUFFERED=1 "$PY" -m launch.evaluate --config=experiments/trex_table1.py:gpu --workdir="$WORK" "$@" 2>&1 | tee -a "$OUT/log.txt"
 rc=${PIPESTATUS[0]}
 t1=$(date +%s.%N)
 cp "$WORK"/eval/table.json "$WORK"/eval/table.md "$WORK"/eval/*.png "$OUT"/ 2>/dev/null

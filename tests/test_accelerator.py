@@ -149,4 +149,5 @@ def test_gpu_table1_script_runs_the_gpu_variant_at_toy_size(tmp_path):
     table = json.loads((out / "table.json").read_text())
     assert {r["method"] for r in table["rows"]} == {"trex_gold", "bm25", "trackstar"}
     assert [p["step"] for p in table["checkpoints"]] == [10, 20]
-    assert "stage tailpatch:" in (out / "log.txt").read_text()
+    log = (out / "log.txt").read_text()
+    assert log.startswith(f"gpu_table1: workdir {tmp_path / 'work'} ") and "stage tailpatch:" in log  # resumable
