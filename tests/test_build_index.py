@@ -233,7 +233,8 @@ def test_companion_indices_are_written_in_one_pass_and_equal_their_own_builds(ru
     assert {0, 1} <= index.open_index(run_dir / "pass_on").complete_chunks
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real_write)
     summary = build.build_from_run(*args, companions=[(off2.vectors, off2.index)], **kw)
-    assert made[1:] == [[off2.vectors], []]  # the resume: one pass for both; the lost chunk alone
+    # the resume: one pass for both, the lost chunk alone (made as their chunks come)
+    assert sorted(made[1:], key=len) == [[], [off2.vectors]]
     assert summary["complete"] and summary["shared_pass"] == [str(run_dir / "pass_off")]
     for mine, own in (("pass_on", settings.index.dir), ("pass_off", "index_f32_off")):
         got, want = index.open_index(run_dir / mine), index.open_index(run_dir / own)
@@ -245,6 +246,24 @@ def test_companion_indices_are_written_in_one_pass_and_equal_their_own_builds(ru
     with pytest.raises(ValueError, match="vectors.proj_seed"):
         other = off.replace({"vectors.proj_seed": 1, "index.dir": "never"})
         build.build_from_run(*args, companions=[(other.vectors, other.index)], **kw)
+
+
+def test_the_memory_check_runs_only_against_a_known_limit(run_dir, monkeypatch):
+    """build_index checks its featurize step where a device memory limit is known (a GPU / TPU,
+    or `TRACKSTAR_JAX_DEVICE_MEMORY_BYTES`; test_plan has the refusal) and not on a CPU without
+    one, where it could refuse nothing and its `model.max_len` compile may never be used."""
+    from trackstar_jax.distributed import memory
+
+    checked = []
+    monkeypatch.setattr(vectors.VectorFn, "check_fits", lambda self, params, seq_len=None: checked.append(1) or {})
+    monkeypatch.delenv(memory.MEMORY_ENV, raising=False)
+    for folder, limit in (("index_gate_none", None), ("index_gate_limit", str(1 << 40))):
+        if limit:
+            monkeypatch.setenv(memory.MEMORY_ENV, limit)
+        c = _config()
+        c.index.dir = folder
+        assert stages.build_index(config_lib.from_configdict(c), run_dir)["complete"]
+        assert len(checked) == (1 if limit else 0), folder
 
 
 def test_config_sections_are_checked(tiny_config):

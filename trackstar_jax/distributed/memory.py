@@ -8,7 +8,8 @@ abstract shapes): the train step before the first step; the featurize step
 (`features.vectors.VectorFn.check_fits`) before `build_index` writes anything and before
 `retrieve` / `evaluate` featurize a query; the tail-patch step (`evaluation.tailpatch.check_fits`)
 and the retrieval scoring step (`retrieval.topk.check_fits`) before `evaluate` / `retrieve` do
-any work (`evaluate` only where a limit is known: without one its compiles could refuse nothing).
+any work. `build_index` and `evaluate` check only where a limit is known: without one nothing
+can be refused, and their checks compile programs the stage may never run (evaluate's never).
 """
 
 from __future__ import annotations

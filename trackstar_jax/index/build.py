@@ -20,6 +20,7 @@ from absl import logging
 
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
@@ -283,9 +284,11 @@ def build_from_run(
     # Under jax.distributed a writer that fails here (a refused manifest, a full disk) tells
     # the others, which then fail at once instead of waiting for it at the barrier.
     with multihost.step("build_index:written", sync_timeout_s):
-        if todo:
+        if todo and memory_lib.device_memory_limit() is not None:
             # A featurize step of the longest batch that cannot fit is refused before anything is
-            # written (the compile is the one the longest batches reuse).
+            # written (the compile is the one the longest batches reuse). Without a limit (CPU)
+            # nothing can be refused, and a corpus whose rows never reach `model.max_len` would
+            # never run that compile.
             featurizer(tuple(todo)).check_fits(run.params)
         builders = [
             builder_lib.IndexBuilder(p, m, process_index=process_index, process_count=process_count)
