@@ -264,7 +264,7 @@ def prepare(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> pathl
     # Before anything is written or replaced. Without a limit (CPU, no TRACKSTAR_JAX_DEVICE_MEMORY_BYTES)
     # nothing can be refused, and its compiles (each row's own step and the tail-patch step at
     # model.max_len) are not the programs the stage runs (length buckets, shared passes): they
-    # were 44 s of Run A's `load` for nothing (BUILD_NOTES section 13).
+    # were ≈ 39 s of Run A's `load` for nothing (BUILD_NOTES section 13).
     if memory_lib.device_memory_limit() is not None:
         check_fits(ctx, methods)
     (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
