@@ -1,6 +1,6 @@
 """The output head + next-token loss, side by side in one process: the old `[B, T, V]` logits
 path (3-axis einsum, as the dense layers were written before session 9), the same with the
-leading axes flattened (`layers.matmul_2d`), and the fused, chunked head (`layers.head_nll_sum`).
+leading axes flattened (`layers.matmul_2d`), and the fused, chunked head (`head.head_nll_sum`).
 
     python -m benchmarks.head [--shape 14m] [--batch 16] [--seq_len 128] [--steps 5]
 
@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trackstar_jax.models import head as head_lib
 from trackstar_jax.models import layers
 
 WIDTHS = {"14m": 128, "70m": 512}
@@ -61,7 +62,7 @@ def main(argv=None) -> None:
         return -jnp.sum(layers.token_log_probs(layers.matmul_2d(x, w), y) * wt)
 
     def fused(x, w, weight_grad=True):
-        return layers.head_nll_sum(x, w, y, wt, weight_grad=weight_grad)
+        return head_lib.head_nll_sum(x, w, y, wt, weight_grad=weight_grad)
 
     base = {}
     for grad in ("x,w", "x", "none"):

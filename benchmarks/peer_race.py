@@ -570,8 +570,8 @@ def stage_gemm(spec: dict) -> dict:
     at the race shape's matrix shapes, through XLA as our steps run them (`jnp.matmul` of 2-D
     operands; the planner's calibration `plan.calibrate`, each shape's best call within 2 s)
     over the layers' shapes (`batch * (seq_len - 1)` rows), the training head's chunk
-    (`layers.head_chunk_tokens(d)` rows by the vocabulary) and, where the platform blocks it,
-    the featurize head's vocabulary block and its `dx` (`layers.head_vocab_blocks`); and, per correction raced, our
+    (`head.head_chunk_tokens(d)` rows by the vocabulary) and, where the platform blocks it,
+    the featurize head's vocabulary block and its `dx` (`head.head_vocab_blocks`); and, per correction raced, our
     featurize step's GEMM FLOPs per index token (`plan.dot_flops` on the very step the build
     runs, projections and the exact path's per-example gradients included, over
     `batch * seq_len` tokens as the race's tokens/s counts them)."""
@@ -579,16 +579,16 @@ def stage_gemm(spec: dict) -> dict:
 
     from trackstar_jax import plan
     from trackstar_jax.features import vectors
-    from trackstar_jax.models import layers
+    from trackstar_jax.models import head as head_lib
 
     c = SHAPES[spec["shape"]]
     d, f, v = c["hidden_size"], c["intermediate_size"], c["vocab_size"]
     r = spec["batch"] * (spec["seq_len"] - 1)
-    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (layers.head_chunk_tokens(d), d, v)]
-    block = layers.head_vocab_block()
+    shapes = [(r, d, 3 * d), (r, d, d), (r, d, f), (r, f, d), (head_lib.head_chunk_tokens(d), d, v)]
+    block = head_lib.head_vocab_block()
     if block:  # the featurize step's head runs in vocabulary blocks on this platform
-        _, vb = layers.head_vocab_blocks(v, block)
-        rows = layers.head_chunk_tokens(d, blocked=True)
+        _, vb = head_lib.head_vocab_blocks(v, block)
+        rows = head_lib.head_chunk_tokens(d, blocked=True)
         shapes += [(rows, d, vb), (rows, vb, d)]
     dtype = spec.get("matmul_dtype") or "float32"
     rates = plan.calibrate(seconds=2.0, matmuls=tuple(shapes), dtype=dtype)["flops_per_s_by_shape"]

@@ -4,11 +4,11 @@ import pytest
 from _lama_util import write_lama
 
 from trackstar_jax import config as config_lib
-from trackstar_jax.data import candidates, corpus, templates
+from trackstar_jax.data import candidates, corpus, corpus_types, templates
 
 
 def test_natural_candidates_drop_templated_statements_and_remap_gold(tmp_path):
-    cfg = corpus.DataConfig(
+    cfg = corpus_types.DataConfig(
         source="lama",
         path=str(write_lama(tmp_path / "lama")),
         statements_per_fact=1,

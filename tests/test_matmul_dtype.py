@@ -19,6 +19,7 @@ from conftest import arch_config, skip_if_not_enough_devices
 
 from trackstar_jax.distributed import runtime, sharding
 from trackstar_jax.features import vectors
+from trackstar_jax.models import head as head_lib
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
@@ -140,7 +141,7 @@ def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(m
     for (b, t), block in [((4, 31), 0), ((4, 31), 64), ((1, 7), 64)]:
         h, y, wt = jnp.ones((b, t, 32), jnp.float32), jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.float32)
         head = functools.partial(
-            layers.head_nll_sum, targets=y, weights=wt, weight_grad=False, vocab_block=block, operand_dtype="bfloat16"
+            head_lib.head_nll_sum, targets=y, weights=wt, weight_grad=False, vocab_block=block, operand_dtype="bfloat16"
         )
         types = _dot_operand_types(jax.jit(jax.grad(head)).lower(h, wh).compile().as_text())
         assert len(types) >= 2 and all(t == ("bf16", "bf16") for t in types), (b, t, block, types)
@@ -180,7 +181,7 @@ def test_the_bf16_head_is_the_head_of_the_rounded_operands(weight_grad, vocab_bl
 
     loss_r, dx_r, dw_r = ref(_rounded(x), _rounded(w), True)
     f = functools.partial(
-        layers.head_nll_sum,
+        head_lib.head_nll_sum,
         targets=y,
         weights=wt,
         weight_grad=weight_grad,
@@ -223,7 +224,7 @@ def test_the_cpu_bf16_path_equals_the_accelerators_einsum_path(arch, tie, monkey
         return float(loss), layers.flat_params(g)
 
     # the head's vocabulary whole on both (the blocked head rounds other numbers: tested above)
-    monkeypatch.setitem(layers.HEAD_VOCAB_BLOCK, "cpu", 0)
+    monkeypatch.setitem(head_lib.HEAD_VOCAB_BLOCK, "cpu", 0)
     jax.clear_caches()  # read at trace time
     for weight_grad in (True, False):
         monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
@@ -303,7 +304,7 @@ def test_the_bf16_exact_path_equals_the_bf16_reference_path(monkeypatch):
     the reference path's vmap(grad) through `lowp_matmul` (its weight gradient `x_r^T ct_r`):
     equal but for a few bf16 roundings that fall the other way (the two paths' heads make
     `softmax - onehot` in float32 by different sums), the head's vocabulary whole on both."""
-    monkeypatch.setitem(layers.HEAD_VOCAB_BLOCK, "cpu", 0)
+    monkeypatch.setitem(head_lib.HEAD_VOCAB_BLOCK, "cpu", 0)
     jax.clear_caches()  # read at trace time: no step traced under the default may be reused
     cfg, params, opt_state, batch = _trained("adam")
     vc = vectors.VectorConfig(num_blocks=2, proj_dim=8, correction=True, exact_v=True, batch_size=2)

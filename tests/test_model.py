@@ -13,6 +13,7 @@ from flax import nnx
 
 from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import runtime
+from trackstar_jax.models import head as head_lib
 from trackstar_jax.models import layers, palm
 from trackstar_jax.models import lm as model_lib
 
@@ -340,7 +341,7 @@ def test_bad_architecture_config_names_the_field(kwargs, field):
     "dtype,chunk_tokens,chunk_rows", covering(["float32", "bfloat16"], [1, 7, 64, 10_000], [1, 4, 16])
 )
 def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_tokens, chunk_rows):
-    """`layers.head_nll_sum` (chunked, gradients made in the forward pass) against the naive
+    """`head.head_nll_sum` (chunked, gradients made in the forward pass) against the naive
     `[B, T, V]` logits + log-softmax path in float64 numpy: value, d/dx and d/dW, for chunk
     sizes that pad the time axis, split it unevenly or take it whole, and chunks whose 3
     examples are cut along time into 1, 2 or 6 row groups (`chunk_rows`; the chunk padded to a
@@ -362,7 +363,9 @@ def test_fused_head_equals_the_logits_path_with_its_gradients(dtype, chunk_token
     ref = {"loss": (wt64 * nll).sum(), "dx": dlogits @ w64.T, "dw": np.einsum("btd,btv->dv", x64, dlogits)}
 
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == "bfloat16" else dict(rtol=1e-5, atol=1e-5)
-    f = functools.partial(layers.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens, chunk_rows=chunk_rows)
+    f = functools.partial(
+        head_lib.head_nll_sum, targets=y, weights=wt, chunk_tokens=chunk_tokens, chunk_rows=chunk_rows
+    )
     loss, (dx, dw) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(x, w)
     assert dx.dtype == x.dtype and dw.dtype == w.dtype
     np.testing.assert_allclose(float(loss), ref["loss"], **tol)
@@ -394,7 +397,7 @@ def test_blocked_head_slices_w_in_place():
 
     def temp_bytes(vocab_block):
         def f(x, w, y, wt):
-            return layers.head_nll_sum(x, w, y, wt, weight_grad=False, vocab_block=vocab_block)
+            return head_lib.head_nll_sum(x, w, y, wt, weight_grad=False, vocab_block=vocab_block)
 
         return jax.jit(jax.value_and_grad(f)).lower(*args).compile().memory_analysis().temp_size_in_bytes
 
@@ -407,13 +410,13 @@ def test_blocked_head_slices_w_in_place():
     "width,want", [(None, 128), (8, 128), (128, 128), (129, 256), (384, 512), (512, 512), (4096, 4096)]
 )
 def test_head_chunk_on_the_cpu_is_at_least_128_tokens_and_the_width_rounded_to_a_power_of_two(width, want, monkeypatch):
-    """The CPU default chunk (`layers.head_chunk_tokens`): 128 tokens, or more for a wider head
+    """The CPU default chunk (`head.head_chunk_tokens`): 128 tokens, or more for a wider head
     (its GEMMs repack the `[width, vocab]` matrix per chunk); accelerators keep their own."""
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
-    assert layers.head_chunk_tokens(width) == want
+    assert head_lib.head_chunk_tokens(width) == want
     monkeypatch.setenv(runtime.TARGET_ENV, "tpu")
-    assert layers.head_chunk_tokens(width) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
+    assert head_lib.head_chunk_tokens(width) == head_lib.HEAD_CHUNK_TOKENS_ACCELERATOR
 
 
 @pytest.mark.parametrize("arch,tie", [("palm", True), ("llama", True), ("gpt_neox", False)])

@@ -14,7 +14,7 @@ import pytest
 from conftest import REPO
 
 from trackstar_jax import data
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 
 sys.path.insert(0, str(REPO / "tools"))
 import orderings  # noqa: E402

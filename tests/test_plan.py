@@ -14,6 +14,7 @@ from trackstar_jax import config as config_lib
 from trackstar_jax import index, plan, stages
 from trackstar_jax.distributed import memory, runtime, sharding
 from trackstar_jax.features import vectors
+from trackstar_jax.models import head as head_lib
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -229,7 +230,7 @@ def test_a_target_platform_plans_its_own_featurize_step(tiny_config, monkeypatch
     settings = config_lib.from_configdict(tiny_config)
     mesh = sharding.make_mesh((1, 1, 1), devices=jax.devices()[:1])
     monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
-    cpu_chunk = layers.head_chunk_tokens(settings.model.embed_dim)
+    cpu_chunk = head_lib.head_chunk_tokens(settings.model.embed_dim)
     cpu = plan.featurize_step_memory(settings, mesh)
     monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
     # the platform is read when a step is traced (the planner sets it before any): forget this
@@ -240,7 +241,7 @@ def test_a_target_platform_plans_its_own_featurize_step(tiny_config, monkeypatch
     vectors._jit_vector_step.cache_clear()
     jax.clear_caches()
     rows = settings.vectors.batch_size * (settings.model.max_len - 1)
-    assert cpu_chunk < rows <= layers.head_chunk_tokens(settings.model.embed_dim)  # one chunk on the accelerator
+    assert cpu_chunk < rows <= head_lib.head_chunk_tokens(settings.model.embed_dim)  # one chunk on the accelerator
     logits_growth = (rows - cpu_chunk) * settings.model.vocab_size * 4
     assert gpu["temp_bytes"] - cpu["temp_bytes"] >= logits_growth / 2, (gpu, cpu)
 

@@ -61,16 +61,16 @@ def test_target_platform_is_the_backend_unless_the_env_names_one(monkeypatch):
 def test_a_target_platform_takes_its_own_step_structure_on_the_cpu(monkeypatch):
     """What the planner's `--target_platform=gpu` changes while tracing on CPU devices: the fused
     head's chunk, rows and vocabulary blocks, the exact-V loop, and the retrieval kernel's choice."""
-    from trackstar_jax.models import layers
+    from trackstar_jax.models import head as head_lib
     from trackstar_jax.retrieval import topk
 
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
-    assert layers.head_chunk_tokens(512) == 512 and layers.head_chunk_rows() == layers.HEAD_CHUNK_ROWS["cpu"]
+    assert head_lib.head_chunk_tokens(512) == 512 and head_lib.head_chunk_rows() == head_lib.HEAD_CHUNK_ROWS["cpu"]
     assert topk.make_score_plan(1024, 4096, "bfloat16").upcast == "bf16_pairs"  # widened once per block
     monkeypatch.setenv(runtime.TARGET_ENV, "gpu")
-    assert layers.head_chunk_tokens(512) == layers.HEAD_CHUNK_TOKENS_ACCELERATOR
-    assert layers.head_chunk_rows() == 1
+    assert head_lib.head_chunk_tokens(512) == head_lib.HEAD_CHUNK_TOKENS_ACCELERATOR
+    assert head_lib.head_chunk_rows() == 1
     assert topk.make_score_plan(1024, 4096, "bfloat16").upcast == "bf16_split3"  # the native bf16 dot
     monkeypatch.setenv(runtime.TARGET_ENV, "cpu")
     assert _exact_v_backward_loops()
@@ -85,10 +85,10 @@ def _head_scan_lengths(vocab: int) -> list[int]:
     outermost first."""
     import jax.numpy as jnp
 
-    from trackstar_jax.models import layers
+    from trackstar_jax.models import head as head_lib
 
     def f(x):
-        return layers.head_nll_sum(
+        return head_lib.head_nll_sum(
             x, jnp.ones((4, vocab)), jnp.zeros((16, 8), jnp.int32), jnp.ones((16, 8)), weight_grad=False
         )
 

@@ -16,7 +16,7 @@ import pathlib
 
 import sentencepiece as spm
 
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 from trackstar_jax.data import embedded
 
 FACT_SHARDS = 2

@@ -1,7 +1,8 @@
 """Data: corpora with stable example ids, the tokenizer, encoding and batches.
 
-- `corpus`: `DataConfig` (`config.data`), `Corpus` / `Example` / `Fact`, the sources
-  (LAMA T-REx, text, jsonl, seqio), saving beside the run.
+- `corpus_types`: `DataConfig` (`config.data`), `Corpus` / `Example` / `Fact`, what every
+  source builds them with.
+- `corpus`: the sources (LAMA T-REx, text, jsonl, seqio), saving beside the run.
 - `embedded`: the seeded fact corpus used by the quickstart and the tests.
 - `tokenizer`: the SentencePiece tokenizer a run trains on its corpus.
 - `batching`: passages and queries -> `(tokens, loss_mask)`, padded batches, grain loaders.
@@ -25,18 +26,16 @@ from trackstar_jax.data.batching import (
     train_batches,
     truncation_report,
 )
-from trackstar_jax.data.corpus import (
+from trackstar_jax.data.corpus import build_corpus, load_corpus, save_corpus
+from trackstar_jax.data.corpus_types import (
     SOURCES,
     Corpus,
     DataConfig,
     EmbeddedConfig,
     Example,
     Fact,
-    build_corpus,
     fingerprint,
-    load_corpus,
     make_corpus,
-    save_corpus,
 )
 from trackstar_jax.data.embedded import fill_template, generate_embedded
 from trackstar_jax.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, load_tokenizer, train_tokenizer

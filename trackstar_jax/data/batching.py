@@ -12,7 +12,7 @@ import grain
 import numpy as np
 
 from trackstar_jax import files
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 from trackstar_jax.data import tokenizer as tokenizer_lib
 
 # ---------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 
 
 @dataclasses.dataclass(frozen=True)

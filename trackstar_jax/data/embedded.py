@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 
 # ---------------------------------------------------------------------------------------
 # The embedded fact corpus

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from trackstar_jax.data import corpus as corpus_lib
+from trackstar_jax.data import corpus_types as corpus_lib
 
 INSTALL_HINT = (
     "config.data.source='seqio' needs the optional `seqio` extra of trackstar_jax (seqio with "
@@ -81,7 +81,7 @@ def read(cfg: corpus_lib.DataConfig, seed: int) -> tuple[list[str], dict]:
             text, kind = _passage(
                 ex, cfg.text_key, feature, f"seqio task {task.name} split {cfg.seqio_split} example {i}"
             )
-            texts.append(corpus_lib._check_passage(text, f"{task.name}[{i}]"))
+            texts.append(corpus_lib.check_passage(text, f"{task.name}[{i}]"))
             how.add(kind)
             if cfg.max_examples and len(texts) >= cfg.max_examples:
                 break

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax.models.head import head_nll_sum  # noqa: F401  (re-exported: the family's public API)
 from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the family's public API)
     NORM_TYPES,
     KVCache,
@@ -43,7 +44,6 @@ from trackstar_jax.models.layers import (  # noqa: F401  (re-exported: the famil
     dense_matmul,
     example_losses,
     flat_params,
-    head_nll_sum,
     lm_targets,
     param_count,
     param_path_str,
@@ -306,7 +306,7 @@ def nll_sum(
     """`sum_{b,t} weights * -log p(targets | inputs)` (weights constant): the weighted
     next-token loss every gradient of the pretraining objective differentiates.
 
-    A `DecoderLM` runs its layers, then the fused, chunked head (`layers.head_nll_sum`: the
+    A `DecoderLM` runs its layers, then the fused, chunked head (`head.head_nll_sum`: the
     `[B, T, V]` logits never exist, and a differentiated call gets its head gradients in the
     forward pass; `weight_grad=False` skips the output matrix's). The tap sees every layer but
     the head, so a caller that must tap an untied `unembed` (`vectors.unembed`) goes through
