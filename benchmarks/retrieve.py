@@ -54,6 +54,7 @@ import numpy as np
 from absl import app, flags
 
 from benchmarks import device_peaks
+from trackstar_jax.retrieval import score_plan
 from trackstar_jax.retrieval import topk as retrieval
 
 _N = flags.DEFINE_list("n", ["100000", "1000000"], "Index sizes (rows).")
@@ -66,14 +67,14 @@ _BLOCK_ROWS = flags.DEFINE_integer("block_rows", 100_000, "Rows per distinct poo
 _MAX_GB = flags.DEFINE_float("max_resident_gb", 5.0, "Memory budget for the distinct row pool (all copies).")
 _METHODS = flags.DEFINE_list("methods", ["ours", "faiss", "numpy"], "Methods to time.")
 _QUERY_MAJOR = flags.DEFINE_enum("query_major", "auto", ["auto", "true", "false"], "Plan override.")
-_UPCAST = flags.DEFINE_enum("upcast", "auto", ["auto"] + list(retrieval.UPCASTS), "Plan override.")
+_UPCAST = flags.DEFINE_enum("upcast", "auto", ["auto"] + list(score_plan.UPCASTS), "Plan override.")
 _PLAN_BLOCK = flags.DEFINE_integer("plan_block_rows", 0, "Plan override: kernel block rows (0 = auto).")
 _MAX_SECONDS = flags.DEFINE_float("max_seconds", 120.0, "Skip a method's repeats once one run exceeds this.")
 _SEED = flags.DEFINE_integer("seed", 0, "Data seed.")
 _PRECISION = flags.DEFINE_enum(
     "precision",
     "float32",
-    list(retrieval.PRECISIONS),
+    list(score_plan.PRECISIONS),
     "Scoring precision of ours (retrieval.precision); torch runs the matching one (float32: rows widened, "
     "TF32 off; bf16: query in the rows' bf16, one bf16 GEMM; tf32: TF32 on).",
 )

@@ -24,7 +24,7 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
-from trackstar_jax.retrieval import topk
+from trackstar_jax.retrieval import kernel
 
 _N = flags.DEFINE_integer("n", 1_000_000, "Rows.")
 _D = flags.DEFINE_integer("d", 4096, "Row dimension.")
@@ -47,7 +47,7 @@ def _time(fn, *args) -> float:
 
 def _dot(q, rows):
     if rows.dtype == jnp.bfloat16:
-        s = lax.dot_general(topk._split3(q), rows, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(kernel.split3(q), rows, (((0,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         return s.reshape(q.shape[0], 3, rows.shape[0]).sum(axis=1)
     return jnp.dot(q, rows.T, precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
@@ -67,8 +67,8 @@ def _topk(s, k):
 
 
 def _topk2(s, k, seg):
-    """The library's two-stage selection (`topk._select`) of the top-k and the bottom-k."""
-    return topk._select(s, k, seg), topk._select(-s, k, seg)
+    """The library's two-stage selection (`kernel.select`) of the top-k and the bottom-k."""
+    return kernel.select(s, k, seg), kernel.select(-s, k, seg)
 
 
 def main(argv):

@@ -23,7 +23,7 @@ from conftest import tiny_run_config
 from trackstar_jax import config as config_lib
 from trackstar_jax import stages
 from trackstar_jax.distributed import multihost
-from trackstar_jax.retrieval import topk
+from trackstar_jax.retrieval import merge, topk
 
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
@@ -182,18 +182,18 @@ def test_row_ranges_and_merge_equal_the_whole_index():
     np.testing.assert_array_equal(whole.top_ids, ref[1])
     np.testing.assert_array_equal(whole.bottom_ids, ref[3])
     for pc in (1, 2, 3, 4, 13, 20):  # 20 processes > 13 chunks: some get no rows
-        ranges = [topk.process_row_range(101, 8, i, pc) for i in range(pc)]
+        ranges = [merge.process_row_range(101, 8, i, pc) for i in range(pc)]
         assert ranges[0][0] == 0 and ranges[-1][1] == 101
         assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
         parts = [
-            topk.local_candidates(q, reader, 7, 8, row_scale=scale, process_index=i, process_count=pc)
+            merge.local_candidates(q, reader, 7, 8, row_scale=scale, process_index=i, process_count=pc)
             for i in range(pc)
         ]
-        merged = topk.merge_candidates(parts[::-1], 7)  # the order of the parts does not matter
+        merged = merge.merge_candidates(parts[::-1], 7)  # the order of the parts does not matter
         for f in topk.TopK._fields:
             np.testing.assert_array_equal(getattr(merged, f), getattr(whole, f), err_msg=f"{pc} processes: {f}")
-    one = topk.process_stream_topk(q, reader, 7, 8, row_scale=scale)  # a single process: the whole index
+    one = merge.process_stream_topk(q, reader, 7, 8, row_scale=scale)  # a single process: the whole index
     for f in topk.TopK._fields:
         np.testing.assert_array_equal(getattr(one, f), getattr(whole, f))
     with pytest.raises(ValueError, match="fewer than k=7 candidate rows"):
-        topk.merge_candidates([topk._pad_candidates(topk._empty(0), 5, 7)], 7)
+        merge.merge_candidates([merge._pad_candidates(topk.empty_topk(0), 5, 7)], 7)

@@ -15,7 +15,7 @@ from jax.sharding import AxisType
 from trackstar_jax import config as config_lib
 from trackstar_jax import index, stages
 from trackstar_jax.distributed import sharding
-from trackstar_jax.retrieval import native
+from trackstar_jax.retrieval import kernel, native, score_plan
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.retrieval import topk as retrieval
 
@@ -74,8 +74,8 @@ def test_topk_equals_argsort_with_ties(num_devices, dtype, n, k, block_rows):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
     # Many queries x rows take the block-by-block running merge instead of one dot per shard.
-    monkeypatch.setattr(retrieval, "_SCORE_ALL", 0)
-    retrieval._sharded_fn.cache_clear()
+    monkeypatch.setattr(kernel, "_SCORE_ALL", 0)
+    kernel.sharded_fn.cache_clear()
     x, q = tied_data(1001)
     plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], block_rows=64)
     assert plan.upcast in ("none", "bf16_split3", "native")
@@ -85,7 +85,7 @@ def test_running_merge_over_blocks_is_exact(monkeypatch, dtype):
         retrieval.stream_topk(q, retrieval.ArrayReader(x.astype(DTYPES[dtype])), 7, 300, mesh=mesh_of(8), plan=plan),
         ref,
     )
-    retrieval._sharded_fn.cache_clear()
+    kernel.sharded_fn.cache_clear()
 
 
 def test_signed_zero_scores_tie_by_id():
@@ -157,7 +157,7 @@ def test_accelerator_plan_forced_on_cpu_is_exact(num_devices, dtype, score_all, 
     x, q = tied_data(1001)
     scale = 2.0 ** np.random.default_rng(1).integers(-2, 3, len(x)).astype(np.float32) if dtype == "int8" else None
     plan = retrieval.make_score_plan(len(q), x.shape[1], DTYPES[dtype], backend="gpu")
-    assert plan.query_major and plan.score_all == retrieval._ACCEL_SCORE_ALL
+    assert plan.query_major and plan.score_all == score_plan._ACCEL_SCORE_ALL
     assert plan.upcast == {"float32": "none", "bfloat16": "bf16_split3"}.get(dtype, "convert")
     plan = dataclasses.replace(plan, segment=segment)
     if score_all == 0:
@@ -177,14 +177,14 @@ def test_two_stage_selection_equals_one_top_k(n, k, segment):
     s = jnp.asarray(s)
     kk = min(k, n)
     want = jax.lax.top_k(s, kk)
-    got = retrieval._select(s, kk, segment)
+    got = kernel.select(s, kk, segment)
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_gpu_plan_selects_few_queries_in_two_stages():
-    assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").segment == retrieval._SEGMENT
-    assert retrieval.make_score_plan(8, 4096, np.float32, backend="gpu").segment == retrieval._SEGMENT
+    assert retrieval.make_score_plan(1, 4096, ml_dtypes.bfloat16, backend="gpu").segment == score_plan._SEGMENT
+    assert retrieval.make_score_plan(8, 4096, np.float32, backend="gpu").segment == score_plan._SEGMENT
     assert retrieval.make_score_plan(64, 4096, np.float32, backend="gpu").segment is None
     assert retrieval.make_score_plan(1, 4096, np.float32, backend="tpu").segment is None
     assert retrieval.make_score_plan(1, 4096, np.float32, backend="cpu").segment is None

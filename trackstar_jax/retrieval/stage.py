@@ -29,10 +29,11 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import build as build_lib
 from trackstar_jax.index import hessian as hessian_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.index import scoring as scoring_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
-from trackstar_jax.retrieval import attribution, records, topk
+from trackstar_jax.retrieval import attribution, merge, records, topk
 from trackstar_jax.retrieval import rerank as rerank_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import logs
@@ -80,7 +81,7 @@ class RowSettings(Protocol):
     def hessian(self) -> hessian_lib.HessianConfig: ...
 
     @property
-    def index(self) -> store_lib.IndexSettings: ...
+    def index(self) -> manifest_lib.IndexSettings: ...
 
     @property
     def retrieval(self) -> RetrievalSettings: ...
@@ -316,14 +317,14 @@ def retrieve_queries(
     r_eval_raw = raw_vectors(enc_r) if enc_r else q_raw
     t1 = time.perf_counter()
     info["featurize_seconds"] = t1 - t0
-    rows = topk.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
+    rows = merge.process_row_range(reader.num_rows, st.read_chunk_rows, jax.process_index(), jax.process_count())
     factor = trak_lib.row_factor(run, settings.vectors.output_fn, reader)  # TRAK's Q multiplies scores, after R
     scoring = scoring_lib.prepare_scoring(
         reader, settings.hessian, r_eval_raw, rows=rows if pod else None, row_factor=factor
     )
     q_prime = scoring.finalize_queries(q_raw)
     t2 = time.perf_counter()
-    res = (topk.process_stream_topk if pod else topk.stream_topk)(
+    res = (merge.process_stream_topk if pod else topk.stream_topk)(
         q_prime,
         reader,
         k_index,
