@@ -12,7 +12,7 @@ import jax
 import pytest
 from conftest import REPO
 
-from trackstar_jax.index import store
+from trackstar_jax.index import manifest as manifest_lib
 
 TIMEOUT_S = 240  # per launch of all processes; a hang fails instead of blocking CI
 _CACHE_DIR = None
@@ -28,7 +28,7 @@ def override_flags(config) -> list[str]:
     """`--config.a.b=v` for every key where `config` differs from experiments/tiny.py."""
     from experiments import tiny
 
-    base, new = (store.flatten(c.to_dict()) for c in (tiny.get_config(), config))
+    base, new = (manifest_lib.flatten(c.to_dict()) for c in (tiny.get_config(), config))
     return [f"--config.{k}={_flag_value(v)}" for k, v in sorted(new.items()) if base.get(k) != v]
 
 

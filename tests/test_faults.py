@@ -28,7 +28,9 @@ from trackstar_jax import data as data_lib
 from trackstar_jax import files, stages
 from trackstar_jax import index as index_lib
 from trackstar_jax.evaluation import results as results_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.index import store
+from trackstar_jax.index import verify as verify_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
 from trackstar_jax.training import checkpoint
 from trackstar_jax.training import step as step_lib
@@ -152,7 +154,7 @@ def test_damaged_index_manifest(work):
     with pytest.raises(store.IndexCorruptError, match=r"index manifest .*manifest\.json is damaged"):
         _retrieve(work)
     with pytest.raises(store.IndexCorruptError, match=r"manifest\.json is damaged"):
-        store.verify_index(work / "index")
+        verify_lib.verify_index(work / "index")
 
 
 def test_damaged_vector_chunk(work):
@@ -168,7 +170,7 @@ def test_damaged_r_train(work):
     with pytest.raises(
         store.IndexCorruptError, match=r"failed verification:\n.*r_train\.npy does not match the sha256"
     ):
-        store.verify_index(work / "index", recompute_r=False)
+        verify_lib.verify_index(work / "index", recompute_r=False)
 
 
 def test_damaged_scoring_cache(work):
@@ -343,7 +345,7 @@ def test_lost_chunk_of_a_finished_index_is_rewritten(work):
         _retrieve(work)
     stages.build_index(_settings(), work)
     assert _chunk_bytes(work / "index") == ref
-    store.verify_index(work / "index")
+    verify_lib.verify_index(work / "index")
 
 
 def test_two_writers_and_kill9_resume_byte_identical(work):
@@ -421,12 +423,12 @@ def test_swapped_chunk_files_are_refused_by_position(work):
     ):
         _retrieve(work)
     with pytest.raises(store.IndexCorruptError, match=r"failed verification:\n.*chunk 2, rows \[8, 12\).*swapped"):
-        store.verify_index(work / "index", recompute_r=False)
+        verify_lib.verify_index(work / "index", recompute_r=False)
     # An index of the format before chunk checksums were bound to positions: refused, "rebuild".
     m = json.loads((work / "index" / "manifest.json").read_text())
     files.atomic_write_json(work / "index" / "manifest.json", {**m, "format": "trackstar_jax.index/1"})
     with pytest.raises(store.IndexMismatchError, match=r"older format 'trackstar_jax\.index/1'.*rebuild it"):
-        store.verify_index(work / "index")
+        verify_lib.verify_index(work / "index")
 
 
 def test_chunk_table_of_another_index_is_refused(work):
@@ -437,11 +439,11 @@ def test_chunk_table_of_another_index_is_refused(work):
 
 
 def test_zero_vectors_are_refused_at_build_time_naming_the_example_ids(tmp_path):
-    manifest = store.make_manifest(
+    manifest = manifest_lib.make_manifest(
         num_rows=20,
         dim=8,
         num_blocks_total=2,
-        storage=store.StorageConfig(dtype="float16", chunk_rows=4, r_every_chunks=1),
+        storage=manifest_lib.StorageConfig(dtype="float16", chunk_rows=4, r_every_chunks=1),
         model={"fingerprint": "m"},
         vectors={"proj_dim": 2},
         corpus={"fingerprint": "c"},

@@ -45,7 +45,7 @@ from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import settings as eval_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
-from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.retrieval import stage as retrieval_lib
 from trackstar_jax.training import step as step_lib
@@ -92,11 +92,11 @@ HessianConfig, HESSIAN_MODES, R_EVAL_SOURCES = (
     hessian_lib.R_EVAL_SOURCES,
 )
 StorageConfig, STORAGE_DTYPES, IndexSettings = (
-    store_lib.StorageConfig,
-    store_lib.STORAGE_DTYPES,
-    store_lib.IndexSettings,
+    manifest_lib.StorageConfig,
+    manifest_lib.STORAGE_DTYPES,
+    manifest_lib.IndexSettings,
 )
-flatten = store_lib.flatten
+flatten = manifest_lib.flatten
 MeshSettings, RetrievalSettings = sharding_lib.MeshSettings, retrieval_lib.RetrievalSettings
 EvalSettings, TailpatchSettings, ValidateSettings = (
     eval_lib.EvalSettings,

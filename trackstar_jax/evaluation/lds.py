@@ -38,7 +38,7 @@ from trackstar_jax.evaluation import report as report_lib
 from trackstar_jax.evaluation import retrain as retrain_lib
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import settings as settings_lib
-from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import step as step_lib
 
@@ -225,7 +225,7 @@ def _manifest(
         "num_queries": len(queries),
     }
     for sec in ("seed", "model", "train"):
-        out.update(store_lib.flatten({sec: settings.to_dict()[sec]}))
+        out.update(manifest_lib.flatten({sec: settings.to_dict()[sec]}))
     for k in step_lib.RESUMABLE_TRAIN_KEYS:  # cadences and completions do not change a retrained model
         if k != "num_steps":
             out.pop(f"train.{k}", None)

@@ -21,7 +21,7 @@ import pathlib
 
 from absl import logging
 
-from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import manifest as manifest_lib
 
 CACHE_DIR = "tailpatch_pairs"
 
@@ -60,7 +60,7 @@ def identity(run, lr_scale: float) -> dict:
     """What a tail-patch delta depends on besides the pair (the cache file's key)."""
     tree = {"params": run.params, "opt_state": run.opt_state}
     return {
-        "model_fingerprint": store_lib.tree_fingerprint(tree),
+        "model_fingerprint": manifest_lib.tree_fingerprint(tree),
         "checkpoint_step": int(run.step),
         "lr_scale": float(lr_scale),
         "max_len": int(run.model_cfg.max_len),

@@ -25,6 +25,7 @@ from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import builder as builder_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
 from trackstar_jax.training import checkpoint as checkpoint_lib
@@ -66,7 +67,7 @@ INDEX_KEYS = {
 }
 
 
-def index_dir(index: store_lib.IndexSettings, workdir: str | os.PathLike) -> pathlib.Path:
+def index_dir(index: manifest_lib.IndexSettings, workdir: str | os.PathLike) -> pathlib.Path:
     """Where the index of `index` (`config.index`) lives: `workdir/<index.dir>` (default `index`).
 
     Use a separate `index.dir` per vector setting (e.g. `index_nocorr` for correction off);
@@ -81,7 +82,7 @@ def _identity_keys(section: str, values: Any) -> dict:
 
 
 def index_manifest(
-    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig, dim: int
+    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: manifest_lib.StorageConfig, dim: int
 ) -> dict:
     """The manifest of the index of `run` under `vec_cfg` (what a resume or a reader must match)."""
     fp_tree = {"params": run.params, "opt_state": run.opt_state} if vec_cfg.correction else {"params": run.params}
@@ -93,10 +94,14 @@ def index_manifest(
         vec["trak_q"] = "scores"  # refuses a trak index built when Q was folded into the rows
     if not model_cfg["source"]:  # pretrained runs: manifests stay as they were before imports existed
         del model_cfg["source"]
-    model = {"checkpoint_step": int(run.step), "fingerprint": store_lib.tree_fingerprint(fp_tree), "config": model_cfg}
+    model = {
+        "checkpoint_step": int(run.step),
+        "fingerprint": manifest_lib.tree_fingerprint(fp_tree),
+        "config": model_cfg,
+    }
     if vec_cfg.correction and run.opt_state_info is not None:  # V estimated at import (sample size, seed)
         model["second_moment"] = {k: v for k, v in run.opt_state_info.items() if k != "seconds"}  # timing: not identity
-    return store_lib.make_manifest(
+    return manifest_lib.make_manifest(
         num_rows=len(run.corpus.examples),
         dim=dim,
         num_blocks_total=num_blocks_total,
@@ -126,7 +131,7 @@ def index_manifest(
 
 
 def expected_identity(
-    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: store_lib.StorageConfig, dim: int
+    run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, storage: manifest_lib.StorageConfig, dim: int
 ) -> dict:
     """Manifest sections an index must match for queries featurized by `run` under `vec_cfg`
     (model weights + optimizer state fingerprint, vector settings, corpus)."""
@@ -204,12 +209,12 @@ def index_mesh(mesh_shape: tuple[int, ...], batch_size: int) -> jax.sharding.Mes
 def build_from_run(
     run: checkpoint_lib.Run,
     vec_cfg: vectors_lib.VectorConfig,
-    index: store_lib.IndexSettings,
+    index: manifest_lib.IndexSettings,
     workdir: str | os.PathLike,
     *,
     mesh_shape: tuple[int, ...],
     mesh: jax.sharding.Mesh | None = None,
-    companions: Sequence[tuple[vectors_lib.VectorConfig, store_lib.IndexSettings]] = (),
+    companions: Sequence[tuple[vectors_lib.VectorConfig, manifest_lib.IndexSettings]] = (),
     process_index: int | None = None,
     process_count: int | None = None,
     sync_timeout_s: float = SYNC_TIMEOUT_S,
@@ -359,7 +364,7 @@ def _write_summary(
     stats: builder_lib.BuildStats,
     counters: dict,
     dim: int,
-    storage: store_lib.StorageConfig,
+    storage: manifest_lib.StorageConfig,
     process_index: int,
     process_count: int,
     shared_pass: list[str],

@@ -23,6 +23,7 @@ from absl import logging
 
 from trackstar_jax import files
 from trackstar_jax.distributed import multihost
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.index import store
 
 # ------------------------------------------------------------------------------------------
@@ -72,7 +73,7 @@ class IndexBuilder:
     ):
         self.path = pathlib.Path(path)
         self.manifest = json.loads(json.dumps(dict(manifest)))
-        if self.manifest.get("format") != store.FORMAT:
+        if self.manifest.get("format") != manifest_lib.FORMAT:
             raise ValueError("manifest was not made by index.make_manifest")
         st = self.manifest["storage"]
         self.num_rows, self.chunk_rows = int(st["num_rows"]), int(st["chunk_rows"])
@@ -99,9 +100,9 @@ class IndexBuilder:
                 raise store.IndexMismatchError(f"{p} holds index data but no manifest.json: refusing to overwrite it")
             files.create_once(mpath, json.dumps(self.manifest, indent=1, sort_keys=True).encode())
         on_disk = store.read_manifest(p)
-        store.check_manifest(on_disk, store._identity(self.manifest), path=str(p), action="resume")
+        store.check_manifest(on_disk, manifest_lib._identity(self.manifest), path=str(p), action="resume")
         # Fields present on disk but absent from ours also count as a mismatch.
-        store.check_manifest(self.manifest, store._identity(on_disk), path=str(p), action="resume")
+        store.check_manifest(self.manifest, manifest_lib._identity(on_disk), path=str(p), action="resume")
         self.manifest = on_disk
         (p / "progress").mkdir(exist_ok=True)
         (p / "r_train").mkdir(exist_ok=True)
@@ -123,7 +124,7 @@ class IndexBuilder:
         lock = self.path / "progress" / f"writer-{self.process_index:04d}-of-{self.process_count:04d}.lock"
 
         def busy(holder: str) -> Exception:
-            return store.IndexWriteError(
+            return manifest_lib.IndexWriteError(
                 f"index {self.path}: another build is writing the same chunks (writer {self.process_index} of "
                 f"{self.process_count}; held by {holder}, lock {lock}); wait for it or stop it first"
             )
@@ -197,7 +198,7 @@ class IndexBuilder:
           BuildStats.
 
         Raises:
-          store.IndexWriteError: a write failed (e.g. ENOSPC); every chunk before it is complete and
+          manifest_lib.IndexWriteError: a write failed (e.g. ENOSPC); every chunk before it is complete and
             intact, and calling `build` again resumes.
           ValueError: rows_fn returned the wrong shape or non-finite values (names the rows).
         """
@@ -308,7 +309,7 @@ class IndexBuilder:
             # Let writes that were already submitted land and be marked, so progress is kept.
             try:
                 writer.finish(block_all=True)
-            except store.IndexWriteError:
+            except manifest_lib.IndexWriteError:
                 pass
             raise
         finally:
@@ -388,7 +389,7 @@ class _ChunkWriter:
             self.stats.rows_written += hi - lo
         self.stats.write_seconds += time.perf_counter() - t0
         if failure is not None:
-            raise store.IndexWriteError(self.b._write_failure(*failure)) from failure[3]
+            raise manifest_lib.IndexWriteError(self.b._write_failure(*failure)) from failure[3]
 
     def flush(self, item: tuple) -> None:
         """Checks one computed chunk `(c, lo, hi, stored, scale, bad)` and submits its writes."""
@@ -416,7 +417,7 @@ class _ChunkWriter:
         except Exception as e:  # noqa: BLE001
             self.stats.write_seconds += time.perf_counter() - t0
             self.finish(block_all=True)
-            raise store.IndexWriteError(self.b._write_failure(c, lo, hi, e)) from e
+            raise manifest_lib.IndexWriteError(self.b._write_failure(c, lo, hi, e)) from e
         self.in_flight.append((c, self.committer.submit(self._commit, c, futs)))
         self.stats.write_seconds += time.perf_counter() - t0
         self.finish(block_all=False)

@@ -16,6 +16,7 @@ from jaxtyping import Array, Float
 
 from trackstar_jax import files
 from trackstar_jax.index import builder, hessian, store
+from trackstar_jax.index import manifest as manifest_lib
 
 # ------------------------------------------------------------------------------------------
 # Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py)
@@ -177,8 +178,8 @@ def write_finalized(
     """
     src = reader.manifest
     w = None if whitening.matrix is None else jnp.asarray(whitening.matrix)
-    storage = store.StorageConfig(dtype=dtype, chunk_rows=reader.chunk_rows)
-    manifest = store.make_manifest(
+    storage = manifest_lib.StorageConfig(dtype=dtype, chunk_rows=reader.chunk_rows)
+    manifest = manifest_lib.make_manifest(
         num_rows=reader.num_rows,
         dim=reader.dim,
         num_blocks_total=reader.num_blocks_total,

@@ -3,6 +3,8 @@
 Paper §3 ("Random projection"): projected gradients are computed and stored once per training
 example and reused for every future query. This module stores them, accumulates R_train
 (§A.1.3) in the same pass, and prepares on-the-fly scoring (hessian.py).
+The index's identity (format, `StorageConfig`, the manifest and its checks) and the index
+errors are in `manifest.py`, below this module; `verify_index` is in `verify.py`.
 
 On-disk layout of an index directory (local or mounted filesystem):
 
@@ -45,22 +47,18 @@ pre-quantisation rows makes R exactly the autocorrelation of what retrieval scor
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import io
 import json
-import math
 import os
 import pathlib
 import re
-import time
 from concurrent import futures
 from typing import Any, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import tensorstore as ts
 from absl import logging
@@ -71,293 +69,21 @@ try:  # hardware crc32c for direct chunk reads (`IndexReader._read_vectors_direc
 except ImportError:  # reads then go through tensorstore
     google_crc32c = None
 
-import trackstar_jax
 from trackstar_jax import files
-from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
-from trackstar_jax.models import lm
+from trackstar_jax.index.manifest import (
+    NP_DTYPES,
+    IndexCorruptError,
+    IndexIncompleteError,
+    IndexMismatchError,
+    check_manifest,
+    manifest_fingerprint,
+    read_manifest,
+)
 
-FORMAT = "trackstar_jax.index/2"
-# Older formats: why they are refused (the fix is always a rebuild).
-_OLD_FORMATS = {
-    "trackstar_jax.index/1": "its chunk checksums are not bound to the chunks' positions (two swapped chunk "
-    "files would pass)",
-}
 CHUNK_TABLE = "chunks.json"
-STORAGE_DTYPES = ("float32", "bfloat16", "float16", "int8")
-
-
-@dataclasses.dataclass(frozen=True)
-class StorageConfig:
-    """Storage part of the manifest (config section `index`).
-
-    Attributes:
-      dtype: "float32" | "bfloat16" | "float16" | "int8" (per-row absmax scale).
-      chunk_rows: rows per zarr chunk: the unit of reads, writes and resumable progress.
-      r_every_chunks: chunks per R_train segment (the running sum is saved once per segment);
-        0 = automatic (saving R costs <= 2% of the segment's vector bytes).
-    """
-
-    dtype: str = "bfloat16"
-    chunk_rows: int = 1024
-    r_every_chunks: int = 0
-
-    def __post_init__(self):
-        if self.dtype not in STORAGE_DTYPES:
-            raise ValueError(f"index.dtype must be one of {STORAGE_DTYPES}, got {self.dtype!r}")
-        if self.chunk_rows <= 0:
-            raise ValueError(f"index.chunk_rows must be positive, got {self.chunk_rows}")
-        if self.r_every_chunks < 0:
-            raise ValueError(f"index.r_every_chunks must be >= 0, got {self.r_every_chunks}")
-
-
-def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dict -> {"a.b.c": value}."""
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, Mapping) and v:
-            out.update(flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
-@dataclasses.dataclass(frozen=True)
-class IndexSettings(StorageConfig):
-    """`config.index`: storage (`StorageConfig`) plus `dir`, the index's folder in the workdir."""
-
-    dir: str = "index"
-
-    def __post_init__(self):
-        super().__post_init__()  # dtype / chunk_rows / r_every_chunks
-        if not self.dir or pathlib.Path(self.dir).name != self.dir or self.dir.startswith("."):
-            raise ValueError(f"index.dir must be a plain folder name inside the workdir, got {self.dir!r}")
-
-    @property
-    def storage(self) -> StorageConfig:
-        """The storage keys alone (what an index's manifest records)."""
-        return StorageConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(StorageConfig)})
-
-
-NP_DTYPES = {
-    "float32": np.dtype(np.float32),
-    "bfloat16": np.dtype(ml_dtypes.bfloat16),
-    "float16": np.dtype(np.float16),
-    "int8": np.dtype(np.int8),
-}
-_INFO = "info"  # manifest section that is recorded but never compared
 _MARKER_RE = re.compile(r"^chunk_(\d{8})\.done$")
 _PART_RE = re.compile(r"^part-(\d{4})-of-(\d{4})-upto-(\d{8})\.npy$")
-# Fraction of a segment's vector bytes that saving the running R_train sum may cost (auto segment size).
-_R_SAVE_BUDGET = 0.02
-
-
-class IndexStoreError(Exception):
-    """Base class of index errors (not the builtin IndexError)."""
-
-
-class IndexMismatchError(IndexStoreError):
-    """The manifest on disk disagrees with what the caller expects (names the field)."""
-
-
-class IndexIncompleteError(IndexStoreError):
-    """Rows were requested from chunks that are not complete (names the row range)."""
-
-
-class IndexCorruptError(IndexStoreError):
-    """A chunk is missing, truncated or fails its checksum (names the row range)."""
-
-
-class IndexWriteError(IndexStoreError):
-    """A write failed (e.g. disk full); complete chunks stay intact and the build can resume."""
-
-
-# ------------------------------------------------------------------------------------------
-# Manifest
-# ------------------------------------------------------------------------------------------
-
-
-def auto_r_every_chunks(dim: int, num_blocks_total: int, dtype: str, chunk_rows: int) -> int:
-    """Smallest segment (in chunks) for which saving the float64 R sum costs <= 2% of its data."""
-    k2 = dim // num_blocks_total
-    r_bytes = num_blocks_total * k2 * k2 * 8
-    chunk_bytes = chunk_rows * dim * NP_DTYPES[dtype].itemsize
-    return max(1, math.ceil(r_bytes / (_R_SAVE_BUDGET * chunk_bytes)))
-
-
-def make_manifest(
-    *,
-    num_rows: int,
-    dim: int,
-    num_blocks_total: int,
-    storage: StorageConfig,
-    model: Mapping[str, Any],
-    vectors: Mapping[str, Any],
-    corpus: Mapping[str, Any],
-    featurizer: Mapping[str, Any] | None = None,
-    info: Mapping[str, Any] | None = None,
-) -> dict:
-    """Builds the manifest dict of a new index.
-
-    Every section except `info` is part of the index identity: a resume, or a reader with
-    `expect=`, is refused when any of those fields differs.
-
-    Args:
-      num_rows: number of examples (row i = example id i).
-      dim: vector dimension d.
-      num_blocks_total: diagonal blocks of R (2 * num_blocks).
-      storage: dtype / chunking.
-      model: e.g. {"checkpoint_step", "fingerprint", "config"}.
-      vectors: e.g. {"output_fn", "num_blocks", "proj_dim", "proj_seed", "correction", "path"}.
-      corpus: {"name", "fingerprint", "num_examples"}.
-      featurizer: settings that change the exact bits (batch size, sequence length).
-      info: recorded, never compared (creation time, command line, git commit).
-
-    Returns:
-      The manifest (JSON-able nested dict).
-    """
-    if num_rows <= 0 or dim <= 0:
-        raise ValueError(f"index needs num_rows > 0 and dim > 0, got {num_rows}, {dim}")
-    hessian.split_blocks(jnp.zeros((1, dim)), num_blocks_total)  # validates the block layout
-    r_every = storage.r_every_chunks or auto_r_every_chunks(dim, num_blocks_total, storage.dtype, storage.chunk_rows)
-    m = {
-        "format": FORMAT,
-        "code_version": trackstar_jax.__version__,
-        "model": dict(model),
-        "vectors": {
-            **dict(vectors),
-            "dim": int(dim),
-            "num_blocks_total": int(num_blocks_total),
-            "block_dim": int(dim // num_blocks_total),
-        },
-        "storage": {
-            "dtype": storage.dtype,
-            "chunk_rows": int(storage.chunk_rows),
-            "r_every_chunks": int(r_every),
-            "num_rows": int(num_rows),
-        },
-        "corpus": dict(corpus),
-        "featurizer": dict(featurizer or {}),
-        _INFO: {"created_unix": time.time(), **dict(info or {})},
-    }
-    return json.loads(json.dumps(m))  # normalise tuples -> lists, check JSON-ability
-
-
-def check_manifest(actual: Mapping[str, Any], expected: Mapping[str, Any], *, path: str, action: str) -> None:
-    """Raises IndexMismatchError naming the first differing field (the `info` section is ignored).
-
-    Args:
-      actual: the manifest on disk.
-      expected: fields the caller requires (nested or dotted keys); fields the caller does not
-        mention are not compared.
-      path: index path (for the message).
-      action: what is refused ("open", "resume"), for the message.
-    """
-    exp = flatten(json.loads(json.dumps(dict(expected))))
-    act = flatten(actual)
-    diffs = []
-    for key in sorted(exp, key=_report_order):
-        if key.split(".")[0] == _INFO:
-            continue
-        if key not in act:
-            if _added_with_default(key, exp[key]):
-                continue
-            before = f", so it was built with {_VALUE_BEFORE_ADDED[key]!r}" if key in _VALUE_BEFORE_ADDED else ""
-            diffs.append(f"its manifest has no field {key!r}{before} (expected {exp[key]!r})")
-        elif act[key] != exp[key]:
-            diffs.append(f"manifest field {key!r} is {act[key]!r} in the index but {exp[key]!r} was expected")
-    if diffs:
-        more = f" (and {len(diffs) - 1} more: " + "; ".join(diffs[1:6]) + ")" if len(diffs) > 1 else ""
-        raise IndexMismatchError(f"refusing to {action} index {path}: {diffs[0]}{more}")
-
-
-# Fields derived from others: a mismatch names the setting the user changed first
-# (vectors.proj_dim before vectors.block_dim; vectors.correction before the model
-# fingerprint, which covers the optimizer state only with the correction on).
-_DERIVED = ("vectors.dim", "vectors.block_dim", "vectors.num_blocks_total", "model.fingerprint", "storage.num_rows")
-_SECTION_ORDER = ("vectors", "storage", "corpus", "model")
-
-
-def _report_order(key: str) -> tuple:
-    sec = key.split(".")[0]
-    return (key in _DERIVED, _SECTION_ORDER.index(sec) if sec in _SECTION_ORDER else len(_SECTION_ORDER), key)
-
-
-# Manifest sections whose fields are a config dataclass: a field added later (with its default)
-# is absent from the manifests of indices built before it.
-_DEFAULTS_OF = {"model.config.": lm.LMConfig, "vectors.": vectors_lib.VectorConfig}
-
-
-# Fields added with a default that differs from what the code did before them: an index
-# without the field was built with this value. `vectors.unembed` (session 5): untied output
-# embeddings were attributed (only untied models' manifests record the field).
-_VALUE_BEFORE_ADDED = {"vectors.unembed": True}
-
-
-def _added_with_default(key: str, expected: Any) -> bool:
-    """A config field added after an index was built (e.g. `model.config.arch`,
-    `vectors.exact_v`), expected at its default: the index was made with that default, so it
-    still opens (unless the code did otherwise before the field existed: `_VALUE_BEFORE_ADDED`)."""
-    if key in _VALUE_BEFORE_ADDED:
-        return _VALUE_BEFORE_ADDED[key] == expected
-    for prefix, cls in _DEFAULTS_OF.items():
-        if key.startswith(prefix) and "." not in key[len(prefix) :]:
-            defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-            field = key[len(prefix) :]
-            return field in defaults and json.loads(json.dumps(defaults[field])) == expected
-    return False
-
-
-def _identity(manifest: Mapping[str, Any]) -> dict:
-    return {k: v for k, v in manifest.items() if k != _INFO}
-
-
-def manifest_fingerprint(manifest: Mapping[str, Any]) -> str:
-    """sha256 of the identity part of a manifest (keys cached scoring files)."""
-    return hashlib.sha256(json.dumps(_identity(manifest), sort_keys=True).encode()).hexdigest()
-
-
-def tree_fingerprint(tree: Any) -> str:
-    """sha256 over (path, dtype, shape, bytes) of every array leaf, in sorted path order.
-
-    Used as the model checkpoint fingerprint in the manifest (params, and the optimizer state
-    when the vectors use it). Leaves must be addressable from this process.
-    """
-    h = hashlib.sha256()
-    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-        a = np.asarray(jax.device_get(leaf))
-        h.update(jax.tree_util.keystr(path).encode())
-        h.update(str(a.dtype).encode() + str(a.shape).encode())
-        h.update(np.ascontiguousarray(a).tobytes())
-    return "sha256:" + h.hexdigest()
-
-
-# ------------------------------------------------------------------------------------------
-# Files
-# ------------------------------------------------------------------------------------------
-
-
-def read_manifest(path: str | os.PathLike) -> dict:
-    """Loads `<path>/manifest.json` (clear error if the directory is not an index)."""
-    p = pathlib.Path(path) / "manifest.json"
-    if not p.exists():
-        raise FileNotFoundError(f"{path} is not a trackstar index (no manifest.json)")
-    try:
-        m = files.read_json(p, "index manifest", "the index cannot be trusted: delete the index folder and rebuild it")
-    except files.InputError as e:
-        raise IndexCorruptError(str(e)) from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        got = m.get("format") if isinstance(m, dict) else type(m).__name__
-        if got in _OLD_FORMATS:
-            raise IndexMismatchError(
-                f"index {path} has the older format {got!r}: {_OLD_FORMATS[got]}; rebuild it: delete {path} "
-                "and rerun build_index"
-            )
-        raise IndexMismatchError(f"index {path}: format {got!r} is not {FORMAT!r}")
-    return m
-
 
 # ------------------------------------------------------------------------------------------
 # Chunk files and their position-bound checksums
@@ -842,102 +568,3 @@ def process_chunk_range(num_chunks: int, r_every_chunks: int, process_index: int
     lo = segments * process_index // process_count
     hi = segments * (process_index + 1) // process_count
     return range(min(lo * r_every_chunks, num_chunks), min(hi * r_every_chunks, num_chunks))
-
-
-# ------------------------------------------------------------------------------------------
-# Verify
-# ------------------------------------------------------------------------------------------
-
-
-def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_complete: bool = True) -> dict:
-    """Checks a whole index: manifest vs arrays, every chunk readable (crc32c, size, presence),
-    finite values, R_train present and (optionally) equal to a recomputation from the stored rows.
-
-    Args:
-      path: index directory.
-      recompute_r: re-derive R_train from the rows and compare with r_train.npy.
-      require_complete: incomplete chunks are errors (else they are only reported).
-
-    Returns:
-      A JSON-able report.
-
-    Raises:
-      IndexCorruptError: listing every bad chunk by row range (and any R_train problem).
-    """
-    p = pathlib.Path(path)
-    reader = IndexReader(p, read_manifest(p))
-    problems: list[str] = []
-    incomplete = sorted(set(range(reader.num_chunks)) - reader.complete_chunks)
-    if incomplete and require_complete:
-        for c in incomplete[:20]:
-            lo, hi = reader.chunk_range(c)
-            problems.append(f"chunk {c}, rows [{lo}, {hi}): not complete (no marker)")
-    k2 = reader.block_dim
-    recomputed = np.zeros((reader.num_blocks_total, k2, k2), np.float64)
-    seg_acc = None
-    device = jax.local_devices()[0]
-    r_every = reader.manifest["storage"]["r_every_chunks"]
-    pcount = 1
-    if (p / "progress" / "partition.json").exists():
-        pcount = read_partition(p)
-    ranges = [process_chunk_range(reader.num_chunks, r_every, i, pcount) for i in range(pcount)]
-    for c in sorted(reader.complete_chunks):
-        lo, hi = reader.chunk_range(c)
-        try:
-            stored, scale = reader.read_block(lo, hi)
-        except IndexStoreError as e:
-            problems.append(str(e))
-            seg_acc = None
-            continue
-        x = np.asarray(dequantize(stored, scale))
-        if not np.isfinite(x).all():
-            bad = lo + np.flatnonzero(~np.isfinite(x).all(axis=1))
-            problems.append(f"chunk {c}, rows [{lo}, {hi}): non-finite values in rows {bad[:10].tolist()}")
-        if recompute_r and not problems:
-            pad = reader.chunk_rows - (hi - lo)
-            stored_p = np.pad(stored, [(0, pad), (0, 0)])
-            scale_p = None if scale is None else np.pad(scale, [(0, pad)])
-            part = _chunk_autocorrelation(
-                jax.device_put(stored_p, device),
-                None if scale_p is None else jax.device_put(scale_p, device),
-                num_blocks_total=reader.num_blocks_total,
-            )
-            seg_acc = part if seg_acc is None else seg_acc + part
-            # Same grouping as the builder: float32 within a segment, float64 across segments.
-            rng = next(r for r in ranges if c in r)
-            if (c + 1 - rng.start) % r_every == 0 or c + 1 == rng.stop:
-                recomputed += np.asarray(seg_acc, np.float64)
-                seg_acc = None
-    report = {
-        "path": str(p),
-        "num_rows": reader.num_rows,
-        "dim": reader.dim,
-        "dtype": reader.dtype_name,
-        "chunks": reader.num_chunks,
-        "complete_chunks": len(reader.complete_chunks),
-        "bytes_on_disk": _du(p / "vectors") + (_du(p / "row_scale") if reader.dtype_name == "int8" else 0),
-    }
-    try:
-        r = load_r_train(p) if reader.is_complete else None
-    except IndexCorruptError as e:
-        problems.append(str(e))
-        r = None
-    if reader.is_complete and r is None and not any("r_train" in x for x in problems):
-        problems.append("all chunks complete but R_train is missing (run index.finalize)")
-    if r is not None:
-        if not np.isfinite(r.total).all():
-            problems.append("R_train contains NaN/inf")
-        elif recompute_r and not problems:
-            err = float(np.max(np.abs(r.total - recomputed)) / max(np.max(np.abs(recomputed)), 1e-30))
-            report["r_train_max_rel_diff"] = err
-            if err > 1e-6:
-                problems.append(f"R_train differs from a recomputation from the stored rows (max rel diff {err:.3g})")
-    report["ok"] = not problems
-    report["problems"] = problems
-    if problems:
-        raise IndexCorruptError(f"index {p} failed verification:\n  " + "\n  ".join(problems))
-    return report
-
-
-def _du(path: pathlib.Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.exists() else 0
