@@ -15,10 +15,10 @@ import ml_dtypes
 import numpy as np
 
 from trackstar_jax.distributed import runtime
-from trackstar_jax.index import store as store_lib
+from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.retrieval import native
 
-STORAGE_DTYPES = store_lib.STORAGE_DTYPES
+STORAGE_DTYPES = manifest_lib.STORAGE_DTYPES
 UPCASTS = ("none", "convert", "bf16_pairs", "bf16_split3", "native")
 CONTRACTS = ("dot", "reduce")
 PRECISIONS = tuple(runtime.MATMUL_PRECISIONS)
