@@ -40,8 +40,8 @@ def _flag_value(v) -> str:
 def env(num_devices: int = 2) -> dict:
     """This process's environment for a launched process with `num_devices` CPU devices."""
     global _CACHE_DIR
-    if _CACHE_DIR is None:  # one compilation cache for every launch of the session
-        _CACHE_DIR = tempfile.mkdtemp(prefix="multihost_jax_cache")
+    if _CACHE_DIR is None:  # the session's cache (conftest.TEST_CACHE), else one for every launch
+        _CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="multihost_jax_cache")
     out = dict(os.environ)
     out.update(
         XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",

@@ -4,15 +4,60 @@ import os
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Hermetic tests: the launchers' persistent compilation cache (`distributed.runtime`) stays off
-# here (children inherit it); test_runtime and the `compile_cache` fixture turn caches on themselves.
+# The launchers' own persistent compilation cache folder (`distributed.runtime`) stays unused
+# here (children inherit this); the tests compile through the cache below instead.
 os.environ["TRACKSTAR_COMPILATION_CACHE"] = "off"
 
+import contextlib  # noqa: E402
+import fcntl  # noqa: E402
+import hashlib  # noqa: E402
 import itertools  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
+
+# The tests' persistent XLA compilation cache, kept across runs at one folder per user
+# (BUILD_NOTES §14: compiling is most of the suite's time). JAX keys an entry on the program, its
+# compile options, the XLA flags, the backend and the jax / jaxlib version, so an entry is only
+# reused where it is the executable a fresh compile would make: no result changes. Set through
+# JAX's environment variables before jax is imported, so both xdist workers and every launched
+# process (which inherit the environment) share it. The size bound turns on JAX's LRU eviction
+# and, with it, its file lock around every read and write (two processes may write one entry;
+# without the lock one could read the other's half-written file). `TRACKSTAR_TEST_COMPILATION_CACHE`
+# names another folder, or "off".
+TEST_CACHE_ENV = "TRACKSTAR_TEST_COMPILATION_CACHE"
+TEST_CACHE_DEFAULT = pathlib.Path.home() / ".cache" / "trackstar_jax" / "test_xla"
+TEST_CACHE_MAX_BYTES = 4 << 30
+
+
+def _test_cache_dir() -> pathlib.Path | None:
+    spec = os.environ.get(TEST_CACHE_ENV)
+    if spec is not None and spec.strip().lower() in ("", "off", "0", "false"):
+        return None
+    try:
+        import filelock  # noqa: F401  (JAX's lock of a bounded cache; the `test` extra installs it)
+    except ImportError:  # unlocked, two processes could read each other's half-written entries
+        return None
+    folder = pathlib.Path(spec) if spec else TEST_CACHE_DEFAULT
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: run uncached
+        return None
+    return folder
+
+
+TEST_CACHE = _test_cache_dir()
+if TEST_CACHE is not None:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(TEST_CACHE)
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_MAX_BYTES)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"  # as the launchers' (`runtime`)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+if TEST_CACHE is not None:  # also where a plugin imported jax before this file set the environment
+    jax.config.update("jax_compilation_cache_dir", str(TEST_CACHE))
+    jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -143,21 +188,54 @@ def tiny_run_config(*, num_facts: int, num_distractors: int, num_steps: int, chu
     return c
 
 
+@contextlib.contextmanager
+def _waiting_lock(path: pathlib.Path):
+    """`fcntl.flock` on `path`, waiting for the holder (`files.exclusive_lock` refuses instead);
+    the kernel drops it when its holder dies."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _session_root(tmp_path_factory) -> pathlib.Path:
+    """The folder every xdist worker of this session shares (the parent of the workers' base
+    temps), or the base temp without xdist. A new folder each session: nothing in it is stale."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """`tiny_run(config) -> workdir`: the one place tests train a run. Runs are cached per
-    config for the whole session, so modules asking for the same run share it."""
+    """`tiny_run(config, evaluate=False) -> workdir`: the one place tests train a run (and, with
+    `evaluate`, evaluate it). Each run is made once per session, by whichever xdist worker asks
+    first (the others wait on a lock, then reuse it), keyed by the config and the compiler setting
+    its bits depend on (`jax_disable_most_optimizations`). Every worker gets its own copy, made
+    once and shared by the worker's modules, so what a module writes into it (an evaluation, an
+    index) never races another worker's."""
     from trackstar_jax import config as config_lib
     from trackstar_jax import stages
 
     runs: dict[str, pathlib.Path] = {}
+    shared_root = _session_root(tmp_path_factory) / "tiny_runs"
+    shared_root.mkdir(exist_ok=True)
 
-    def make(config) -> pathlib.Path:
+    def make(config, evaluate: bool = False) -> pathlib.Path:
         settings = config_lib.from_configdict(config)
-        key = repr(config_lib.to_dict(settings))
+        key = repr((config_lib.to_dict(settings), jax.config.read("jax_disable_most_optimizations"), evaluate))
         if key not in runs:
+            shared = shared_root / hashlib.sha256(key.encode()).hexdigest()[:16]
+            with _waiting_lock(shared.with_suffix(".lock")):
+                if not (shared / "MADE").exists():
+                    shutil.rmtree(shared, ignore_errors=True)  # a worker that died half-way
+                    stages.train(settings, shared)
+                    if evaluate:
+                        stages.evaluate(settings, shared)
+                    (shared / "MADE").write_text(key)
             workdir = tmp_path_factory.mktemp("run")
-            stages.train(settings, workdir)
+            shutil.copytree(shared, workdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("MADE"))
             runs[key] = workdir
         return runs[key]
 
@@ -166,17 +244,16 @@ def tiny_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def compile_cache(tmp_path_factory):
-    """Cheaper XLA compiles and a module-local compilation cache (process-global flags, restored).
+    """Cheaper XLA compiles, and a module-local compilation cache where the session has none
+    (`TEST_CACHE` off); process-global flags, restored.
 
     Use as `pytestmark = pytest.mark.usefixtures("compile_cache")` or an autouse wrapper.
     """
-    old = update_compiler_config(
-        {
-            "jax_disable_most_optimizations": True,
-            "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("jax_cache")),
-            "jax_persistent_cache_min_compile_time_secs": 0.5,
-        }
-    )
+    values = {"jax_disable_most_optimizations": True}
+    if not jax.config.jax_compilation_cache_dir:
+        values["jax_compilation_cache_dir"] = str(tmp_path_factory.mktemp("jax_cache"))
+        values["jax_persistent_cache_min_compile_time_secs"] = 0.5
+    old = update_compiler_config(values)
     yield
     update_compiler_config(old)
 

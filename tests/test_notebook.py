@@ -43,8 +43,8 @@ def _config():
 
 @pytest.fixture(scope="module")
 def evaluated(tiny_run):
-    workdir = tiny_run(_config())
-    table = stages.evaluate(config_lib.from_configdict(_config()), workdir)
+    workdir = tiny_run(_config(), evaluate=True)
+    table = stages.evaluate(config_lib.from_configdict(_config()), workdir)  # reads the shared evaluation
     return workdir, table
 
 

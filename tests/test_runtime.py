@@ -139,3 +139,24 @@ def test_library_chatter_is_filtered_and_warnings_pass():
     assert not handler.filter(rec(logging.INFO, "/jax/_src/xla_bridge.py", tpu))
     assert handler.filter(rec(logging.INFO, "/jax/_src/xla_bridge.py", "Unable to initialize backend 'cuda': x"))
     assert handler.filter(rec(logging.INFO, "/trackstar_jax/training/loop.py", "step 10: loss 3.2"))
+
+
+def test_the_suite_compiles_through_one_per_user_cache():
+    """conftest's persistent compilation cache (BUILD_NOTES §14): this process and every process
+    it launches (they inherit the environment) use one folder per user, kept across runs, with a
+    size bound, which turns on JAX's file lock around reads and writes of its entries."""
+    import os
+    import subprocess
+    import sys
+
+    import conftest
+
+    if conftest.TEST_CACHE is None:
+        pytest.skip(f"{conftest.TEST_CACHE_ENV} turns the tests' compilation cache off")
+    if os.environ.get(conftest.TEST_CACHE_ENV) is None:
+        assert conftest.TEST_CACHE == conftest.TEST_CACHE_DEFAULT  # stable across runs, not a temp folder
+    assert jax.config.jax_compilation_cache_dir == str(conftest.TEST_CACHE)
+    assert jax.config.jax_compilation_cache_max_size == conftest.TEST_CACHE_MAX_BYTES
+    code = "import jax; print(jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == [str(conftest.TEST_CACHE), str(conftest.TEST_CACHE_MAX_BYTES)]

@@ -569,8 +569,8 @@ def _eval_config():
 def evaluated(tiny_run):
     """(workdir, engine, client) over a tiny run with `eval/` written by `evaluation.evaluate`."""
     settings = config_lib.from_configdict(_eval_config())
-    workdir = tiny_run(_eval_config())
-    stages.evaluate(settings, workdir)
+    workdir = tiny_run(_eval_config(), evaluate=True)
+    stages.evaluate(settings, workdir)  # finds the shared evaluation and returns
     engine = stages.open_engine(settings, workdir, dense=False)
     return workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
 
