@@ -51,13 +51,12 @@ def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: floa
     }
 
 
-def _kept_opt_state(settings: config_lib.Settings, loaded: importer_lib.Loaded, params: Any, opt: Any) -> Any:
-    """The run's Adafactor state holding the source's V as each parameter's full `v`, placed
-    like `params` (so `preconditioner.from_opt_state` reads it element-wise, exactly).
+def _check_unfactored(settings: config_lib.Settings, params: Any) -> None:
+    """Refuses an optimizer config under which Adafactor would factor a parameter: it would then
+    keep row / column means, not the source's per-element V (names the value that keeps them all).
 
     Raises:
-      ConfigError: `train.min_dim_size_to_factor` would factor a parameter (Adafactor would then
-        keep row / column means, not the per-element V): names the value that keeps them all.
+      ConfigError: `train.min_dim_size_to_factor` is not above every matrix's second-largest dimension.
     """
     flat = model_lib.flat_params(params)
     need = 1 + max((sorted(x.shape)[-2] for x in flat.values() if x.ndim >= 2), default=0)
@@ -67,6 +66,12 @@ def _kept_opt_state(settings: config_lib.Settings, loaded: importer_lib.Loaded, 
             f"only unfactored: set config.train.min_dim_size_to_factor >= {need} "
             f"(it is {settings.train.min_dim_size_to_factor})" + (f" (in {settings.source})" if settings.source else "")
         )
+
+
+def _kept_opt_state(settings: config_lib.Settings, loaded: importer_lib.Loaded, params: Any, opt: Any) -> Any:
+    """The run's Adafactor state holding the source's V as each parameter's full `v`, placed like
+    `params` (so `preconditioner.from_opt_state` reads it element-wise, exactly; `_check_unfactored`
+    has made sure nothing is factored)."""
     v = jax.tree.map(lambda p, x: jax.device_put(x - sm_lib.EPSILON, p.sharding), params, loaded.second_moment)
     fs = sm_lib.factored_state(v, params, settings.train.min_dim_size_to_factor, count=loaded.record.get("count", 1))
     return sm_lib.with_second_moments(opt.init(params), fs)
@@ -120,6 +125,8 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         model_cfg = config_lib.resolve_imported_model(settings.model, imported, settings.source)
         settings = dataclasses.replace(settings, model=model_cfg)
         importer_lib.check_tokenizer_fits(tok, model_cfg, path)
+        if loaded.second_moment is not None:
+            _check_unfactored(settings, params)  # before anything is written
         load_s = time.time() - t0
         logging.info(
             "imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s
