@@ -160,6 +160,21 @@ def test_nu_mapping_matches_hand_mapped_values(variant):
     np.testing.assert_array_equal(p["unembed/kernel"], w["decoder"]["logits_dense"]["kernel"])
 
 
+def test_adam_v_per_optimizer():
+    """adamw: optax's bias correction 1/(1 - b2^count); adam_pax: MaxText's nu is already
+    bias-corrected by its decay; both add eps outside the square root and eps_root inside."""
+    from trackstar_jax.features import preconditioner
+
+    nu = np.array([0.0, 1e-6, 4.0], np.float32)
+    s = _settings("scanned", adam_b2=0.5, adam_eps=1e-3, adam_eps_root=1e-4)
+    want = (np.sqrt(nu / (1 - 0.5**2) + 1e-4) + 1e-3) ** 2
+    np.testing.assert_allclose(importer._maxtext_second_moment(s)(nu, 2), want, rtol=1e-6)
+    pax = dataclasses.replace(s, opt_type="adam_pax")
+    np.testing.assert_allclose(importer._maxtext_second_moment(pax)(nu, 2), (np.sqrt(nu + 1e-4) + 1e-3) ** 2, rtol=1e-6)
+    with pytest.raises(ValueError, match="count 0: no update has been made"):
+        preconditioner.adam_bias_correction(0, 0.95)
+
+
 def test_interleaved_rope_layout_is_permuted_alike_in_weights_and_v():
     """rope_type='llama3.1' (rope_use_scale=False) stores RoPE pairs (2i, 2i+1): the query and key
     columns are reordered within each head to rotate-half, V in the same order."""

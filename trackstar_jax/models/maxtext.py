@@ -3,7 +3,7 @@
 A MaxText run saves orbax checkpoints `<dir>/<step>/items` (OCDBT + zarr3) whose tree holds
 `params/params/{token_embedder, decoder/...}`, the step and the optimizer state, but no model
 config. `load_maxtext` reads only the parameters and Adam's second moment `nu` (with its
-`count`), by an orbax partial restore into host numpy, and maps both onto this project's Llama
+`count`) into host numpy (every other leaf an orbax `PLACEHOLDER`, never read), and maps both onto this project's Llama
 model (`models.llama`): the same reshapes, permutations and scales for V as for the weights, so
 `g / sqrt(V)` in our parameters equals Adam's `g / (sqrt(v_hat + eps_root) + eps)` in MaxText's.
 
@@ -49,6 +49,7 @@ import pathlib
 import re
 from typing import Any, Callable, Mapping
 
+import jax
 import numpy as np
 
 from trackstar_jax.models import hf, lm
@@ -179,7 +180,7 @@ def check_settings(s: MaxTextSettings, where: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# Reading the checkpoint: params and nu only (orbax partial restore into host numpy)
+# Reading the checkpoint: params and nu only (every other leaf an orbax PLACEHOLDER), into host numpy
 # ---------------------------------------------------------------------------------------
 
 
@@ -191,8 +192,6 @@ def _key_name(k: Any) -> str:
 
 
 def _flatten(tree: Any) -> dict[str, Any]:
-    import jax  # noqa: PLC0415
-
     leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
     return {"/".join(_key_name(k) for k in path): leaf for path, leaf in leaves}
 
@@ -221,8 +220,8 @@ def read_shapes(items: pathlib.Path) -> dict[str, tuple[int, ...]]:
 def read_checkpoint(items: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], int, int]:
     """`(params, nu, count, step)` of a MaxText `items` directory, flat `{MaxText path: host array}`.
 
-    Only `params/...`, the Adam state's `nu` and `count` and `step` are read (an orbax partial
-    restore); `mu` is not. Paths drop the leading `params/params/` (e.g.
+    Only `params/...`, the Adam state's `nu` and `count` and `step` are read (every other leaf
+    is an orbax `PLACEHOLDER`, skipped); `mu` is not. Paths drop the leading `params/params/` (e.g.
     `decoder/layers/mlp/wi_0/kernel`).
 
     Raises:
@@ -232,7 +231,8 @@ def read_checkpoint(items: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[st
     import orbax.checkpoint as ocp  # noqa: PLC0415
 
     ckptr = ocp.PyTreeCheckpointer()
-    flat_meta = _tree_metadata(items)
+    tree = _tree_metadata(items, flat=False)
+    flat_meta = _flatten(tree)
     param_keys = [k for k in flat_meta if k.startswith(PARAMS_PREFIX)]
     if not param_keys:
         top = sorted({k.split("/")[0] for k in flat_meta})
@@ -250,12 +250,9 @@ def read_checkpoint(items: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[st
     count_key = nu_root + "count"
     want |= {k for k in (count_key, "step") if k in flat_meta}
     # Everything else is an orbax PLACEHOLDER: skipped, not read (mu, the rng state, ...).
-    tree = _tree_metadata(items, flat=False)
 
     def pick(path, leaf):
         return leaf if "/".join(_key_name(k) for k in path) in want else ocp.PLACEHOLDER
-
-    import jax  # noqa: PLC0415
 
     item = jax.tree_util.tree_map_with_path(pick, tree)
     restore_args = jax.tree_util.tree_map(
@@ -449,7 +446,7 @@ def map_tensors(
     missing = sorted(set(mapping) - set(tensors))
     if missing:
         raise ValueError(f"tensor(s) missing from {where} for a llama2 decoder: {', '.join(missing[:5])}")
-    pdt = np.dtype(cfg.param_dtype) if cfg.param_dtype != "bfloat16" else np.float32
+    pdt = np.dtype(jax.numpy.dtype(cfg.param_dtype))  # bfloat16 too (ml_dtypes), as hf.py
     flat: dict[str, np.ndarray] = {}
     for name, targets in mapping.items():
         x = np.asarray(tensors[name], np.float32)
