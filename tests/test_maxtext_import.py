@@ -352,7 +352,7 @@ def test_stage_refuses_a_factoring_optimizer_and_missing_keys(tmp_path):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # builds / reuses the ~1.4 GB .venv-maxtext, then ~2 min of MaxText on CPU
+@pytest.mark.slow  # builds / reuses the ~1.4 GB .venv-maxtext; 504 s on the loaded 2-core VM (3 MaxText trainings)
 def test_regenerated_fixture_matches(tmp_path):
     venv_py = REPO / ".venv-maxtext" / "bin" / "python"
     py312 = os.environ.get("PYTHON312") or next(

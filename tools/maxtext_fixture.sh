@@ -2,7 +2,7 @@
 # Regenerates tests/fixtures/maxtext: a tiny llama2-block model trained by real MaxText 0.2.5 and
 # MaxText's own logits on it (the reference tests/test_maxtext_import.py compares our import with).
 #
-#   tools/maxtext_fixture.sh [OUT_DIR [VARIANT ...]]   (default tests/fixtures/maxtext; ~1.4 GB venv once, then ~1 min)
+#   tools/maxtext_fixture.sh [OUT_DIR [VARIANT ...]]   (default tests/fixtures/maxtext; ~1.4 GB venv once, then ~8 min on a loaded 2-core VM)
 #
 # MaxText needs Python >= 3.12, so it lives in a side venv, .venv-maxtext (gitignored), built from
 # the pyenv 3.12 interpreter (or $PYTHON312) with `maxtext --no-deps` plus the packages its
