@@ -32,9 +32,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
         ""  # GEMM operands' dtype, float32 accumulation ("" = dtype; "bfloat16": ~2x on AVX512-BF16 CPUs)
     )
     c.model.remat = False  # rematerialise each layer in the backward (less activation memory, ~1/3 more FLOPs)
-    c.model.source = (
-        ""  # "" = pretrain (launch.train); HF folder | .gguf file | "smollm2": launch.import_model fills the shapes
-    )
+    c.model.source = ""  # "" = pretrain (launch.train); HF folder | .gguf file | MaxText checkpoint dir | "smollm2": import fills the shapes
 
     # --- data ---
     c.data = ml_collections.ConfigDict()
@@ -190,4 +188,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.validate.parallel_subsets = (
         1  # K > 1: K subsets retrained side by side (vmap, one device; same result to rounding)
     )
+
+    # --- maxtext: a MaxText checkpoint as model.source; MaxText's own key names and base.yml defaults ---
+    c.maxtext = ml_collections.ConfigDict()
+    c.maxtext.step = -1  # checkpoint step to import (-1 = the latest)
+    c.maxtext.decoder_block = ""  # required; only "llama2" is mapped
+    c.maxtext.opt_type = "adamw"  # "adamw" or "adam_pax" ("sgd", "muon": no per-element V, refused)
+    c.maxtext.adam_b2 = 0.95  # Adam's second-moment decay (bias correction at the checkpoint's count)
+    c.maxtext.adam_eps = 1e-8  # added outside the square root of Adam's denominator
+    c.maxtext.adam_eps_root = 0.0  # added inside it
+    c.maxtext.rope_type = "default"  # "default" or "llama3.1" (then rope_use_scale=False); "yarn" refused
+    c.maxtext.rope_use_scale = True  # llama3.1's frequency scaling (refused with rope_type "llama3.1")
+    c.maxtext.rope_min_timescale = 1.0  # only 1 is mapped
+    c.maxtext.rope_max_timescale = 0.0  # required: RoPE theta
+    c.maxtext.rope_linear_scaling_factor = 1.0  # only 1 is mapped
+    c.maxtext.normalization_layer_epsilon = 0.0  # required: RMSNorm epsilon
+    c.maxtext.max_target_length = 2048  # positions trained on (the imported model's max_len)
+    c.maxtext.param_scan_axis = 1  # axis scanned layers are stacked on
+    c.maxtext.num_query_heads = 0  # 0 = read from the query kernel's shape (else checked against it)
+    c.maxtext.num_kv_heads = 0  # 0 = read from the key kernel's shape (else checked against it)
+    c.maxtext.tokenizer_path = ""  # required: a Hugging Face tokenizer folder (tokenizer.json)
     return c

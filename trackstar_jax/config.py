@@ -47,6 +47,7 @@ from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian as hessian_lib
 from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.models import lm as model_lib
+from trackstar_jax.models import maxtext as maxtext_lib
 from trackstar_jax.retrieval import stage as retrieval_lib
 from trackstar_jax.training import step as step_lib
 
@@ -75,6 +76,7 @@ INDEX_SECTIONS = {
     "eval": "after the index",
     "tailpatch": "after the index",
     "validate": "after the index",
+    "maxtext": "the import's: reaches an index through the checkpoint's fingerprint",
 }
 
 
@@ -104,6 +106,7 @@ EvalSettings, TailpatchSettings, ValidateSettings = (
     eval_lib.ValidateSettings,
 )
 QUERY_MODES, PAPER_INCORRECT_PER_BUCKET = eval_lib.QUERY_MODES, eval_lib.PAPER_INCORRECT_PER_BUCKET
+MaxTextSettings = maxtext_lib.MaxTextSettings  # `config.maxtext` (models/maxtext.py)
 
 
 # ---------------------------------------------------------------------------------------
@@ -128,6 +131,7 @@ class Settings:
     eval: EvalSettings = EvalSettings()
     tailpatch: TailpatchSettings = TailpatchSettings()
     validate: ValidateSettings = ValidateSettings()
+    maxtext: MaxTextSettings = MaxTextSettings()  # read only when model.source is a MaxText checkpoint
     source: str = dataclasses.field(default="", compare=False)  # where it came from (for messages)
 
     def __post_init__(self):

@@ -45,12 +45,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 def with_imported_model(settings: config_lib.Settings) -> config_lib.Settings:
     """`settings` with the model an import config (`model.source`) brings: its arch and shapes
-    from the source's header (config.json or GGUF metadata; no weights read), the user's dtypes
+    from the source's header (config.json, GGUF or MaxText orbax metadata; no weights read), the user's dtypes
     and `max_len` (`config.resolve_imported_model`). Unchanged without `model.source`."""
     if not settings.model.source:
         return settings
     m = settings.model
-    imported = importer_lib.read_source_config(m.source, dtype=m.dtype, param_dtype=m.param_dtype)
+    imported = importer_lib.read_source_config(
+        m.source, dtype=m.dtype, param_dtype=m.param_dtype, maxtext=settings.maxtext
+    )
     return dataclasses.replace(settings, model=config_lib.resolve_imported_model(m, imported, settings.source))
 
 

@@ -13,6 +13,9 @@ optimizer's estimate of E[g^2] before projecting. We read V from the checkpoint:
   `min_dim_size_to_factor`, or a 1-D norm scale or bias) keeps a full `v`: `1/sqrt(v)`.
 * Adam-family (`nu`): `1/sqrt(nu)` element-wise. Adam's bias correction `1/(1-b2^t)` is the
   same for every parameter, a global scale that unit normalisation removes; not applied.
+  Where Adam's exact step factor `1/(sqrt(v_hat + eps_root) + eps)` is wanted (its `eps` is not
+  a global scale), `adam_equivalent_v` gives the V whose `1/sqrt(V)` it is, to be stored as the
+  state's full `v` (the MaxText import does: `models.maxtext`).
 
 Zeros in V (a never-updated state) are floored at optax's epsilon (1e-30), as optax's
 `grad^2 + epsilon` accumulation would; NaN/inf in V is an error naming the parameter.
@@ -217,6 +220,28 @@ def from_opt_state(params: Any, opt_state: Any, paths: tuple[str, ...], *, exact
         if f is not None:
             full[path] = f
     return Correction(row=row, col=col, full=full, rank_one_exact=tuple(sorted(p for p, ok in flags.items() if ok)))
+
+
+def adam_bias_correction(count: int, b2: float) -> float:
+    """optax `scale_by_adam`'s second-moment bias correction `1 / (1 - b2^count)` after `count` updates.
+
+    Raises:
+      ValueError: `count < 1` (no update yet: `nu` is zero) or `b2` outside [0, 1).
+    """
+    if count < 1:
+        raise ValueError(f"Adam state count {count}: no update has been made, so nu holds no second moment")
+    if not 0.0 <= b2 < 1.0:
+        raise ValueError(f"Adam b2={b2} must be in [0, 1)")
+    return 1.0 / (1.0 - b2 ** int(count))
+
+
+@jax.jit
+def adam_equivalent_v(v_hat: Array, eps: float, eps_root: float = 0.0) -> Array:
+    """`(sqrt(v_hat + eps_root) + eps)^2`: the V whose `1/sqrt(V)` is Adam's exact per-element step
+    factor `1/(sqrt(v_hat + eps_root) + eps)` (optax `scale_by_adam`; `v_hat` bias-corrected,
+    e.g. `nu * adam_bias_correction(count, b2)`). Same shape as `v_hat`, float32."""
+    v_hat = v_hat.astype(jnp.float32)
+    return (jnp.sqrt(v_hat + eps_root) + eps) ** 2
 
 
 def identity(params: Any, paths: tuple[str, ...]) -> Correction:

