@@ -13,6 +13,9 @@ optimizer's estimate of E[g^2] before projecting. We read V from the checkpoint:
   `min_dim_size_to_factor`, or a 1-D norm scale or bias) keeps a full `v`: `1/sqrt(v)`.
 * Adam-family (`nu`): `1/sqrt(nu)` element-wise. Adam's bias correction `1/(1-b2^t)` is the
   same for every parameter, a global scale that unit normalisation removes; not applied.
+  Adam's exact denominator `sqrt(nu / (1 - b2^t)) + eps` is not a scale of `sqrt(nu)`: an
+  import of a real Adam state stores `adam_equivalent_v` instead, whose `1/sqrt` is exactly
+  `1/(sqrt(v̂) + eps)` (training/optimizer_state.py).
 
 Zeros in V (a never-updated state) are floored at optax's epsilon (1e-30), as optax's
 `grad^2 + epsilon` accumulation would; NaN/inf in V is an error naming the parameter.
@@ -241,3 +244,11 @@ def rank_one_error(correction_exact: Correction) -> dict[str, float]:
         approx = correction_exact.row[p][:, None] * correction_exact.col[p][None, :]
         out[p] = float(np.linalg.norm(np.asarray(approx - f)) / np.linalg.norm(np.asarray(f)))
     return out
+
+
+def adam_equivalent_v(nu: Any, count: Any, b2: float, eps: float) -> Any:
+    """The V whose `1/sqrt` is Adam's exact per-element step size `1/(sqrt(v̂) + eps)`:
+    `(sqrt(nu / (1 - b2^count)) + eps)^2`, `v̂` the bias-corrected second moment after
+    `count` updates (torch Adam/AdamW's `denom`, optax `scale_by_adam`'s). Array in, same shape
+    out (numpy or jax; `count` a scalar or broadcastable)."""
+    return ((nu / (1.0 - b2**count)) ** 0.5 + eps) ** 2

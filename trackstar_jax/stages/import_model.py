@@ -7,8 +7,10 @@ evaluate run on it unchanged: `config.json` (the settings with the model section
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
 (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer state holds V
 estimated from per-example gradients (`training.second_moment`; `vectors.estimate_v_examples`,
-`vectors.estimate_v_seed`), described by `opt_state.json`. A finished import (its checkpoint
-exists) only reports.
+`vectors.estimate_v_seed`), described by `opt_state.json`. A source that carries its own
+optimizer state (a Hugging Face Trainer checkpoint's `optimizer.pt`) gives its real V instead
+(`training.optimizer_state`; no estimate is made). A finished import (its checkpoint exists)
+only reports.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import importer as importer_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.training import optimizer_state as opt_state_lib
 from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
@@ -97,6 +100,9 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         model_cfg = config_lib.resolve_imported_model(settings.model, imported, settings.source)
         settings = dataclasses.replace(settings, model=model_cfg)
         importer_lib.check_tokenizer_fits(tok, model_cfg, path)
+        real = opt_state_lib.read_imported(pathlib.Path(path), model_cfg, params, settings.train.optimizer)
+        if real is not None:  # the run's Adafactor keeps this V (e.g. unfactored for Adam's)
+            settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, **vars(real.optimizer)))
         load_s = time.time() - t0
         logging.info(
             "imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s
@@ -118,7 +124,13 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         opt = step_lib.make_optimizer(settings.train.optimizer)
         v = settings.vectors
         t1 = time.time()
-        if v.estimate_v_examples:
+        if real is not None:
+            opt_state = jax.device_put(real.opt_state, jax.tree.map(lambda x: x.sharding, target.opt_state))
+            n = est_s = None
+            logging.info(
+                "V from %s (%s, step %s)", real.record["file"], real.record["optimizer"], real.record["global_step"]
+            )
+        elif v.estimate_v_examples:
             ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
             batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
             batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
@@ -130,7 +142,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             logging.warning(
                 "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
             )
-        record = _estimate_record(settings, n, est_s)
+        record = real.record if real is not None else _estimate_record(settings, n, est_s)
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, config_lib.to_dict(settings))  # step 0: the marker of a finished import
