@@ -111,7 +111,7 @@ def factored_state(
     """
 
     def one(s, p):
-        dt = p.dtype
+        dt, s = p.dtype, jnp.asarray(s)  # host numpy too (an imported V)
         dims = _factored_dims(tuple(p.shape), True, min_dim_size_to_factor)
         if dims is None:
             z = jnp.zeros((1,), dt)
