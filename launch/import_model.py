@@ -2,7 +2,8 @@
 
 Reads `config.model.source` (a Hugging Face folder, a .gguf file, or "smollm2"), builds the
 corpus, saves the model's own tokenizer, estimates the optimizer second moments V from
-per-example gradients (`config.vectors.estimate_v_examples`) and writes a run directory that
+per-example gradients (`config.vectors.estimate_v_examples`), or reads the real ones of a Hugging
+Face Trainer `checkpoint-N/` folder (its `optimizer.pt`), and writes a run directory that
 `launch.build_index`, `launch.retrieve` and `launch.evaluate` use as they use a trained one.
 A finished import only reports. Single process (an import is read on one host).
 """
