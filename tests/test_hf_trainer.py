@@ -16,6 +16,7 @@ import zipfile
 
 import numpy as np
 import pytest
+from conftest import arch_config
 
 from trackstar_jax.models import hf_trainer, torch_zip
 
@@ -92,7 +93,7 @@ def _import(folder, workdir):
     from trackstar_jax import stages
 
     c = tiny.get_config()
-    c.model.source = str(folder)
+    c.model.source = str(folder)  # experiments/tiny.py's other keys as they are: V comes from optimizer.pt
     settings = config_lib.from_configdict(c)
     summary = stages.import_model(settings, workdir)
     return settings, summary, stages.load_run(workdir)
@@ -129,6 +130,7 @@ def test_adamw_v_is_exact_and_the_run_indexes_and_retrieves(checkpoints, tmp_pat
     # tiny.py factors matrices >= 32; AdamW's V is not rank-one, so the run keeps every v in full
     assert run.optimizer.min_dim_size_to_factor == sm["min_dim_size_to_factor"] > 512
     _check_correction(run, _torch_factors(folder, "adamw_torch"))
+    assert stages.import_model(settings, tmp_path / "run") == summary  # a finished import only reports
 
     stages.build_index(settings, tmp_path / "run")
     man = store.read_manifest(build.index_dir(settings.index, tmp_path / "run"))
@@ -268,3 +270,45 @@ def test_other_bad_files_are_named(tmp_path):
         torch_zip.load(tmp_path / "missing.pt")
     with pytest.raises(FileNotFoundError, match="no optimizer.pt in"):
         hf_trainer.read_second_moments(tmp_path, None)
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "adamw"])
+def test_a_fused_qkv_split_keeps_v_exact(optimizer):
+    """GPT-NeoX's fused `query_key_value` is split into three of our kernels: the V stored in the
+    run's Adafactor state (factored where the run factors, for a rank-one Adafactor V) still gives
+    each of our entries the `1/sqrt` of V at its HF entry (located by converting entry ids)."""
+    from trackstar_jax.features import preconditioner
+    from trackstar_jax.models import hf, lm
+    from trackstar_jax.training import optimizer_state
+    from trackstar_jax.training import step as step_lib
+
+    cfg = arch_config("gpt_neox", norm_bias=True, qkv_bias=True, out_bias=True, mlp_bias=True, tie_embeddings=True)
+    _, abstract = lm.abstract_params(cfg)
+    params = hf._unflatten({p: np.zeros(x.shape, np.float32) for p, x in lm.flat_params(abstract).items()})
+    rng = np.random.default_rng(0)
+    v_hf = {}
+    for name, shape in hf.expected_tensor_shapes(cfg).items():
+        if len(shape) == 2 and optimizer == "adafactor":  # rank-one, as transformers' Adafactor keeps it
+            v_hf[name] = hf_trainer.AdafactorMoment(
+                rng.uniform(0.5, 2, shape[0]), rng.uniform(0.5, 2, shape[1]), None
+            ).v()
+        else:
+            v_hf[name] = rng.uniform(0.5, 2, shape).astype(np.float32)
+    opt_cfg = step_lib.OptimizerConfig(min_dim_size_to_factor=4)
+    opt_state, run_opt = optimizer_state.run_state(
+        v_hf, cfg, params, opt_cfg, count=3, rank_one=optimizer == "adafactor", source="test"
+    )
+    assert (run_opt.min_dim_size_to_factor == 4) == (optimizer == "adafactor")
+    flat = lm.flat_params(params)
+    corr = preconditioner.from_opt_state(params, opt_state, tuple(flat))
+    if optimizer == "adafactor":
+        assert "layer_0/attn/query/kernel" in corr.rank_one_exact  # stored factored, still exact
+    checked = set()
+    for t in hf._hf_tensors(cfg):
+        idx = t.convert(np.arange(v_hf[t.name].size).reshape(t.shape))
+        for path, i in idx.items():
+            want = 1.0 / np.sqrt(v_hf[t.name].ravel()[i])
+            got = np.asarray(corr.elementwise(path, flat[path].shape))
+            np.testing.assert_allclose(got, want, rtol=2e-5, err_msg=f"{t.name} -> {path}")
+            checked.add(path)
+    assert checked == set(flat)

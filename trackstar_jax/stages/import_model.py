@@ -57,6 +57,8 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
     """A finished import: check the config against it and return its summary (nothing is written)."""
     config_lib.check_matches_run(settings, workdir)
     info = checkpoint_lib.read_opt_state_info(workdir) or {}
+    if info.get("kind") == "checkpoint":  # the source's own V (optimizer_state): no estimate settings to compare
+        info = {}
     for key in ("estimate_v_examples", "estimate_v_seed"):
         if key in info and info[key] != getattr(settings.vectors, key):
             raise config_lib.ConfigError(

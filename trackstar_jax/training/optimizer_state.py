@@ -10,7 +10,7 @@ optimizer (`training.step.make_optimizer`), so `features.preconditioner.from_opt
 index manifest and the tail-patch step need nothing new. What is stored is the V whose `1/sqrt`
 is the source optimizer's exact per-element step size:
 
-* Adam / AdamW: `preconditioner.adam_equivalent_v` = `(sqrt(exp_avg_sq / (1 - beta2^step)) +
+* Adam / AdamW: `preconditioner.adam_effective_v` = `(sqrt(exp_avg_sq / (1 - beta2^step)) +
   eps)^2`, each parameter at its own `step`. Such a V is not rank-one, so the run's Adafactor
   must keep a full `v` for every matrix: when `train.min_dim_size_to_factor` would factor one,
   the run's value is raised above every dimension (recorded in config.json and opt_state.json).
@@ -136,13 +136,13 @@ def _read_hf_trainer(
     tm = hf_trainer.read_second_moments(folder, cfg)
     if tm.optimizer == "adamw":
         v_hf = {
-            n: precond_lib.adam_equivalent_v(np.asarray(m.exp_avg_sq, np.float32), m.step, m.beta2, m.eps)
+            n: np.asarray(precond_lib.adam_effective_v(np.asarray(m.exp_avg_sq, np.float32), m.step, m.beta2, m.eps))
             for n, m in tm.moments.items()
         }
         steps = sorted({m.step for m in tm.moments.values()})
         method = (
             "torch AdamW exp_avg_sq stored as (sqrt(exp_avg_sq / (1 - beta2^step)) + eps)^2, each parameter "
-            "at its own step, so 1/sqrt(V) is AdamW's exact step size (preconditioner.adam_equivalent_v)"
+            "at its own step, so 1/sqrt(V) is AdamW's exact step size (preconditioner.adam_effective_v)"
         )
     else:
         v_hf = {n: m.v() for n, m in tm.moments.items()}
