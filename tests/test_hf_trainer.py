@@ -295,9 +295,8 @@ def test_a_fused_qkv_split_keeps_v_exact(optimizer):
         else:
             v_hf[name] = rng.uniform(0.5, 2, shape).astype(np.float32)
     opt_cfg = step_lib.OptimizerConfig(min_dim_size_to_factor=4)
-    opt_state, run_opt = optimizer_state.run_state(
-        v_hf, cfg, params, opt_cfg, count=3, rank_one=optimizer == "adafactor", source="test"
-    )
+    v = hf.params_from_state_dict(cfg, v_hf, source="test")  # what optimizer_state.hf_trainer_v does
+    opt_state, run_opt = optimizer_state.run_state(v, params, opt_cfg, count=3, rank_one=optimizer == "adafactor")
     assert (run_opt.min_dim_size_to_factor == 4) == (optimizer == "adafactor")
     flat = lm.flat_params(params)
     corr = preconditioner.from_opt_state(params, opt_state, tuple(flat))

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 import numpy as np
 from optax._src.factorized import _factored_dims  # optax's own factoring rule
@@ -97,29 +97,18 @@ def read_imported(
 
 
 def run_state(
-    v_hf: Mapping[str, np.ndarray],
-    cfg: model_lib.LMConfig,
-    params: Any,
-    opt_cfg: step_lib.OptimizerConfig,
-    *,
-    count: int,
-    rank_one: bool,
-    source: str,
+    v: Any, params: Any, opt_cfg: step_lib.OptimizerConfig, *, count: int, rank_one: bool
 ) -> tuple[Any, step_lib.OptimizerConfig]:
-    """`(opt_state, optimizer)`: HF-named V (`{HF name: [HF shape]}`) in the run's Adafactor state.
+    """`(opt_state, optimizer)`: V in our layout (params' tree) as the run's Adafactor state.
 
     Args:
-      v_hf: the V whose `1/sqrt` is the source optimizer's step size, per HF parameter.
-      cfg, params: the imported model (params give the shapes and dtypes of the state).
+      v: the V whose `1/sqrt` is the source optimizer's step size, params' paths and shapes.
+      params: the imported model's parameters (shapes and dtypes of the state).
       opt_cfg: the run's optimizer settings.
       count: the optimizer's step (the state's count, for the tail-patch step's decay).
-      rank_one: every V is rank-one (factored storage is exact); else matrices stay full.
-      source: where V came from, for error messages.
-
-    Raises:
-      ValueError: a missing, unknown or misshapen tensor (the weights' checks, named).
+      rank_one: every V is rank-one (factored storage is exact); else the returned settings
+        raise `min_dim_size_to_factor` above every dimension, so every matrix keeps a full `v`.
     """
-    v = hf_lib.params_from_state_dict(dataclasses.replace(cfg, param_dtype="float32"), v_hf, source=source)
     shapes = [tuple(x.shape) for x in model_lib.flat_params(params).values()]
     factored = [s for s in shapes if _factored_dims(s, True, opt_cfg.min_dim_size_to_factor) is not None]
     if factored and not rank_one:
@@ -129,10 +118,15 @@ def run_state(
     return sm_lib.with_second_moments(opt.init(params), fs), opt_cfg
 
 
-def _read_hf_trainer(
-    folder: pathlib.Path, cfg: model_lib.LMConfig, params: Any, opt_cfg: step_lib.OptimizerConfig
-) -> ImportedState:
-    """A Trainer checkpoint's Adam(W) or Adafactor V (`models.hf_trainer`) as the run's state."""
+def hf_trainer_v(folder: pathlib.Path, cfg: model_lib.LMConfig) -> tuple[dict, dict, bool]:
+    """`(V in our layout, record, rank_one)` of a Trainer checkpoint (`models.hf_trainer`).
+
+    V is the source optimizer's exact `1/sqrt`-V per HF parameter, mapped by the weights' own
+    `hf.params_from_state_dict` (transposes, fused splits: V stays aligned with the weights).
+
+    Raises:
+      ValueError, UnsafePickleError: what `hf_trainer.read_second_moments` or the mapping refuses.
+    """
     tm = hf_trainer.read_second_moments(folder, cfg)
     if tm.optimizer == "adamw":
         v_hf = {
@@ -151,10 +145,7 @@ def _read_hf_trainer(
             "transformers Adafactor exp_avg_sq_row / exp_avg_sq_col as V = row col^T / mean(row) "
             "(its _approx_sq_grad), exp_avg_sq for vectors"
         )
-    count = tm.global_step if tm.global_step is not None else int(max(steps or [0]))
-    opt_state, run_opt = run_state(
-        v_hf, cfg, params, opt_cfg, count=count, rank_one=tm.optimizer == "adafactor", source=tm.path
-    )
+    v = hf_lib.params_from_state_dict(dataclasses.replace(cfg, param_dtype="float32"), v_hf, source=tm.path)
     record = {
         "kind": "checkpoint",
         "source": "hf_trainer",
@@ -162,12 +153,22 @@ def _read_hf_trainer(
         "optimizer": tm.optimizer,
         "hyper": tm.hyper,
         "global_step": tm.global_step,
+        "count": tm.global_step if tm.global_step is not None else int(max(steps or [0])),
         "num_parameters": len(tm.moments),
         "method": method,
-        "min_dim_size_to_factor": run_opt.min_dim_size_to_factor,
     }
     if steps:
         record["steps"] = [float(s) for s in steps]
+    return v, record, tm.optimizer == "adafactor"
+
+
+def _read_hf_trainer(
+    folder: pathlib.Path, cfg: model_lib.LMConfig, params: Any, opt_cfg: step_lib.OptimizerConfig
+) -> ImportedState:
+    """A Trainer checkpoint's Adam(W) or Adafactor V as the run's state (`hf_trainer_v`, `run_state`)."""
+    v, record, rank_one = hf_trainer_v(folder, cfg)
+    opt_state, run_opt = run_state(v, params, opt_cfg, count=record["count"], rank_one=rank_one)
+    record["min_dim_size_to_factor"] = run_opt.min_dim_size_to_factor
     return ImportedState(opt_state=opt_state, optimizer=run_opt, record=record)
 
 
