@@ -28,6 +28,7 @@ import pathlib
 from typing import Any, Callable
 
 import numpy as np
+from absl import logging
 from optax._src.factorized import _factored_dims  # optax's own factoring rule
 
 from trackstar_jax.features import preconditioner as precond_lib
@@ -172,4 +173,19 @@ def _read_hf_trainer(
     return ImportedState(opt_state=opt_state, optimizer=run_opt, record=record)
 
 
-HF_TRAINER = register(Reader("hf_trainer", hf_trainer.is_trainer_checkpoint, _read_hf_trainer))
+def _is_hf_trainer(path: pathlib.Path) -> bool:
+    """A folder with `optimizer.pt`; a Trainer folder without one is said, not silently estimated."""
+    if hf_trainer.is_trainer_checkpoint(path):
+        return True
+    if (path / hf_trainer.TRAINER_STATE_FILE).is_file():
+        logging.warning(
+            "%s holds %s but no %s (saved with save_only_model, or by DeepSpeed / FSDP): "
+            "its optimizer state is not read, so V is estimated",
+            path,
+            hf_trainer.TRAINER_STATE_FILE,
+            hf_trainer.OPTIMIZER_FILE,
+        )
+    return False
+
+
+HF_TRAINER = register(Reader("hf_trainer", _is_hf_trainer, _read_hf_trainer))
