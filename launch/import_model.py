@@ -2,8 +2,9 @@
 
 Reads `config.model.source` (a Hugging Face folder, a .gguf file, a MaxText checkpoint directory
 with `config.maxtext`, or "smollm2"), builds the corpus, saves the model's own tokenizer, takes
-the optimizer second moments V from the source where it keeps them (MaxText's Adam `nu`) or
-else estimates them from per-example gradients (`config.vectors.estimate_v_examples`) and writes a run directory that
+the optimizer second moments V from the source where it keeps them (MaxText's Adam `nu`, a Hugging
+Face Trainer `checkpoint-N/` folder's `optimizer.pt`) or else estimates them
+(`config.vectors.estimate_v_*`), and writes a run directory that
 `launch.build_index`, `launch.retrieve` and `launch.evaluate` use as they use a trained one.
 A finished import only reports. Single process (an import is read on one host).
 """

@@ -12,10 +12,12 @@ optimizer's estimate of E[g^2] before projecting. We read V from the checkpoint:
   `1/sqrt(V)` of optax's own update. An unfactored parameter (a dim below
   `min_dim_size_to_factor`, or a 1-D norm scale or bias) keeps a full `v`: `1/sqrt(v)`.
 * Adam-family (`nu`): `1/sqrt(nu)` element-wise. Adam's bias correction `1/(1-b2^t)` is the
-  same for every parameter, a global scale that unit normalisation removes; not applied.
-  Where Adam's exact step factor `1/(sqrt(v_hat + eps_root) + eps)` is wanted (its `eps` is not
-  a global scale), `adam_equivalent_v` gives the V whose `1/sqrt(V)` it is, to be stored as the
-  state's full `v` (the MaxText import does: `models.maxtext`).
+  same for every parameter, a global scale that unit normalisation removes; not applied to
+  `nu` as read. Adam's own denominator is `sqrt(nu_hat + eps_root) + eps`, not a global rescale
+  of `sqrt(nu)` when eps matters: `adam_equivalent_v` gives the V whose `1/sqrt(V)` is that exact
+  step factor, to be stored as the state's full `v` (the MaxText import, `models.maxtext`), and
+  `adam_effective_v` applies it with the bias correction to a tree of `nu` (a Hugging Face
+  Trainer's `optimizer.pt`, `training.optimizer_state`; the Adam estimate, `training.second_moment`).
 
 Zeros in V (a never-updated state) are floored at optax's epsilon (1e-30), as optax's
 `grad^2 + epsilon` accumulation would; NaN/inf in V is an error naming the parameter.
@@ -242,6 +244,23 @@ def adam_equivalent_v(v_hat: Array, eps: float, eps_root: float = 0.0) -> Array:
     e.g. `nu * adam_bias_correction(count, b2)`). Same shape as `v_hat`, float32."""
     v_hat = v_hat.astype(jnp.float32)
     return (jnp.sqrt(v_hat + eps_root) + eps) ** 2
+
+
+def adam_effective_v(nu: Any, count: int | Array, b2: float, eps: float = 1e-8) -> Any:
+    """`(sqrt(nu / (1 - b2^count)) + eps)^2` per leaf of `nu` (a tree or one array): the V whose
+    `1/sqrt(V)` is Adam's own preconditioner `1/(sqrt(nu_hat) + eps)` after `count` updates
+    with second-moment decay `b2` (optax `scale_by_adam`: bias-corrected `nu_hat`, `eps`
+    outside the square root). Feed the result as `nu` to `from_opt_state`.
+
+    Args:
+      nu: Adam's second-moment EMA (optax `ScaleByAdamState.nu`), float.
+      count: updates taken (optax's `count`), >= 1.
+      b2: Adam's beta2 (e.g. 0.95 for SmolLM2's AdamW, 0.999 optax's default).
+      eps: Adam's epsilon (optax default 1e-8).
+    """
+    corr = 1.0 - jnp.asarray(b2, jnp.float32) ** jnp.asarray(count, jnp.float32)
+    # one formula for Adam's step factor: adam_equivalent_v on the bias-corrected nu
+    return jax.tree.map(lambda v: adam_equivalent_v(v.astype(jnp.float32) / corr, eps), nu)
 
 
 def identity(params: Any, paths: tuple[str, ...]) -> Correction:

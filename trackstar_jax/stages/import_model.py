@@ -9,8 +9,10 @@ evaluate run on it unchanged: `config.json` (the settings with the model section
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
 (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer state holds V
 estimated from per-example gradients (`training.second_moment`; `vectors.estimate_v_examples`,
-`vectors.estimate_v_seed`), described by `opt_state.json`. A finished import (its checkpoint
-exists) only reports.
+`vectors.estimate_v_seed`), described by `opt_state.json`. A source that carries its own
+optimizer state (a Hugging Face Trainer checkpoint's `optimizer.pt`) gives its real V instead
+(`training.optimizer_state`; no estimate is made). A finished import (its checkpoint exists)
+only reports.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from trackstar_jax.training import checkpoint as checkpoint_lib
 from trackstar_jax.training import importer as importer_lib
 from trackstar_jax.training import logs
 from trackstar_jax.training import loop as loop_lib
+from trackstar_jax.training import optimizer_state as opt_state_lib
 from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
@@ -83,6 +86,8 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
     """A finished import: check the config against it and return its summary (nothing is written)."""
     config_lib.check_matches_run(settings, workdir)
     info = checkpoint_lib.read_opt_state_info(workdir) or {}
+    if info.get("kind") == "checkpoint":  # the source's own V (optimizer_state): no estimate settings to compare
+        info = {}
     for key in ("estimate_v_examples", "estimate_v_seed"):
         if key in info and info[key] != getattr(settings.vectors, key):
             raise config_lib.ConfigError(
@@ -129,6 +134,14 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         importer_lib.check_tokenizer_fits(tok, model_cfg, path)
         if loaded.second_moment is not None:
             _check_unfactored(settings, params)  # before anything is written
+        # a Hugging Face Trainer checkpoint keeps its optimizer.pt beside the weights
+        real = (
+            None
+            if loaded.second_moment is not None
+            else opt_state_lib.read_imported(pathlib.Path(path), model_cfg, params, settings.train.optimizer)
+        )
+        if real is not None:  # the run's Adafactor keeps this V (e.g. unfactored for Adam's)
+            settings = dataclasses.replace(settings, train=dataclasses.replace(settings.train, **vars(real.optimizer)))
         load_s = time.time() - t0
         logging.info(
             "imported %s: %s, %d parameters (%.1f s)", path, model_cfg.arch, model_lib.param_count(params), load_s
@@ -153,6 +166,12 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if loaded.second_moment is not None:  # the source kept its optimizer state: no estimate
             opt_state, n, est_s = _kept_opt_state(settings, loaded, params, opt), None, None
             logging.info("V from the source's optimizer state (%s); vectors.estimate_v_* unused", loaded.record)
+        elif real is not None:
+            opt_state = jax.device_put(real.opt_state, jax.tree.map(lambda x: x.sharding, target.opt_state))
+            n = est_s = None
+            logging.info(
+                "V from %s (%s, step %s)", real.record["file"], real.record["optimizer"], real.record["global_step"]
+            )
         elif v.estimate_v_examples:
             ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
             batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
@@ -165,7 +184,10 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             logging.warning(
                 "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
             )
-        record = loaded.record if loaded.second_moment is not None else _estimate_record(settings, n, est_s)
+        if loaded.second_moment is not None:
+            record = loaded.record
+        else:
+            record = real.record if real is not None else _estimate_record(settings, n, est_s)
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, config_lib.to_dict(settings))  # step 0: the marker of a finished import

@@ -97,8 +97,13 @@ def mean_squared_grads(
     return jax.tree.map(lambda a: a / n, acc), n
 
 
-def factored_state(mean_sq: Any, params: Any, min_dim_size_to_factor: int, count: int) -> FactoredState:
+def factored_state(
+    mean_sq: Any, params: Any, min_dim_size_to_factor: int, count: int, epsilon: float = EPSILON
+) -> FactoredState:
     """optax `FactoredState` holding the Adafactor factoring of `mean_sq` (see the module docstring).
+
+    `epsilon` is added to every entry (optax's `g^2 + epsilon`; 0 for a V that is already an
+    optimizer's, such as an imported checkpoint's, training/optimizer_state.py).
 
     Shapes follow optax's init exactly: factored leaves keep `v_row` (the param without axis
     d0), `v_col` (without d1) and `v = zeros([1])`; unfactored ones `v_row = v_col = zeros([1])`
@@ -106,15 +111,15 @@ def factored_state(mean_sq: Any, params: Any, min_dim_size_to_factor: int, count
     """
 
     def one(s, p):
-        dt = p.dtype
+        dt, s = p.dtype, jnp.asarray(s)  # host numpy too (an imported V)
         dims = _factored_dims(tuple(p.shape), True, min_dim_size_to_factor)
         if dims is None:
             z = jnp.zeros((1,), dt)
-            return z, z, (s + EPSILON).astype(dt)
+            return z, z, (s + epsilon).astype(dt)
         d1, d0 = dims
         return (
-            (jnp.mean(s, axis=d0) + EPSILON).astype(dt),
-            (jnp.mean(s, axis=d1) + EPSILON).astype(dt),
+            (jnp.mean(s, axis=d0) + epsilon).astype(dt),
+            (jnp.mean(s, axis=d1) + epsilon).astype(dt),
             jnp.zeros((1,), dt),
         )
 
