@@ -233,9 +233,10 @@ def html_text(value: Any) -> str:
 
 
 def markdown_text(value: Any) -> str:
-    """`value` as text in a Markdown line or table cell (Markdown renders inline HTML, so
-    `html_text`; a `|` would split the cell and a newline the row)."""
-    return html_text(value).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
+    """`value` as text in a Markdown line or table cell: Markdown renders inline HTML, so the
+    same rule as `html_text` but for quotes (Markdown text holds no attribute, and table.md
+    stays readable as plain text); a `|` would split the cell and a newline the row."""
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def shorten(text: str, limit: int = 80) -> str:
