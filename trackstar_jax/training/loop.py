@@ -6,7 +6,7 @@ held-out evaluation and checkpointing each run every N steps and see `(step, sta
 metrics)`; metrics stay on device until the logging hook fetches them.
 
 Run directory written here: `config.json`, `corpus/`, `tokenizer.model`, `checkpoints/`,
-`metrics.jsonl`, `train_summary.json`.
+`metrics.jsonl` (with `metrics_window.json`, what a resumed log needs), `train_summary.json`.
 """
 
 from __future__ import annotations
@@ -224,7 +224,9 @@ class MetricsLog:
     """The logging hook: keeps step metrics on device, fetches them every `log_every_steps`.
 
     Refuses to go on from a non-finite loss: training stops naming the step before the
-    checkpoint hook can save a NaN state.
+    checkpoint hook can save a NaN state. Made with the step the loop resumes from
+    (`start_step`), it first leaves `path` as an uninterrupted run had it then
+    (`resume_metrics`), so the log a resumed run ends with is the uninterrupted run's.
     """
 
     def __init__(
