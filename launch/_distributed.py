@@ -12,6 +12,7 @@ import traceback
 
 from absl import flags, logging
 
+from launch import _config
 from trackstar_jax.distributed import multihost
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Multi-host: one JAX process per host (jax.distributed).")
@@ -79,8 +80,9 @@ def run(fn):
     except BaseException as e:  # noqa: BLE001
         if isinstance(e, SystemExit) and not e.code:
             raise
-        print(f"{type(e).__name__}: {e}", file=sys.stderr, flush=True)
-        logging.error("process failed: %s", "".join(traceback.format_exception(e)))
+        print(_config.error_line(e), file=sys.stderr, flush=True)
+        if _config.verbose_errors() or not _config.is_known(e):
+            logging.error("process failed: %s", "".join(traceback.format_exception(e)))
         logging.flush()
         if multihost.is_primary() and multihost.is_multiprocess():
             time.sleep(_EXIT_GRACE_S)

@@ -24,4 +24,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main, flags_parser=_config.parse_flags)
+    _config.run(main)

@@ -39,4 +39,4 @@ def main(argv):
 
 if __name__ == "__main__":
     jax.config.config_with_absl()
-    app.run(main, flags_parser=_config.parse_flags)
+    _config.run(main)

@@ -26,6 +26,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 # importing jax does not start its backend: `--fake_devices` below still takes effect
+from launch import _config
 from trackstar_jax.distributed import runtime as runtime_lib
 from trackstar_jax.distributed.runtime import PLATFORMS
 
@@ -99,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    _config.run(main, flags_parser=app.parse_flags_with_usage)  # not parse_flags: no compilation cache

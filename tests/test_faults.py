@@ -230,6 +230,9 @@ def test_malformed_query_files(tmp_path):
     _write_queries(q, [QUERIES[0], b'{"prompt": "x", "target'])
     with pytest.raises(files.InputError, match=rf"{q}:2: not valid JSON"):
         retrieval_stage.load_text_queries(q)
+    _write_queries(q, [QUERIES[0], b'{"prompt": "Ann \\ud800 Lee was born in", "target": " Rome"}'])
+    with pytest.raises(files.InputError, match=rf"{q}:2: the prompt holds a lone surrogate \(U\+D800\) at position 4"):
+        retrieval_stage.load_text_queries(q)
 
 
 def test_long_prompt_names_file_line_and_is_cut(run_dir, tmp_path):
@@ -249,6 +252,11 @@ def test_malformed_text_corpus(tmp_path):
     j = tmp_path / "c.jsonl"
     j.write_bytes(b'{"text": "ok"}\n\n{"text": "\xff"}\n')
     with pytest.raises(files.InputError, match=rf"{j}:3: not valid UTF-8"):
+        data_lib.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(j)}))
+    j.write_bytes(b'{"text": "ok"}\n{"text": "half a pair \\udc00 here"}\n')
+    with pytest.raises(
+        files.InputError, match=rf"{j}:2: the passage holds a lone surrogate \(U\+DC00\) at position 12"
+    ):
         data_lib.build_corpus(config_lib.section("data", {"source": "jsonl", "path": str(j)}))
 
 
@@ -407,6 +415,50 @@ def test_config_flag_typo_is_one_line():
     )
     assert out.returncode == 1 and "Traceback" not in out.stderr
     assert 'Did you mean "proj_seed"' in out.stderr and "--config.vectors.proj_sed=5" in out.stderr
+
+
+def test_every_launcher_refuses_in_one_line_and_traces_only_when_asked(tmp_path):
+    """Every launcher runs through `launch._config.run`; a known error (here a workdir that is
+    not a run) is one FATAL line on stderr, exit 1, no traceback; `--verbose_errors` adds it."""
+    launchers = sorted(p.stem for p in (REPO / "launch").glob("*.py") if not p.stem.startswith("_"))
+    for name in launchers:
+        text = (REPO / "launch" / f"{name}.py").read_text()
+        assert "_config.run(main" in text and "app.run(" not in text, name
+    argv = [sys.executable, "-m", "launch.retrieve", "--config=experiments/tiny.py", f"--workdir={tmp_path}"]
+    runs = [
+        subprocess.run(
+            argv + more,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        )
+        for more in ([], ["--verbose_errors"])
+    ]
+    quiet, verbose = runs
+    assert quiet.returncode == 1 and "Traceback" not in quiet.stderr, quiet.stderr[-3000:]
+    (line,) = [x for x in quiet.stderr.splitlines() if x.startswith("FATAL ")]
+    assert str(tmp_path) in line and line == quiet.stderr.strip().splitlines()[-1]
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+    assert line.split(": ", 1)[1].split(" (--verbose")[0] in verbose.stderr
+
+
+def test_the_launcher_guard_passes_bugs_through():
+    from launch import _config
+
+    def refuse(argv):
+        raise files.InputError("q.jsonl:3: the prompt is empty\n(second line)")
+
+    with pytest.raises(SystemExit) as e:
+        _config.guarded(refuse)([])
+    assert e.value.code.startswith("FATAL InputError: q.jsonl:3: the prompt is empty (second line)")
+
+    def bug(argv):
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        _config.guarded(bug)([])
 
 
 # ---------------------------------------------------------------------------------------

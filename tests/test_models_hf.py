@@ -236,6 +236,25 @@ def test_extra_tensor_is_named(tmp_path):
         hf.load_hf(folder)
 
 
+def test_non_finite_tensor_is_refused_naming_file_and_tensor(tmp_path):
+    """A NaN in an imported file is refused at import, naming the shard and the tensor (not
+    later as "training diverged")."""
+    name = "model.layers.1.mlp.up_proj.weight"
+    folder = _write_folder(tmp_path / "n")
+    tensors = safetensors.numpy.load_file(str(folder / "model.safetensors"))
+    (folder / "model.safetensors").unlink()
+    tensors[name][3, 5] = np.nan
+    names = sorted(tensors)
+    shard = {n: f"model-0000{1 + (n == name)}-of-00002.safetensors" for n in names}
+    for f in set(shard.values()):
+        safetensors.numpy.save_file({n: tensors[n] for n in names if shard[n] == f}, str(folder / f))
+    (folder / hf.INDEX_FILE).write_text(json.dumps({"weight_map": shard}))
+    with pytest.raises(
+        ValueError, match=rf"tensor '{name}' in {folder / shard[name]} holds 1 non-finite value\(s\).*index \(3, 5\)"
+    ):
+        hf.load_hf(folder)
+
+
 def test_rope_buffers_are_skipped_not_refused(tmp_path):
     folder = _write_folder(
         tmp_path / "b", extra={"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2, np.float32)}

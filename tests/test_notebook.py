@@ -10,6 +10,7 @@ own completions; the notebook executes headless (nbclient).
 import json
 import os
 import pathlib
+import shutil
 
 import jax
 import numpy as np
@@ -169,6 +170,122 @@ def test_highlight_marks_whole_word_entities():
     assert html.count("<mark") == 2
     assert '<mark style="background:#cfe8ff">Ann Lee</mark>' in html
     assert '<mark style="background:#ffe3a8">Paris</mark>;' in html and "Parisian food &lt;3" in html
+
+
+def _untimed(x):
+    """table.json without its wall times (every `*seconds` key)."""
+    if isinstance(x, dict):
+        return {k: _untimed(v) for k, v in x.items() if not k.endswith("seconds")}
+    return [_untimed(v) for v in x] if isinstance(x, list) else x
+
+
+def _differences(a, b, at=""):
+    """Paths of the leaves where `a` and `b` differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b)) for d in _differences(a.get(k), b.get(k), f"{at}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{at}/{i}")]
+    return [] if a == b else [f"{at}: {a!r} != {b!r}"]
+
+
+def test_a_killed_evaluation_resumes_to_the_same_bytes(evaluated, tmp_path):
+    """Killed mid tail-patch (the pair cache holds its first third of pairs and half a line;
+    no table yet) and rerun: the retrieval files and table.json (timings aside) are the bytes of
+    the uninterrupted evaluation's, although the pairs left are fewer than a whole batching."""
+    workdir, _ = evaluated
+    work = tmp_path / "run"
+    shutil.copytree(workdir, work, symlinks=True)
+    (cache,) = (work / "tailpatch_pairs").glob("*.jsonl")
+    lines = cache.read_text().splitlines(keepends=True)
+    cut = len(lines) // 3 + 1  # not a multiple of a call's pairs
+    assert 8 < cut < len(lines)
+    cache.write_text("".join(lines[:cut]) + lines[cut][:12])
+    for f in ("table.json", "table.md"):
+        (work / "eval" / f).unlink()
+    stages.evaluate(config_lib.from_configdict(_config()), work)
+    names = sorted(f.name for f in (workdir / "eval" / "retrievals").glob("*.jsonl"))
+    assert names == sorted(f.name for f in (work / "eval" / "retrievals").glob("*.jsonl")) and len(names) >= 3
+    for name in names:
+        assert (work / "eval" / "retrievals" / name).read_bytes() == (
+            workdir / "eval" / "retrievals" / name
+        ).read_bytes()
+    # the same run, moved: the table names its index by absolute path
+    whole = json.loads((workdir / "eval" / "table.json").read_text().replace(str(workdir), str(work)))
+    again = json.loads((work / "eval" / "table.json").read_text())
+    assert _differences(_untimed(again), _untimed(whole)) == []
+
+
+PAYLOAD = '<img src=x onerror="window.__pwned=(window.__pwned||0)+1">'
+
+
+def _tampered(workdir: pathlib.Path, dst: pathlib.Path, numbers: bool = True) -> results.Results:
+    """A copy of the evaluation whose every field the notebook shows holds `PAYLOAD` (query 0's
+    relation and frequency, each row's first proponent and opponent, the rows' labels, a split's
+    value); with `numbers`, the scores, tail-patch deltas and a metric too."""
+    shutil.copytree(workdir / "eval", dst / "eval")
+    qpath = dst / "eval" / "queries.jsonl"
+    qs = [json.loads(x) for x in qpath.read_text().splitlines()]
+    qs[0].update(relation=PAYLOAD, frequency=PAYLOAD)
+    qpath.write_text("".join(json.dumps(q) + "\n" for q in qs))
+    for f in (dst / "eval" / "retrievals").glob("*.jsonl"):
+        rows = [json.loads(x) for x in f.read_text().splitlines()]
+        for kind in ("proponent", "opponent"):
+            if f"{kind}_ids" in rows[0]:
+                rows[0][f"{kind}_ids"][0] = rows[0][f"{kind}s"][0] = PAYLOAD
+                if numbers:
+                    rows[0][f"{kind}_scores"][0] = PAYLOAD
+        if numbers:
+            rows[0]["proponent_tailpatch"][0] = PAYLOAD
+        f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tpath = dst / "eval" / "table.json"
+    table = json.loads(tpath.read_text())
+    for r in table["rows"]:
+        r["label"] = PAYLOAD
+        split = next(iter(r["by_bucket"].values()))
+        r["by_bucket"] = {PAYLOAD: {**split, "mrr": PAYLOAD} if numbers else split}
+    tpath.write_text(json.dumps(table))
+    return results.load_results(dst)
+
+
+def test_tampered_evaluation_is_escaped_in_the_notebook_html_and_markdown(evaluated, tmp_path):
+    res = _tampered(evaluated[0], tmp_path)
+    for kind in ("proponents", "opponents"):
+        html = results.side_by_side_html(res, 0, k=3, kind=kind)
+        assert "<img" not in html and "onerror=&quot;" in html
+        assert html.count("&lt;img") >= 4  # relation, frequency, a label, an example id / score / text
+    md = results.split_markdown(res, "by_bucket")
+    assert "<img" not in md and "&lt;img" in md
+
+
+def test_tampered_evaluation_runs_no_script_in_headless_chromium(evaluated, tmp_path):
+    """The notebook's `side_by_side_html` of a tampered evaluation, opened in a real browser:
+    the payload shows as text and its `onerror` never runs."""
+    missing = [b for b in ("chromium", "chromedriver") if not shutil.which(b)]
+    if missing:
+        pytest.skip(f"{' and '.join(missing)} not installed (apt-get install chromium chromium-driver)")
+    pytest.importorskip("selenium", reason="selenium is not installed (pip install selenium)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.options import Options
+    from selenium.webdriver.chrome.service import Service
+    from selenium.webdriver.common.by import By
+
+    res = _tampered(evaluated[0], tmp_path, numbers=False)  # what markup alone does
+    page = tmp_path / "notebook.html"
+    body = "".join(results.side_by_side_html(res, 0, k=3, kind=kind) for kind in ("proponents", "opponents"))
+    page.write_text(f"<!doctype html><meta charset=utf-8><body>{body}</body>", encoding="utf-8")
+    opts = Options()
+    opts.binary_location = shutil.which("chromium")
+    for a in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage"):
+        opts.add_argument(a)
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    try:
+        driver.get(page.as_uri())
+        driver.execute_script("return new Promise(r => setTimeout(r, 500))")  # an onerror would have fired
+        assert driver.execute_script("return window.__pwned === undefined")
+        assert driver.find_elements(By.CSS_SELECTOR, "img, [onerror]") == []
+        assert PAYLOAD in driver.find_element(By.TAG_NAME, "body").text
+    finally:
+        driver.quit()
 
 
 def test_notebook_runs_headless(evaluated):

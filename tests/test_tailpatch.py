@@ -246,6 +246,37 @@ def test_jit_run_pairs_matches_unjitted(trained, num_devices, queries_per_step, 
         np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
 
 
+def test_needed_pairs_get_the_bits_of_the_whole_run(trained):
+    """`run_pairs(needed=...)` (a resumed evaluation: the other pairs are cached) runs only the
+    calls holding a needed pair, each as the whole run forms it, so the needed pairs get the
+    whole run's bits, not those of a regrouping of what is left."""
+    graphdef, opt, state = trained
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    rng = np.random.default_rng(7)
+    props, queries = _batch(rng, 6), _query_batch(rng, 4)
+    # groups of <= 2 queries, largest first: [1, 4] [2, 5] | [0] [3] | [6] [7] (pair indices), 2 per call
+    pairs = np.array([[0, 0], [0, 5], [1, 2], [2, 3], [2, 5], [3, 2], [1, 5], [3, 4]])
+    fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt)
+    kw = dict(batch_size=2, lr_scale=1.0, queries_per_step=2)
+    whole = tailpatch.run_pairs(fn, state.params, state.opt_state, props, queries, pairs, **kw)
+    needed = np.isin(np.arange(len(pairs)), [3, 7])
+    calls = []
+    part = tailpatch.run_pairs(
+        fn,
+        state.params,
+        state.opt_state,
+        props,
+        queries,
+        pairs,
+        needed=needed,
+        on_call=lambda idx, res: calls.append((idx.tolist(), res["delta_prob"].tolist())),
+        **kw,
+    )
+    assert calls == [([3], [whole["delta_prob"][3]]), ([7], [whole["delta_prob"][7]])]  # the first call skipped
+    for k in whole:
+        np.testing.assert_array_equal(part[k][needed], whole[k][needed], err_msg=k)
+
+
 @pytest.mark.parametrize("step", ["dense", "lowrank"])
 def test_fsdp_mesh_gives_the_same_deltas(trained, step):
     """On a (2, 4, 1) mesh the state is split over fsdp (as in training) and the results equal

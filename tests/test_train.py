@@ -61,6 +61,41 @@ def test_loss_decreases_on_the_embedded_corpus(run):
     assert json.loads((workdir / "train_summary.json").read_text())["step"] == 100
 
 
+def test_an_interrupted_train_leaves_the_log_of_an_uninterrupted_one(tmp_path, monkeypatch):
+    """Killed right after logging step 6 (its last checkpoint is step 4, where a 3-step log
+    window is open), then rerun: metrics.jsonl holds the records of an uninterrupted run, each
+    step once and with the same values (throughput aside)."""
+    from experiments import tiny
+
+    def settings():
+        c = _config(tiny.get_config(), 8)
+        c.train.log_every_steps, c.train.eval_every_steps, c.train.checkpoint_every_steps = 3, 2, 4
+        c.train.num_completions, c.train.max_fact_prompts = 0, 1
+        return config_lib.from_configdict(c)
+
+    def records(workdir):
+        lines = (workdir / "metrics.jsonl").read_text().splitlines()
+        return [{k: v for k, v in json.loads(x).items() if k != "train/tokens_per_sec"} for x in lines]
+
+    stages.train(settings(), tmp_path / "whole")
+    flush = loop.MetricsLog.flush
+
+    def killed_after_step_6(self, step, state, metrics):
+        flush(self, step, state, metrics)
+        if step == 6:
+            raise KeyboardInterrupt("killed after the step-6 log")
+
+    monkeypatch.setattr(loop.MetricsLog, "flush", killed_after_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        stages.train(settings(), tmp_path / "cut")
+    monkeypatch.undo()
+    assert [r["step"] for r in records(tmp_path / "cut")] == [2, 3, 4, 6]  # step 6 is past the checkpoint
+    stages.train(settings(), tmp_path / "cut")
+    whole = records(tmp_path / "whole")
+    assert [r["step"] for r in whole] == [2, 3, 4, 6, 6, 8, 8]  # train and eval records
+    assert records(tmp_path / "cut") == whole
+
+
 def test_resumed_run_continues_the_same_batches(run, tiny_config, tmp_path):
     """The resumed run sees the batches of an uninterrupted run: the loss at step 70 (10 steps
     after the resume at 60) equals that of a reference loop written out here."""

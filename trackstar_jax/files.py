@@ -14,10 +14,12 @@ import errno
 import fcntl
 import gzip
 import hashlib
+import html
 import io
 import json
 import os
 import pathlib
+import re
 import socket
 import zlib
 from typing import Any, Callable, Iterator
@@ -193,9 +195,14 @@ def read_json(path: str | os.PathLike, what: str = "file", fix: str = "restore i
         raise InputError(f"{what} {path} is damaged (not valid JSON: {e}); {fix}") from None
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def check_text(text: str, where: str, what: str) -> str:
     """`text` (a passage, a prompt) unless it holds a NUL character, which no tokenizer input
-    should: a NUL from a damaged file changes what is featurized without any other sign.
+    should (a NUL from a damaged file changes what is featurized without any other sign), or a
+    lone surrogate (a JSON `\\ud800` escape of half a character pair), which is not text: no
+    tokenizer can encode it.
 
     Raises:
       InputError: naming `where` (file:line), `what` and the character's position.
@@ -203,12 +210,33 @@ def check_text(text: str, where: str, what: str) -> str:
     i = text.find("\x00")
     if i >= 0:
         raise InputError(f"{where}: the {what} holds a NUL character (U+0000) at position {i}; remove it")
+    m = _SURROGATE.search(text)
+    if m:
+        raise InputError(
+            f"{where}: the {what} holds a lone surrogate (U+{ord(m.group()):04X}) at position {m.start()}, "
+            "half of a UTF-16 pair that is not a character; fix its \\u escape"
+        )
     return text
 
 
 def sha256_bytes(data: bytes) -> str:
     """Hex sha256 of `data`."""
     return hashlib.sha256(data).hexdigest()
+
+
+def html_text(value: Any) -> str:
+    """`value` as text inside HTML, the one escaping rule of every HTML this project writes (the
+    notebook's tables, table.md; the explorer builds its page from DOM text nodes instead): any
+    value, of any type, from any file, goes through here, so `& < > " '` become entities and a
+    tampered field shows as text in an element or a quoted attribute and runs nothing."""
+    return html.escape(str(value), quote=True)
+
+
+def markdown_text(value: Any) -> str:
+    """`value` as text in a Markdown line or table cell: Markdown renders inline HTML, so the
+    same rule as `html_text` but for quotes (Markdown text holds no attribute, and table.md
+    stays readable as plain text); a `|` would split the cell and a newline the row."""
+    return html.escape(str(value), quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
 def shorten(text: str, limit: int = 80) -> str:

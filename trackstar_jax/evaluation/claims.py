@@ -35,6 +35,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from trackstar_jax import files
 from trackstar_jax.evaluation import metrics as metrics_lib
 
 ATTRIBUTION_AND_TAILPATCH = ("mrr", "recall_at_10", "tailpatch_at_10")  # Table 1's judged columns
@@ -210,9 +211,12 @@ def markdown(comparisons: Sequence[Mapping[str, Any]], labels: Mapping[str, str]
         lo, hi = c["diff_ci"]
         ci = "" if lo is None else f" [{lo * scale:+.3f}, {hi * scale:+.3f}]"
         d = "–" if c["diff"] is None else f"{c['diff'] * scale:+.3f}{unit}{ci}"
-        v = f"**{c['verdict']}**" if c.get("judged", True) else f"_{c['verdict']} (reported, not judged)_"
+        verdict = files.markdown_text(c["verdict"])
+        v = f"**{verdict}**" if c.get("judged", True) else f"_{verdict} (reported, not judged)_"
+        better, worse = (files.markdown_text(labels.get(c[k], c[k])) for k in ("better", "worse"))
         lines.append(
-            f"| ({c['group']}) {labels.get(c['better'], c['better'])} {rel} {labels.get(c['worse'], c['worse'])} "
-            f"| {c['metric']} | {f(c['mean_better'])} | {f(c['mean_worse'])} | {d} | {c['n']} | {v} |"
+            f"| ({files.markdown_text(c['group'])}) {better} {rel} {worse} "
+            f"| {files.markdown_text(c['metric'])} | {f(c['mean_better'])} | {f(c['mean_worse'])} | {d} "
+            f"| {files.markdown_text(c['n'])} | {v} |"
         )
     return "\n".join(lines) + "\n"

@@ -28,6 +28,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from trackstar_jax import files
+
 ATTRIBUTION_METRICS = ("mrr", "recall_at_10", "precision_at_10")
 DEFAULT_TAILPATCH_KS = (1, 3, 5, 10)
 NUM_RESAMPLES = 1000
@@ -187,9 +189,11 @@ def method_row(
 def _fmt(value: float | None, ci: Sequence[float | None] | None, percent: bool) -> str:
     if value is None:
         return "–"
+    if not isinstance(value, (int, float)) or isinstance(value, bool):  # a tampered table.json
+        return files.markdown_text(value)
     scale, unit = (100.0, "%") if percent else (1.0, "")
     s = f"{value * scale:+.2f}{unit}" if percent else f"{value:.3f}"
-    if ci and ci[0] is not None:
+    if ci and ci[0] is not None and all(isinstance(x, (int, float)) for x in ci[:2]):
         s += f" [{ci[0] * scale:.2f}, {ci[1] * scale:.2f}]" if percent else f" [{ci[0]:.3f}, {ci[1]:.3f}]"
     return s
 
@@ -200,13 +204,13 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], *,
     A row that sets `gold_attribution` shows "gold" in its attribution columns, as Table 1
     does for the T-REx gold row.
     """
-    head = ["method", "n"] + list(columns)
-    lines = ([f"### {title}", ""] if title else []) + [
+    head = ["method", "n"] + [files.markdown_text(c) for c in columns]
+    lines = ([f"### {files.markdown_text(title)}", ""] if title else []) + [
         "| " + " | ".join(head) + " |",
         "|" + "|".join(["---"] * len(head)) + "|",
     ]
     for r in rows:
-        cells = [str(r["method"]), str(r["num_queries"])]
+        cells = [files.markdown_text(r["method"]), files.markdown_text(r["num_queries"])]
         for c in columns:
             if r.get("gold_attribution") and any(c.endswith(m) for m in ATTRIBUTION_METRICS):
                 cells.append("gold")

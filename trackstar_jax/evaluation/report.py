@@ -144,7 +144,9 @@ def table_markdown(
     if by_rel:
         head += (
             "Accuracy per relation: "
-            + ", ".join(f"{r} {v['accuracy']:.3f} ({v['correct']}/{v['n']})" for r, v in by_rel.items())
+            + ", ".join(
+                f"{files.markdown_text(r)} {v['accuracy']:.3f} ({v['correct']}/{v['n']})" for r, v in by_rel.items()
+            )
             + ".\n\n"
         )
     md = "# Fact tracing table\n\n" + head + metrics_lib.markdown_table(shown, cols)
@@ -178,14 +180,15 @@ def table_markdown(
     md += "\n## Example queries\n"
     for qi, q in enumerate(eq.queries[:num_examples_shown]):
         md += (
-            f"\n**{q.prompt}** →{q.target}  (model: {eq.completions[qi]!r}, {'correct' if eq.correct[qi] else 'incorrect'}; "
+            f"\n**{files.markdown_text(q.prompt)}** →{files.markdown_text(q.target)}  "
+            f"(model: {files.markdown_text(repr(eq.completions[qi]))}, {'correct' if eq.correct[qi] else 'incorrect'}; "
             f"{len(q.entailing_ids)} gold passages)\n\n"
         )
         for name, r in retrieved.items():
             if rows_lib.row_kind(baselines_lib.METHODS[name].kind).gold_attribution:
                 continue
-            md += f"- {baselines_lib.METHODS[name].label}:\n"
+            md += f"- {files.markdown_text(baselines_lib.METHODS[name].label)}:\n"
             for rank, (p, s) in enumerate(zip(r.proponent_ids[qi][:3], r.proponent_scores[qi][:3]), 1):
                 mark = "✓" if p in set(q.entailing_ids) else " "
-                md += f"  {rank}. {mark} [{p}] ({s:.3g}) {texts[p][:160]}\n"
+                md += f"  {rank}. {mark} [{p}] ({s:.3g}) {files.markdown_text(texts[p][:160])}\n"
     return md

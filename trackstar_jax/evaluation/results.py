@@ -10,7 +10,6 @@ rows (methods) for one query; `format_proponents` is the plain-text form.
 from __future__ import annotations
 
 import dataclasses
-import html
 import pathlib
 import re
 from typing import Sequence
@@ -135,21 +134,29 @@ def highlight(text: str, subject_aliases: Sequence[str], object_aliases: Sequenc
     for start, end, style in spans:
         if start < pos:
             continue  # overlaps an earlier (longer) match
-        out.append(html.escape(text[pos:start]))
-        out.append(f'<mark style="{style}">{html.escape(text[start:end])}</mark>')
+        out.append(files.html_text(text[pos:start]))
+        out.append(f'<mark style="{style}">{files.html_text(text[start:end])}</mark>')
         pos = end
-    out.append(html.escape(text[pos:]))
+    out.append(files.html_text(text[pos:]))
     return "".join(out)
+
+
+def _number(value: object, spec: str, scale: float = 1.0) -> str:
+    """`value * scale` formatted by `spec`; anything but a number (a tampered record) as escaped text."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value * scale, spec)
+    return files.html_text(value)
 
 
 def _cell(results: Results, q: queries_lib.Query, rows: list[dict]) -> str:
     items = []
     for r in rows:
         label = "✓" if r["entailing"] else ("~" if r["mentions"] else "")
-        patch = "" if r["tailpatch"] is None else f", Δp {100 * r['tailpatch']:+.2f}%"
+        patch = "" if r["tailpatch"] is None else f", Δp {_number(r['tailpatch'], '+.2f', 100.0)}%"
         items.append(
-            f"<li><b>{label}</b> [{r['example_id']}] <small>({r['score']:.3g}{patch})</small> "
-            f"{highlight(r['text'], q.subject_aliases, q.aliases)}</li>"
+            f"<li><b>{label}</b> [{files.html_text(r['example_id'])}] "
+            f"<small>({_number(r['score'], '.3g')}{patch})</small> "
+            f"{highlight(str(r['text']), q.subject_aliases, q.aliases)}</li>"
         )
     return "<ol style='margin:0;padding-left:1.2em'>" + "".join(items) + "</ol>"
 
@@ -169,12 +176,13 @@ def side_by_side_html(
     ]
     row0 = results.retrievals[methods[0]][query_id] if methods else {}
     head = (
-        f"<p><b>{html.escape(q.prompt)}</b> →<b>{html.escape(q.target)}</b> "
-        f"(relation {q.relation}, {len(q.entailing_ids)} gold passages, frequency {q.frequency}; "
-        f"model: {html.escape(repr(row0.get('model_completion', '')))}, "
+        f"<p><b>{files.html_text(q.prompt)}</b> →<b>{files.html_text(q.target)}</b> "
+        f"(relation {files.html_text(q.relation)}, {len(q.entailing_ids)} gold passages, "
+        f"frequency {files.html_text(q.frequency)}; "
+        f"model: {files.html_text(repr(row0.get('model_completion', '')))}, "
         f"{'correct' if row0.get('model_correct') else 'incorrect'})</p>"
     )
-    cols = "".join(f"<th>{html.escape(results.label(m))}</th>" for m in methods)
+    cols = "".join(f"<th>{files.html_text(results.label(m))}</th>" for m in methods)
     cells = "".join(
         f"<td style='vertical-align:top'>{_cell(results, q, proponent_rows(results, query_id, m, kind, k))}</td>"
         for m in methods
@@ -210,5 +218,6 @@ def split_markdown(
             for r in rows
             if v in r.get(split, {})
         ]
-        out.append(metrics_lib.markdown_table(sub, list(metrics), title=f"{split.replace('by_', '')} = {v}"))
+        title = f"{split.replace('by_', '')} = {v}"  # escaped by markdown_table
+        out.append(metrics_lib.markdown_table(sub, list(metrics), title=title))
     return "\n".join(out)

@@ -122,14 +122,20 @@ def tailpatch_all(
     )
     have = cache.values if cache is not None else {}
     rank = {q: i for i, q in enumerate(tailpatch_order(settings, len(eq.queries)))}
-    # query by query in the seeded order: an interrupted run has cached whole queries of any smaller subset
-    todo = sorted((pq for pq in pairs if keys[pq] not in have), key=lambda pq: (rank[pq[0]], pq[1]))
+    # Every pair in one fixed order, grouped and batched as a whole (`run_pairs`): the cached
+    # ones only decide which calls run, so a resumed evaluation computes the bits of an
+    # uninterrupted one. Query by query in the seeded order.
+    pairs = sorted(pairs, key=lambda pq: (rank[pq[0]], pq[1]))
+    needed = np.asarray([keys[pq] not in have for pq in pairs], bool)
     logging.info(
-        "eval: %d distinct tail-patch pairs, %d cached, %d to compute", len(pairs), len(pairs) - len(todo), len(todo)
+        "eval: %d distinct tail-patch pairs, %d cached, %d to compute",
+        len(pairs),
+        len(pairs) - int(needed.sum()),
+        int(needed.sum()),
     )
     out = {pq: have[keys[pq]] for pq in pairs if keys[pq] in have}
-    if todo:
-        props = sorted({p for _, p in todo})
+    if needed.any():
+        props = sorted({p for _, p in pairs})
         row_of = {p: i for i, p in enumerate(props)}
         enc_props, _ = data_lib.encode_passages(run.tokenizer, [texts[p] for p in props], run.model_cfg.max_len)
         prop_rows = data_lib.pad_batch(enc_props, props, len(props), max(len(t) for t, _ in enc_props))
@@ -143,31 +149,36 @@ def tailpatch_all(
             opt=step_lib.make_optimizer(opt_cfg),
             opt_cfg=opt_cfg if tp.step == "lowrank" else None,
         )
-        # one step per proponent, measured on up to g of its queries (largest groups first)
-        groups = tailpatch_lib.group_pairs(np.asarray([(q, row_of[p]) for q, p in todo], np.int64), g)
-        logging.info("eval: %d pairs in %d proponent steps (up to %d queries each)", len(todo), len(groups), g)
-        bar = logs.progress(total=len(todo), desc="tail-patch", unit="pair")
-        slice_groups = bs * 8  # results reach the cache every 8 batches
-        for lo in range(0, len(groups), slice_groups):
-            part = [todo[i] for grp in groups[lo : lo + slice_groups] for i in grp]
-            idx = np.asarray([(q, row_of[p]) for q, p in part], np.int64)
-            res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the groups split over every process's devices
-                fn,
-                run.params,
-                run.opt_state,
-                prop_rows,
-                query_rows,
-                idx,
-                batch_size=bs,
-                queries_per_step=g,
-                lr_scale=lr_scale,
-                mesh=mesh,
-            )
-            got = {pq: float(d) for pq, d in zip(part, res["delta_prob"])}
+        idx = np.asarray([(q, row_of[p]) for q, p in pairs], np.int64)
+        logging.info(
+            "eval: %d pairs in %d proponent steps (up to %d queries each)",
+            len(pairs),
+            len(tailpatch_lib.group_pairs(idx, g)),
+            g,
+        )
+        bar = logs.progress(total=int(needed.sum()), desc="tail-patch", unit="pair")
+
+        def on_call(done: np.ndarray, res: dict[str, np.ndarray]) -> None:  # each call's pairs reach the cache
+            got = {pairs[i]: float(d) for i, d in zip(done.tolist(), res["delta_prob"])}
             out.update(got)
             if cache is not None:
                 cache.add({keys[pq]: d for pq, d in got.items()})
-            bar.update(len(part))
+            bar.update(len(done))
+
+        tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the groups split over every process's devices
+            fn,
+            run.params,
+            run.opt_state,
+            prop_rows,
+            query_rows,
+            idx,
+            batch_size=bs,
+            queries_per_step=g,
+            lr_scale=lr_scale,
+            mesh=mesh,
+            needed=needed,
+            on_call=on_call,
+        )
         bar.close()
     return out
 

@@ -331,11 +331,19 @@ def run_pairs(
     queries_per_step: int = 1,
     progress=None,
     mesh: jax.sharding.Mesh | None = None,
+    needed: np.ndarray | None = None,
+    on_call=None,
 ) -> dict[str, np.ndarray]:
     """Runs `jit_fn` over index pairs: grouped by proponent (`group_pairs`), `batch_size` groups
     per call, each call with `slots_for` its largest group query slots (static shapes: a short
     group is padded with its own first query, the last call with repeated groups; padding is
     computed and dropped).
+
+    The calls (and the blocks of unpatched queries) are formed from all of `pairs`; `needed`
+    only says which of them run. A pair's value therefore depends on `pairs`, never on which
+    pairs are still needed: an evaluation resumed with part of its pairs cached computes the
+    rest bit for bit as an uninterrupted one would (the batch a row sits in, and the shape of
+    its call, change float results at the last bit).
 
     Args:
       jit_fn: from `make_jit_tailpatch`.
@@ -346,15 +354,20 @@ def run_pairs(
       batch_size: groups per call (a multiple of the data-parallel size).
       lr_scale: see `learning_rate_scale`.
       queries_per_step: G, queries measured per proponent step.
-      progress: optional callable(num_pairs_done) for progress reporting.
+      progress: optional callable(num_needed_pairs_done) for progress reporting.
       mesh: `jit_fn`'s mesh; when it spans several processes (a pod) the groups of each call
         are placed where its devices are and the results gathered to every process.
+      needed: optional `[P]` bool: the pairs to compute (default all); a call holding none of
+        them is skipped.
+      on_call: optional callable(pair indices `[n]`, `{key: [n]}`) after each call, with its
+        needed pairs' results (e.g. to cache them as they come).
 
     Returns:
       `{"log_prob_before", "log_prob_after", "delta_prob"}`, each `[P]` float64 numpy, in the
-      order of `pairs`.
+      order of `pairs` (0 where a pair was not needed).
     """
     pairs = np.asarray(pairs, np.int64).reshape(-1, 2)
+    needed = np.ones((len(pairs),), bool) if needed is None else np.asarray(needed, bool)
     out = {k: np.zeros((len(pairs),), np.float64) for k in ("log_prob_before", "log_prob_after", "delta_prob")}
     multi = mesh is not None and mesh.is_multi_process  # a pod: each process places its devices' groups
 
@@ -364,10 +377,13 @@ def run_pairs(
     # Each query's unpatched log p(target) once (it does not depend on the proponent), in
     # [batch_size, queries_per_step] blocks of the step's own shapes and shardings.
     qids = np.unique(pairs[:, 0])
+    want_q = set(pairs[needed, 0].tolist())
     before_q = np.zeros((int(qids.max()) + 1 if len(qids) else 0,), np.float32)
     per = batch_size * queries_per_step
     for lo in range(0, len(qids), per):
         ids = qids[lo : lo + per]
+        if not want_q.intersection(ids.tolist()):
+            continue
         ids = np.concatenate([ids, np.repeat(ids[-1:], per - len(ids))]).reshape(batch_size, queries_per_step)
         qs = put({k: query_rows[k][ids] for k in ("tokens", "loss_mask")})
         before_q[ids.ravel()] = np.asarray(sharding_lib.to_host(jit_fn.log_probs(params, qs))).ravel()
@@ -375,6 +391,8 @@ def run_pairs(
     done = 0
     for start in range(0, len(groups), batch_size):
         real = groups[start : start + batch_size]
+        if not any(needed[i] for g in real for i in g):
+            continue
         chunk = real + [real[-1]] * (batch_size - len(real))
         g_call = slots_for(max(len(g) for g in real), queries_per_step)
         slots = np.asarray([g + [g[0]] * (g_call - len(g)) for g in chunk], np.int64)  # [B, g_call] pair indices
@@ -392,7 +410,10 @@ def run_pairs(
             got = np.asarray(res[k], np.float64)
             for b, g in enumerate(real):
                 out[k][g] = got[b, : len(g)]
-        done += sum(len(g) for g in real)
+        idx = np.asarray([i for g in real for i in g if needed[i]], np.int64)
+        done += len(idx)
+        if on_call is not None:
+            on_call(idx, {k: v[idx] for k, v in out.items()})
         if progress is not None:
             progress(done)
     return out

@@ -198,9 +198,17 @@ def expected_tensor_shapes(cfg: lm.LMConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _float_array(x: Any, name: str, source: str) -> np.ndarray:
+    """`x` as a numpy array, refused (naming tensor and file) unless it is floating point and finite."""
     x = np.asarray(x)
     if x.dtype.kind != "f" and x.dtype.name != "bfloat16":
         raise ValueError(f"tensor {name!r} in {source} has dtype {x.dtype}: expected a floating-point tensor")
+    bad = ~np.isfinite(x)
+    if bad.any():  # a damaged file or a diverged model: refused here, not as a training divergence later
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise files_lib.InputError(
+            f"tensor {name!r} in {source} holds {int(bad.sum())} non-finite value(s) (NaN or inf; the first at "
+            f"index {at}): the file is damaged or the model diverged; download it again"
+        )
     return x
 
 
@@ -273,7 +281,8 @@ def params_from_state_dict(
     pdt = np.dtype(jnp.dtype(param_dtype))
     flat: dict[str, np.ndarray] = {}
     for t in spec:
-        x = _float_array(tensors[t.name], t.name, source)
+        where = tensors.file_of(t.name) if isinstance(tensors, _SafetensorsFolder) else source
+        x = _float_array(tensors[t.name], t.name, str(where))
         if tuple(x.shape) != t.shape:
             raise ValueError(f"tensor {t.name!r} in {source} has shape {tuple(x.shape)}; config.json implies {t.shape}")
         for path, y in t.convert(x).items():

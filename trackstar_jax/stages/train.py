@@ -134,6 +134,7 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         t.global_batch_size * model_cfg.max_len,
         bar,
         workdir=workdir,
+        start_step=start,
     )
     eval_loss: list[float | None] = [None]
 
@@ -148,6 +149,7 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         loop_lib.Hook(1, log.collect),
         loop_lib.Hook(t.log_every_steps, log.flush),
         loop_lib.Hook(t.eval_every_steps, eval_hook),
+        loop_lib.Hook(t.checkpoint_every_steps, log.save_window),
         loop_lib.Hook(t.checkpoint_every_steps, lambda step, state, m: mngr.save(state, config_lib.to_dict(settings))),
     ]
     summary_path = workdir / loop_lib.SUMMARY_FILE

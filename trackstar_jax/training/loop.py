@@ -6,7 +6,7 @@ held-out evaluation and checkpointing each run every N steps and see `(step, sta
 metrics)`; metrics stay on device until the logging hook fetches them.
 
 Run directory written here: `config.json`, `corpus/`, `tokenizer.model`, `checkpoints/`,
-`metrics.jsonl`, `train_summary.json`.
+`metrics.jsonl` (with `metrics_window.json`, what a resumed log needs), `train_summary.json`.
 """
 
 from __future__ import annotations
@@ -224,14 +224,20 @@ class MetricsLog:
     """The logging hook: keeps step metrics on device, fetches them every `log_every_steps`.
 
     Refuses to go on from a non-finite loss: training stops naming the step before the
-    checkpoint hook can save a NaN state.
+    checkpoint hook can save a NaN state. Made with the step the loop resumes from
+    (`start_step`), it first leaves `path` as an uninterrupted run had it then
+    (`resume_metrics`), so the log a resumed run ends with is the uninterrupted run's.
     """
 
-    def __init__(self, path: pathlib.Path | None, tokens_per_step: int, bar: Any, workdir: Any = None):
+    def __init__(
+        self, path: pathlib.Path | None, tokens_per_step: int, bar: Any, workdir: Any = None, start_step: int = 0
+    ):
         self.workdir = workdir
+        # The window of steps since the last log, as saved with the checkpoint the loop resumes from.
+        self.pending: list[Any] = resume_metrics(path, start_step) if path is not None else []
+        self.window_path = path.with_name(WINDOW_FILE) if path is not None else None
         self.file = open(path, "a") if path is not None else None  # noqa: SIM115  (closed by close())
         self.tokens_per_step, self.bar = tokens_per_step, bar
-        self.pending: list[Any] = []
         self.train_loss: float | None = None
         self.tokens_per_sec: float | None = None
         self._t0, self._tokens = time.perf_counter(), 0
@@ -269,9 +275,66 @@ class MetricsLog:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
+    def save_window(self, step: int, state: Any, metrics: Any) -> None:
+        """The checkpoint hook's companion (run just before each save): the steps logged at the
+        next log step but not yet written, fetched and recorded under `step` in `WINDOW_FILE`,
+        so a run resumed from this checkpoint logs the same means as an uninterrupted one."""
+        del state, metrics
+        self.pending = [
+            {k: float(x[k]) for k in WINDOW_KEYS} for x in jax.device_get(self.pending)
+        ]  # host floats: the mean is summed from the same values either way
+        if self.window_path is None:
+            return
+        saved = _read_windows(self.window_path)
+        saved[str(step)] = self.pending
+        keep = sorted(saved, key=int)[-MAX_WINDOWS:]
+        files.atomic_write_json(self.window_path, {k: saved[k] for k in keep})
+
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
+
+
+# Beside metrics.jsonl: per checkpoint step, the per-step metrics of the log window open at that
+# step (a checkpoint that is not also a log step); the last MAX_WINDOWS checkpoints' windows.
+WINDOW_FILE = "metrics_window.json"
+WINDOW_KEYS = ("loss", "num_tokens", "grad_norm")
+MAX_WINDOWS = 16
+
+
+def _read_windows(path: pathlib.Path) -> dict:
+    try:
+        saved = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return {}
+    return saved if isinstance(saved, dict) else {}
+
+
+def resume_metrics(path: pathlib.Path, step: int) -> list[dict]:
+    """Makes `path` (metrics.jsonl) what an uninterrupted run would have written by checkpoint
+    `step`: records of later steps (written after that checkpoint by a run killed or failed
+    before its next one) are dropped, atomically. A fresh run (`step` 0) starts an empty log.
+
+    Returns:
+      The per-step metrics of the log window open at `step` (`MetricsLog.save_window`), [] when
+      `step` is a log step (or unknown).
+    """
+    if path.exists():
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        kept = []
+        for line in lines:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by a kill: written after the checkpoint
+                continue
+            if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] <= step:
+                kept.append(line if line.endswith("\n") else line + "\n")
+        if kept != lines:
+            logging.info("%s: dropping %d record(s) after the resumed step %d", path, len(lines) - len(kept), step)
+            files.atomic_write(path, "".join(kept))
+    window = _read_windows(path.with_name(WINDOW_FILE)).get(str(step), []) if step else []
+    ok = isinstance(window, list) and all(isinstance(x, dict) and set(x) == set(WINDOW_KEYS) for x in window)
+    return window if ok else []
 
 
 def held_out_loss(jit_eval_step: Any, params: Any, batches: list[dict]) -> float | None:
