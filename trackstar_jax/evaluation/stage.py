@@ -147,10 +147,16 @@ def tailpatch_all(
         groups = tailpatch_lib.group_pairs(np.asarray([(q, row_of[p]) for q, p in todo], np.int64), g)
         logging.info("eval: %d pairs in %d proponent steps (up to %d queries each)", len(todo), len(groups), g)
         bar = logs.progress(total=len(todo), desc="tail-patch", unit="pair")
+        bar.set_postfix_str("compiling the step", refresh=True)  # shown before the first batch returns
         slice_groups = bs * 8  # results reach the cache every 8 batches
         for lo in range(0, len(groups), slice_groups):
             part = [todo[i] for grp in groups[lo : lo + slice_groups] for i in grp]
             idx = np.asarray([(q, row_of[p]) for q, p in part], np.int64)
+
+            def advance(done: int, base: int = bar.n) -> None:  # after every batch, not every slice of 8
+                bar.set_postfix_str("", refresh=False)
+                bar.update(base + done - bar.n)
+
             res = tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the groups split over every process's devices
                 fn,
                 run.params,
@@ -162,12 +168,12 @@ def tailpatch_all(
                 queries_per_step=g,
                 lr_scale=lr_scale,
                 mesh=mesh,
+                progress=advance,
             )
             got = {pq: float(d) for pq, d in zip(part, res["delta_prob"])}
             out.update(got)
             if cache is not None:
                 cache.add({keys[pq]: d for pq, d in got.items()})
-            bar.update(len(part))
         bar.close()
     return out
 
