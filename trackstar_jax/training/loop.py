@@ -233,7 +233,10 @@ class StopRequest:
         if multihost.is_multiprocess():
             from jax.experimental import multihost_utils  # noqa: PLC0415  (a pod only)
 
-            return multihost_utils.reached_preemption_sync_point(step)
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # `jax_enable_preemption_service` turned off: no step to agree on
+                return False
         return self.signal is not None
 
 
