@@ -13,7 +13,7 @@ import traceback
 from absl import flags, logging
 
 from launch import _config
-from trackstar_jax.distributed import multihost
+from trackstar_jax.distributed import multihost, runtime
 
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Multi-host: one JAX process per host (jax.distributed).")
 _COORDINATOR = flags.DEFINE_string(
@@ -62,7 +62,8 @@ def initialize() -> bool:
 
 
 def run(fn):
-    """Calls `fn()`; under --distributed an uncaught error ends this process at once.
+    """Calls `fn()`; a Ctrl-C ends it in one line saying a rerun resumes (`runtime.exit_on_interrupt`);
+    under --distributed an uncaught error ends this process at once.
 
     A Python error would otherwise leave this process in jax.distributed's shutdown barrier
     while the others wait in a collective for it: exiting hard lets the coordination service
@@ -73,13 +74,18 @@ def run(fn):
     a peer that failed at the same check (a bad flag refused on every host) prints its own
     message instead of being aborted mid-way.
     """
+    with runtime.exit_on_interrupt():
+        return _run(fn)
+
+
+def _run(fn):
     if not _DISTRIBUTED.value:
         return fn()
     try:
         return fn()
     except BaseException as e:  # noqa: BLE001
-        if isinstance(e, SystemExit) and not e.code:
-            raise
+        if isinstance(e, KeyboardInterrupt) or (isinstance(e, SystemExit) and not e.code):
+            raise  # a Ctrl-C: `exit_on_interrupt`
         print(_config.error_line(e), file=sys.stderr, flush=True)
         if _config.verbose_errors() or not _config.is_known(e):
             logging.error("process failed: %s", "".join(traceback.format_exception(e)))

@@ -93,6 +93,30 @@ def test_token_scores_sum_to_the_retrieval_score(run_dir, name, num_devices):
         assert np.ptp(r["proponent_token_scores"][0]["scores"]) > 0
 
 
+def test_token_scores_draw_one_bar_over_the_queries(run_dir, monkeypatch):
+    """One overall bar for the token scores, not one per query's inner featurize batches."""
+    from trackstar_jax.training import logs  # noqa: PLC0415
+
+    bars = []
+
+    class Recording(logs.tqdm.tqdm):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            bars.append((kwargs["desc"], kwargs["total"], self.disable))
+
+    c, workdir = run_dir
+    settings = _settings(c, "trackstar", token_scores=True)
+    stages.build_index(settings, workdir)
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    run = stages.load_run(workdir, mesh=mesh)
+    monkeypatch.setattr(logs.tqdm, "tqdm", Recording)
+    retrieval_stage.retrieve_queries(run, settings, workdir, QUERIES, mesh=mesh, k=3)
+    after = bars[[d for d, _, _ in bars].index("token scores") :]
+    assert after[0] == ("token scores", len(QUERIES), False)
+    inner = after[1:]  # each query's featurize loops, several batches long for its proponents' tokens
+    assert any(total > 1 for _, total, _ in inner) and all(d == "featurize queries" and off for d, _, off in inner)
+
+
 def _per_token_reference(params, graphdef, plan, correction, tokens, mask, seed):
     """Φ_t by per-token loss gradients: vmap over target positions of grad(-log p_t), corrected
     element-wise and projected with the dense P0 G P1ᵀ (independent of the one-hot masks)."""

@@ -4,6 +4,7 @@ bytes, and a changed corpus / projection seed / model is refused."""
 
 import errno
 import json
+import logging
 import pathlib
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def test_manifest_identifies_the_run(run_dir, f32_index):
     index.open_index(build.index_dir(config_lib.from_configdict(c).index, run_dir), expect=expect)
 
 
-def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypatch):
+def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypatch, caplog):
     """A bf16 build that hits ENOSPC at chunk 1 keeps chunk 0, resumes, and ends equal to
     rounding the float32 index to bfloat16 (same featurizer bits, deterministic rounding)."""
     c = _config()
@@ -117,8 +118,11 @@ def test_disk_full_then_resume_gives_the_same_bytes(run_dir, f32_index, monkeypa
     path = build.index_dir(config_lib.from_configdict(c).index, run_dir)
     assert index.open_index(path).complete_chunks == frozenset({0})
     monkeypatch.setattr(index.IndexBuilder, "_write_rows", real)
-    summary = stages.build_index(config_lib.from_configdict(c), run_dir)
+    with caplog.at_level(logging.INFO):
+        summary = stages.build_index(config_lib.from_configdict(c), run_dir)
     assert summary["chunks_skipped"] == 1 and summary["complete"]
+    assert f"index: wrote {summary['rows'] - 64} rows in " in caplog.text
+    assert "; resumed: 64 rows were already built; complete" in caplog.text
     assert json.loads((path / "build_summary-p0000.json").read_text())["chunks_written"] == summary["chunks_written"]
     reader = index.open_index(path)
     rows, scale = reader.read_block(0, reader.num_rows)
@@ -176,10 +180,11 @@ def test_changed_seed_or_corpus_is_refused(run_dir, f32_index, tmp_path):
         stages.build_index(config_lib.from_configdict(c), copy)
 
 
-def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monkeypatch):
+def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monkeypatch, caplog):
     """`index.build_from_run` (what the evaluation's gradient rows and LDS call with the run the
     stage opened) reuses a finished index without checking or loading the run again and without
-    making (compiling) the featurize step; it still refuses an index of other settings."""
+    making (compiling) the featurize step, and says so (not "wrote 0 rows ... 0.0 examples/s");
+    it still refuses an index of other settings."""
     c, first = f32_index
     settings = config_lib.from_configdict(c)
     loaded = stages.open_run(settings, run_dir)
@@ -189,10 +194,14 @@ def test_a_finished_index_is_reused_from_the_loaded_run(run_dir, f32_index, monk
 
     for mod, name in ((checkpoint, "restore_state"), (config_lib, "check_matches_run"), (vectors, "make_vector_fn")):
         monkeypatch.setattr(mod, name, fail)
-    summary = build.build_from_run(
-        loaded.run, settings.vectors, settings.index, run_dir, mesh_shape=settings.mesh.shape, mesh=loaded.mesh
-    )
+    with caplog.at_level(logging.INFO):
+        summary = build.build_from_run(
+            loaded.run, settings.vectors, settings.index, run_dir, mesh_shape=settings.mesh.shape, mesh=loaded.mesh
+        )
     assert summary["complete"] and summary["rows_written"] == 0 and summary["rows"] == first["rows"]
+    path = build.index_dir(settings.index, run_dir)
+    assert f"index {path} reused: {first['rows']} rows already built; complete" in caplog.text
+    assert "wrote 0 rows" not in caplog.text and "examples/s" not in caplog.text
     with pytest.raises(index.IndexMismatchError, match="vectors.proj_seed"):
         other = settings.replace({"vectors.proj_seed": 1})
         build.build_from_run(

@@ -239,6 +239,64 @@ def test_code_block(path, line, info, body, request, tmp_path, monkeypatch):
             assert res.returncode == 0, f"{where}: {' '.join(argv)} exited {res.returncode}:\n{res.stderr[-3000:]}"
 
 
+# The lines of `plan.summary` (and `launch.plan`'s warnings) on stderr, as a document quotes them.
+PLAN_LINE = re.compile(
+    r"^(model|mesh|parameters|index \(|featurize \(|retrieval|peak memory per device|cannot run as configured|WARNING)"
+)
+# The lines `--nocompile` leaves out: they come from the compiled steps.
+COMPILED_LINE = re.compile(r"^(peak memory per device|cannot run as configured|WARNING)")
+
+
+def _documented_plans() -> list:
+    """Each documented `python -m launch.plan` command whose block is followed at once by a
+    ```text block of what it prints (its `plan.summary` lines): `(argv, printed lines)`."""
+    out = []
+    for path in DOCS:
+        text = path.read_text()
+        fences = list(FENCE.finditer(text))
+        for m, nxt in zip(fences, fences[1:]):
+            if not m.group("info").startswith("bash") or "launch.plan" not in m.group("body"):
+                continue
+            if nxt.group("info").strip() != "text" or text[m.end() : nxt.start()].strip():
+                continue
+            lines = [x for x in nxt.group("body").splitlines() if x.strip()]
+            for argv in _commands(m.group("body")):
+                if argv[:3] == ["python", "-m", "launch.plan"]:
+                    line = text.count("\n", 0, m.start()) + 1
+                    out.append(pytest.param(argv, lines, id=f"{path.name}:{line}"))
+    return out
+
+
+def _plan_prints(argv: list[str], *extra: str) -> list[str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "TRACKSTAR_COMPILATION_CACHE": "off", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # its own --fake_devices
+    res = subprocess.run(
+        [sys.executable, "-m", "launch.plan", *argv[3:], *extra], cwd=REPO, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    return [x for x in res.stderr.splitlines() if PLAN_LINE.match(x)]
+
+
+def test_the_paper_scale_plan_is_documented_with_its_output():
+    assert any("paper_8b.py" in " ".join(p.values[0]) for p in _documented_plans())
+
+
+@pytest.mark.parametrize("argv, documented", _documented_plans())
+def test_a_documented_plan_prints_its_documented_figures(argv, documented):
+    """The arithmetic lines (parameters, index, featurize and retrieval time) of a documented
+    `launch.plan` command are what it prints now (`--nocompile`: seconds)."""
+    assert all(PLAN_LINE.match(x) for x in documented), documented
+    assert _plan_prints(argv, "--nocompile") == [x for x in documented if not COMPILED_LINE.match(x)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, documented", _documented_plans())
+def test_a_documented_plan_prints_its_documented_memory(argv, documented):
+    """The whole documented output, the compiled steps' memory and warnings included (the 8B plan
+    compiles for minutes)."""
+    assert _plan_prints(argv) == documented
+
+
 def test_the_checker_refuses_what_is_wrong():
     """The static check fails on a misspelt key, an unknown flag, a missing launcher or file."""
     for bad in (

@@ -397,6 +397,47 @@ def test_two_writers_and_kill9_resume_byte_identical(work):
     np.testing.assert_array_equal(np.load(index / "r_train.npy"), np.load(work / "index" / "r_train.npy"))
 
 
+@pytest.mark.slow
+def test_ctrl_c_in_build_index_is_one_line_and_the_rerun_resumes(work):
+    """Ctrl-C after the first chunk: exit status 130, the one-line hint and no traceback; the
+    rerun resumes to the bytes of an uninterrupted build (tests/test_runtime.py has the cheap
+    check of the exit itself)."""
+    flags = [f"--config.{k}={v}" for k, v in OVERRIDES.items()] + ["--config.index.dir=index_ctrl_c"]
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": str(jax.config.read("jax_disable_most_optimizations")),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.build_index", "--config=experiments/tiny.py", f"--workdir={work}", *flags],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    index = work / "index_ctrl_c"
+    try:
+        deadline = time.time() + 240
+        while not list((index / "progress").glob("chunk_*.done")):
+            if proc.poll() is not None:
+                pytest.fail(f"build_index exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            assert time.time() < deadline, "build_index wrote no chunk in time"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "interrupted; rerun the same command to resume"
+    assert not (index / "COMPLETE").exists()
+    summary = stages.build_index(_settings(**{"index.dir": "index_ctrl_c"}), work)
+    assert summary["complete"] and summary["chunks_skipped"] >= 1
+    assert _chunk_bytes(index) == _chunk_bytes(work / "index")
+
+
 def test_config_flag_typo_is_one_line():
     out = subprocess.run(
         [

@@ -288,6 +288,24 @@ def test_tampered_evaluation_runs_no_script_in_headless_chromium(evaluated, tmp_
         driver.quit()
 
 
+def test_notebook_defaults_to_the_quickstarts_run_and_its_extra_exists():
+    """A newcomer's first run is the quickstart's: the notebook reads it by default, and the
+    `notebook` extra it documents installs its kernel and runners."""
+    import configparser  # noqa: PLC0415
+    import re  # noqa: PLC0415
+
+    quickstart = re.search(r'WORKDIR="\$\{WORKDIR:-([^}]+)\}"', (REPO / "launch" / "quickstart.sh").read_text()).group(
+        1
+    )
+    nb = (REPO / "notebooks" / "inspect_proponents.ipynb").read_text()
+    assert f'os.environ.get(\\"TRACKSTAR_WORKDIR\\", \\"{quickstart}\\")' in nb
+    assert "pip install -e '.[notebook]'" in nb and "TRACKSTAR_QUERY_ID" in nb
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    extra = cfg["options.extras_require"]["notebook"]
+    assert all(pkg in extra for pkg in ("ipykernel", "nbclient", "jupyterlab"))
+
+
 def test_notebook_runs_headless(evaluated):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -7,6 +7,7 @@ and checked by number on each of the three paths.
 """
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -119,6 +120,35 @@ def test_the_evaluation_checks_memory_only_against_a_known_limit(ctx_eq, monkeyp
     monkeypatch.setenv(memory.MEMORY_ENV, str(1 << 40))
     stage.prepare(ctx, [methods_lib.METHODS["trackstar"]])
     assert calls == [[methods_lib.METHODS["trackstar"]]]
+
+
+def test_the_tailpatch_bar_shows_before_the_first_batch_returns_and_moves_per_batch(ctx_eq, monkeypatch, capsys):
+    """The tail-patch bar is drawn (saying the step compiles) before the first batch of proponent
+    steps returns, and advances after every batch, not once per cache slice of 8 batches."""
+    from trackstar_jax.evaluation import stage, tailpatch
+    from trackstar_jax.training import logs
+
+    settings, ctx, eq = ctx_eq
+    settings = settings.replace({"tailpatch.top_ks": (3,), "tailpatch.batch_size": 8, "tailpatch.queries_per_step": 1})
+    retrieved = {"bm25": rows.make_retriever(methods_lib.METHODS["bm25"], ctx).retrieve(eq, 3)}
+    pairs = {(q, p) for q in range(len(eq.queries)) for p in retrieved["bm25"].proponent_ids[q][:3]}
+    bs = tailpatch.pair_batch_size(8, ctx.mesh)
+    num_props = len({p for _, p in pairs})
+    assert bs < num_props <= 8 * bs  # several batches, all in the first cache slice
+    monkeypatch.setattr(logs, "MIN_INTERVAL_S", 0.0)  # draw every update
+    real = tailpatch.run_pairs
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(capsys.readouterr().err)  # what was drawn before the first batch ran
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tailpatch, "run_pairs", spy)
+    out = stage.tailpatch_all(ctx.run, eq, retrieved, settings, ctx.mesh)
+    assert len(out) == len(pairs)
+    assert f"tail-patch:   0%|          | 0/{len(pairs)}" in seen[0] and "compiling the step" in seen[0]
+    drawn = [int(x.split("/")[0]) for x in re.findall(r"\| (\d+/\d+) \[", capsys.readouterr().err)]
+    assert 0 < drawn[0] < len(pairs) and drawn[-1] == len(pairs)  # a partial count: per batch
 
 
 def test_built_in_kinds_give_their_scores_through_the_interface(ctx_eq):

@@ -1,6 +1,13 @@
-"""distributed.runtime: the persistent compilation cache every launcher turns on."""
+"""distributed.runtime: the persistent compilation cache every launcher turns on, and the
+one-line, prompt exit of a Ctrl-C'd launcher."""
 
 import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
 
 import jax
 import pytest
@@ -160,3 +167,51 @@ def test_the_suite_compiles_through_one_per_user_cache():
     code = "import jax; print(jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == [str(conftest.TEST_CACHE), str(conftest.TEST_CACHE_MAX_BYTES)]
+
+
+# A stage stand-in under `exit_on_interrupt`: prints "ready", then works until interrupted,
+# printing "unwound" if the KeyboardInterrupt unwinds it.
+_INTERRUPTED = """
+import sys, time
+import numpy as np
+from trackstar_jax.distributed import runtime
+a = np.ones((1500, 1500))
+with runtime.exit_on_interrupt(grace_s=float(sys.argv[2])):
+    try:
+        print("ready", flush=True)
+        while True:
+            if sys.argv[1] == "python":
+                time.sleep(0.01)  # the interrupt reaches Python at once
+            else:
+                (a @ a @ a @ a).sum()  # BLAS holds it: it reaches Python only when the product returns
+    finally:
+        print("unwound", flush=True)
+"""
+
+
+@pytest.mark.parametrize("work, grace_s, unwound", [("python", 60.0, True), ("native", 0.05, False)])
+def test_a_ctrl_c_ends_the_process_in_one_line(tmp_path, work, grace_s, unwound):
+    """Ctrl-C: exit status 130 and one line saying a rerun resumes, not a traceback; when native
+    code holds the interrupt past the grace period, the watcher thread ends the process."""
+    script = tmp_path / "stage.py"
+    script.write_text(textwrap.dedent(_INTERRUPTED))
+    repo = pathlib.Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), work, str(grace_s)],
+        cwd=repo,
+        env={**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == runtime.INTERRUPTED_EXIT
+    assert err == runtime.RESUME_HINT + "\n"
+    assert ("unwound" in out) == unwound

@@ -2,6 +2,12 @@
 
 import json
 import logging
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import jax
 import numpy as np
@@ -12,7 +18,7 @@ from conftest import skip_if_not_enough_devices
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
 from trackstar_jax import stages
-from trackstar_jax.distributed import sharding
+from trackstar_jax.distributed import runtime, sharding
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import generate
 from trackstar_jax.training import checkpoint, loop
@@ -20,6 +26,8 @@ from trackstar_jax.training import step as step_lib
 from trackstar_jax.training import step as train
 
 pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py: cheaper compiles, restored on exit
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _config(tiny_config, steps):
@@ -340,3 +348,118 @@ def test_load_run_into_an_fsdp_mesh(run):
         )
         out.append(fn(r.params, fn.precond, batch))
     np.testing.assert_allclose(out[1], out[0], rtol=1e-5, atol=1e-5 * np.abs(out[0]).max())
+
+
+def _final_params(workdir, settings, step):
+    mesh = sharding.make_mesh()
+    _, target = checkpoint.abstract_state(settings.model, train.make_optimizer(settings.train.optimizer), mesh)
+    mngr = checkpoint.CheckpointManager(workdir / "checkpoints")
+    try:
+        return jax.device_get(mngr.restore(step, target)[1].params)
+    finally:
+        mngr.close()
+
+
+def _interrupt_config(tiny_config, steps, log_every):
+    overrides = {
+        "model.num_layers": 1,
+        "data.embedded.num_facts": 30,
+        "data.embedded.num_distractors": 40,
+        "train.num_steps": steps,
+        "train.log_every_steps": log_every,
+        "train.eval_every_steps": steps,
+        "train.checkpoint_every_steps": steps,  # no checkpoint is due before the last step
+        "train.num_completions": 0,
+        "train.max_fact_prompts": 4,
+    }
+    for k, v in overrides.items():
+        *path, key = k.split(".")
+        section = tiny_config
+        for p in path:
+            section = section[p]
+        section[key] = v
+    return config_lib.from_configdict(tiny_config), overrides
+
+
+def test_sigterm_saves_a_checkpoint_at_the_step_and_a_rerun_resumes_it(tiny_config, tmp_path, monkeypatch, caplog):
+    """A SIGTERM (a preemption notice) at step 5 of 30, no checkpoint due before step 30: the
+    stage stops after step 5, saves a checkpoint there and says so; a rerun resumes at step 5
+    and ends with the params of an uninterrupted run."""
+    steps, at = 30, 5
+    settings, _ = _interrupt_config(tiny_config, steps, log_every=1)
+    flush = loop.MetricsLog.flush
+
+    def flush_and_signal(self, step, state, metrics):
+        flush(self, step, state, metrics)
+        if step == at:
+            os.kill(os.getpid(), signal.SIGTERM)  # delivered to this (main) thread's handler at once
+
+    work = tmp_path / "interrupted"
+    with monkeypatch.context() as m:
+        m.setattr(loop.MetricsLog, "flush", flush_and_signal)
+        with pytest.raises(runtime.Interrupted) as e:
+            stages.train(settings, work)
+    assert str(e.value) == (
+        f"training stopped by SIGTERM at step {at} of {steps}; checkpoint saved in {work}/checkpoints/{at}; "
+        "rerun the same command to resume"
+    )
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # the stage's handlers are gone
+    mngr = checkpoint.CheckpointManager(work / "checkpoints")
+    assert mngr.all_steps() == [at]
+    mngr.close()
+    with caplog.at_level(logging.INFO):
+        resumed = stages.train(settings, work)
+    assert f"resumed from {work / 'checkpoints'} at step {at}" in caplog.text
+    assert resumed["step"] == steps
+    whole = tmp_path / "whole"
+    stages.train(settings, whole)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+        _final_params(work, settings, steps),
+        _final_params(whole, settings, steps),
+    )
+
+
+@pytest.mark.slow
+def test_launch_train_sigterm_exits_in_one_line_with_a_checkpoint(tiny_config, tmp_path):
+    """`launch.train` sent SIGTERM while it trains: exit status 130, one line naming the saved
+    checkpoint, no traceback, the checkpoint at the step it reached."""
+    steps = 200
+    _, overrides = _interrupt_config(tiny_config, steps, log_every=1)  # metrics.jsonl shows it is running
+    work = tmp_path / "interrupted"
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_DISABLE_MOST_OPTIMIZATIONS": str(jax.config.read("jax_disable_most_optimizations")),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "launch.train", "--config=experiments/tiny.py", f"--workdir={work}"]
+        + [f"--config.{k}={v}" for k, v in overrides.items()],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 300
+        metrics = work / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+            if proc.poll() is not None:
+                pytest.fail(f"launch.train exited early ({proc.returncode}): {proc.stderr.read()[-2000:]}")
+            assert time.time() < deadline, "launch.train logged no step in time"
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    saved = sorted(int(p.name) for p in (work / "checkpoints").iterdir() if p.name.isdigit())
+    assert len(saved) == 1 and 2 <= saved[0] < steps, (saved, err[-2000:])
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines()[-1] == (
+        f"training stopped by SIGTERM at step {saved[0]} of {steps}; checkpoint saved in "
+        f"{work}/checkpoints/{saved[0]}; rerun the same command to resume"
+    )
+    assert "Traceback" not in err

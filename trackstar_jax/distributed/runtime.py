@@ -12,12 +12,26 @@ its version, so a stale entry is never used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pathlib
+import signal
+import sys
+import threading
+from typing import Iterator
 
 import jax
 from absl import logging as absl_logging
+
+# The one line a stage stopped by Ctrl-C ends with: every stage resumes its own unfinished work.
+RESUME_HINT = "interrupted; rerun the same command to resume"
+# Exit status of a process ended by SIGINT (128 + 2, what a shell reports for Ctrl-C).
+INTERRUPTED_EXIT = 130
+# Seconds a Ctrl-C'd process has to unwind before `exit_on_interrupt` ends it anyway: the
+# KeyboardInterrupt reaches Python only between bytecodes, so an XLA compile or a device step
+# under way (an index chunk of a 135M model: tens of seconds on a CPU) would hold it that long.
+INTERRUPT_GRACE_S = 2.0
 
 # `TRACKSTAR_COMPILATION_CACHE`: the cache folder; "" or "off" disables it.
 ENV = "TRACKSTAR_COMPILATION_CACHE"
@@ -104,3 +118,60 @@ def target_platform() -> str:
     if name not in PLATFORMS:
         raise ValueError(f"${TARGET_ENV}={name!r} is not a platform; choose from {PLATFORMS} (or unset it)")
     return name
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stage stopped by a signal after keeping what resumes it (training: a checkpoint at the
+    step it stopped at); its message says what was kept and how to go on."""
+
+
+def _exit_interrupted(message: str) -> None:
+    absl_logging.flush()
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(INTERRUPTED_EXIT)  # no interpreter teardown: worker threads could hold it for seconds
+
+
+@contextlib.contextmanager
+def exit_on_interrupt(grace_s: float = INTERRUPT_GRACE_S) -> Iterator[None]:
+    """For a launcher's `main`: a Ctrl-C ends the process with one line on stderr
+    (`RESUME_HINT`, or an `Interrupted`'s own message) and exit status `INTERRUPTED_EXIT`, not a
+    traceback, and promptly: when the KeyboardInterrupt has not unwound the stage within
+    `grace_s` (XLA holds it until a compile or step returns), a watcher thread woken by the
+    signal (`signal.set_wakeup_fd`) ends the process. Every stage's work is safe to stop at
+    any point (index chunks, checkpoints, tail-patch pairs and retrievals are written
+    atomically), so a rerun resumes.
+
+    A SIGINT whose handler is not Python's default is left alone: training installs its own
+    (`training.loop.StopRequest`) to save a checkpoint first. Outside the main thread this
+    only converts the KeyboardInterrupt (signals reach the main thread only).
+    """
+    main = threading.current_thread() is threading.main_thread()
+    done = threading.Event()
+    old_fd = None
+    if main:
+        r, w = os.pipe()
+        os.set_blocking(w, False)
+        old_fd = signal.set_wakeup_fd(w, warn_on_full_buffer=False)
+
+        def watch() -> None:
+            try:
+                while (b := os.read(r, 1)) and not done.is_set():
+                    if b[0] != signal.SIGINT or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+                        continue  # SIGTERM kills by default; a handler of the stage's own decides
+                    if not done.wait(grace_s):
+                        _exit_interrupted(RESUME_HINT)
+            finally:
+                os.close(r)
+
+        threading.Thread(target=watch, name="trackstar-interrupt-watch", daemon=True).start()
+    try:
+        yield
+    except KeyboardInterrupt as e:
+        done.set()
+        _exit_interrupted(str(e) if isinstance(e, Interrupted) and str(e) else RESUME_HINT)
+    finally:
+        done.set()
+        if main:
+            signal.set_wakeup_fd(old_fd)
+            os.close(w)  # the watcher reads end-of-file and stops

@@ -157,12 +157,14 @@ def tailpatch_all(
             g,
         )
         bar = logs.progress(total=int(needed.sum()), desc="tail-patch", unit="pair")
+        bar.set_postfix_str("compiling the step", refresh=True)  # shown before the first batch returns
 
         def on_call(done: np.ndarray, res: dict[str, np.ndarray]) -> None:  # each call's pairs reach the cache
             got = {pairs[i]: float(d) for i, d in zip(done.tolist(), res["delta_prob"])}
             out.update(got)
             if cache is not None:
                 cache.add({keys[pq]: d for pq, d in got.items()})
+            bar.set_postfix_str("", refresh=False)
             bar.update(len(done))
 
         tailpatch_lib.run_pairs(  # on a pod: one SPMD program, the groups split over every process's devices

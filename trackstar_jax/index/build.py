@@ -393,13 +393,19 @@ def _write_summary(
         "shared_pass": shared_pass,  # the other indices this pass wrote (their time is this one's)
     }
     files.atomic_write_json(path / f"build_summary-p{process_index:04d}.json", summary)
+    in_range = sum(hi - lo for lo, hi in map(builder.chunk_rows_range, builder.chunks))
+    built = in_range - stats.rows_written  # rows of this writer's range an earlier call wrote
+    if not stats.rows_written:  # nothing featurized: no rate to report
+        logging.info("index %s reused: %d rows already built%s", path, built, "; complete" if stats.finalized else "")
+        return summary
     logging.info(
-        "index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s",
+        "index: wrote %d rows in %.1fs (%.1f examples/s, %.0f tokens/s, writing %.1f%% of the time)%s%s",
         stats.rows_written,
         stats.seconds,
         summary["examples_per_s"] or 0,
         summary["tokens_per_s"] or 0,
         100 * stats.write_fraction,
+        f"; resumed: {built} rows were already built" if built else "",
         "; complete" if stats.finalized else "",
     )
     return summary

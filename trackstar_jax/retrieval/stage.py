@@ -386,8 +386,9 @@ def retrieve_queries(
             rec["proponent_index_scores"] = s
     if st.token_scores:
         t5 = time.perf_counter()
-        for qi, rec in enumerate(out):
-            rec.update(token_scores(run, vec_fn, scoring, reader, q_prime[qi], _pairs(encoded)[qi], top_ids[qi]))
+        for qi, rec in enumerate(logs.progress(out, total=len(out), desc="token scores", unit="query")):
+            with logs.inner_loops():  # each query featurizes its tokens and proponents: one bar for all
+                rec.update(token_scores(run, vec_fn, scoring, reader, q_prime[qi], _pairs(encoded)[qi], top_ids[qi]))
         info["token_scores_seconds"] = time.perf_counter() - t5
     return out, info
 

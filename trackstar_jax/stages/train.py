@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+import signal
 from typing import Any
 
 import jax
@@ -19,7 +20,7 @@ from absl import logging
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
-from trackstar_jax.distributed import multihost
+from trackstar_jax.distributed import multihost, runtime
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.stages import run as run_lib
@@ -169,9 +170,12 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
                     corpus, tok, t.global_batch_size, model_cfg.max_len, settings.seed, start_step=start
                 )
             )
-            state = loop_lib.run_loop(
-                state, start, t.num_steps, fns.step, batches, hooks, progress=lambda: bar.update(1)
-            )
+            with loop_lib.StopRequest() as stop:
+                state = loop_lib.run_loop(
+                    state, start, t.num_steps, fns.step, batches, hooks, progress=lambda: bar.update(1), stop=stop
+                )
+            if (at := int(jax.device_get(state.step))) < t.num_steps:
+                _save_interrupted(state, at, mngr, log, settings, stop)
     finally:
         bar.close()
         log.close()
@@ -181,6 +185,32 @@ def train(settings: config_lib.Settings, workdir: str | os.PathLike) -> dict:
         loop_lib.record_measured_opt_state(workdir, t.num_steps)
     return _report(
         settings, workdir, state, fns, tok, corpus, eval_batches, log.train_loss, eval_loss[0], log.tokens_per_sec
+    )
+
+
+def _save_interrupted(
+    state: step_lib.TrainState,
+    step: int,
+    mngr: checkpoint_lib.CheckpointManager,
+    log: loop_lib.MetricsLog,
+    settings: config_lib.Settings,
+    stop: loop_lib.StopRequest,
+) -> None:
+    """Training stopped early at `step` (`loop.StopRequest`): its metrics and a checkpoint at
+    that step (unless the checkpoint hook just saved it), so that a rerun resumes there.
+
+    Raises:
+      runtime.Interrupted: always, saying where the checkpoint is.
+    """
+    if log.pending:  # the steps since the last logging hook
+        log.flush(step, state, None)
+    if mngr.latest_step() != step:
+        mngr.save(state, config_lib.to_dict(settings))
+    mngr.wait_until_finished()
+    why = signal.Signals(stop.signal).name if stop.signal is not None else "a preemption notice"
+    raise runtime.Interrupted(
+        f"training stopped by {why} at step {step} of {settings.train.num_steps}; checkpoint saved in "
+        f"{mngr.directory}/{step}; rerun the same command to resume"
     )
 
 

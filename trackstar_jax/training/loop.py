@@ -16,6 +16,8 @@ import functools
 import json
 import os
 import pathlib
+import signal
+import threading
 import time
 import warnings
 from typing import Any, Callable, Iterator
@@ -193,6 +195,51 @@ class Hook:
     fn: Callable[[int, step_lib.TrainState, Any], None]
 
 
+class StopRequest:
+    """Asks the training loop to stop after the step under way, so that it can save a checkpoint
+    there (`stages.train`): SIGINT (Ctrl-C) or SIGTERM (a TPU VM's preemption notice, a
+    scheduler's stop) in one process; on a pod, JAX's preemption sync point, which every process
+    reaches at the same step (the coordination service turns one host's SIGTERM into a step
+    all agree on). A second SIGINT interrupts at once (KeyboardInterrupt).
+
+    Use as a context manager around the loop (it installs the handlers in the main thread and
+    restores the old ones); call it with a step to ask whether to stop after it.
+    """
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self) -> None:
+        self.signal: int | None = None  # the signal that asked to stop
+        self._old: dict[int, Any] = {}
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread() and not multihost.is_multiprocess():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        del frame
+        if self.signal is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: no checkpoint
+        self.signal = signum
+        logging.warning("%s: stopping after this step to save a checkpoint", signal.Signals(signum).name)
+
+    def __call__(self, step: int) -> bool:
+        if multihost.is_multiprocess():
+            from jax.experimental import multihost_utils  # noqa: PLC0415  (a pod only)
+
+            try:
+                return multihost_utils.reached_preemption_sync_point(step)
+            except RuntimeError:  # `jax_enable_preemption_service` turned off: no step to agree on
+                return False
+        return self.signal is not None
+
+
 def run_loop(
     state: step_lib.TrainState,
     start: int,
@@ -201,10 +248,13 @@ def run_loop(
     batches: Iterator[dict[str, jax.Array]],
     hooks: list[Hook],
     progress: Callable[[], None] = lambda: None,
+    stop: Callable[[int], bool] = lambda step: False,
 ) -> step_lib.TrainState:
     """Steps `start+1 .. num_steps`; the next batch is placed while the device runs the step.
 
-    Each hook sees the step's on-device metrics (it decides whether to fetch them).
+    Each hook sees the step's on-device metrics (it decides whether to fetch them). Returns
+    early, after a step's hooks, when `stop(step)` is true (a `StopRequest`): the state's
+    step says where it stopped.
     """
     batch = next(batches)
     with warnings.catch_warnings():
@@ -217,6 +267,8 @@ def run_loop(
             for h in hooks:
                 if step % h.every == 0 or step == num_steps:
                     h.fn(step, state, metrics)
+            if step < num_steps and stop(step):
+                break
     return state
 
 
