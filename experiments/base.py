@@ -102,9 +102,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (one layer's per-example gradient materialised at a time), False its rank-one factorisation
     c.vectors.exact_v = False
     c.vectors.batch_size = 32  # examples per featurize step (global)
-    c.vectors.estimate_v_examples = (
-        256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
-    )
+    # imported models (no optimizer state): how V is estimated (training/second_moment.py).
+    # "minibatch": the optimizer's own V, an Adafactor EMA (train.decay_rate, its factoring) over
+    # estimate_v_steps steps of estimate_v_batch_sequences-sequence minibatch gradients |
+    # "per_example": the mean of squared per-example gradients of estimate_v_examples texts
+    c.vectors.estimate_v_method = "minibatch"
+    # text of the estimate: "heldout" (data.eval_fraction's passages) | "candidates" |
+    # "lama:<relations>" (other T-REx relations) | "file:<path>" (.txt / .jsonl); never the candidates but by name
+    c.vectors.estimate_v_source = "heldout"
+    c.vectors.estimate_v_examples = 256  # per_example: texts whose gradients estimate V (0: none)
+    c.vectors.estimate_v_batch_sequences = 64  # minibatch: sequences per step (B; accumulated by vectors.batch_size)
+    c.vectors.estimate_v_steps = 16  # minibatch: steps (N; 0: no estimate)
     c.vectors.estimate_v_seed = 0  # seed of that sample
     # float32 GEMMs of the featurize step: "float32" (exact on every chip) | "tf32" | "bf16"
     # (on a CPU bf16 rounds the model's operands itself; a bf16 model's GEMMs are bf16 whatever

@@ -12,7 +12,11 @@ optimizer's estimate of E[g^2] before projecting. We read V from the checkpoint:
   `1/sqrt(V)` of optax's own update. An unfactored parameter (a dim below
   `min_dim_size_to_factor`, or a 1-D norm scale or bias) keeps a full `v`: `1/sqrt(v)`.
 * Adam-family (`nu`): `1/sqrt(nu)` element-wise. Adam's bias correction `1/(1-b2^t)` is the
-  same for every parameter, a global scale that unit normalisation removes; not applied.
+  same for every parameter, a global scale that unit normalisation removes; not applied to
+  `nu` as read. Adam's own denominator is `sqrt(nu_hat) + eps`, not a global rescale of
+  `sqrt(nu)` when eps matters: `adam_effective_v` turns an Adam state into the V whose
+  `1/sqrt` is exactly Adam's `1/(sqrt(nu_hat) + eps)`, for a state read from a checkpoint or
+  estimated (`training.second_moment`).
 
 Zeros in V (a never-updated state) are floored at optax's epsilon (1e-30), as optax's
 `grad^2 + epsilon` accumulation would; NaN/inf in V is an error naming the parameter.
@@ -217,6 +221,22 @@ def from_opt_state(params: Any, opt_state: Any, paths: tuple[str, ...], *, exact
         if f is not None:
             full[path] = f
     return Correction(row=row, col=col, full=full, rank_one_exact=tuple(sorted(p for p, ok in flags.items() if ok)))
+
+
+def adam_effective_v(nu: Any, count: int | Array, b2: float, eps: float = 1e-8) -> Any:
+    """`(sqrt(nu / (1 - b2^count)) + eps)^2` per leaf of `nu` (a tree or one array): the V whose
+    `1/sqrt(V)` is Adam's own preconditioner `1/(sqrt(nu_hat) + eps)` after `count` updates
+    with second-moment decay `b2` (optax `scale_by_adam`: bias-corrected `nu_hat`, `eps`
+    outside the square root). Feed the result as `nu` to `from_opt_state`.
+
+    Args:
+      nu: Adam's second-moment EMA (optax `ScaleByAdamState.nu`), float.
+      count: updates taken (optax's `count`), >= 1.
+      b2: Adam's beta2 (e.g. 0.95 for SmolLM2's AdamW, 0.999 optax's default).
+      eps: Adam's epsilon (optax default 1e-8).
+    """
+    corr = 1.0 - jnp.asarray(b2, jnp.float32) ** jnp.asarray(count, jnp.float32)
+    return jax.tree.map(lambda v: jnp.square(jnp.sqrt(v.astype(jnp.float32) / corr) + eps), nu)
 
 
 def identity(params: Any, paths: tuple[str, ...]) -> Correction:

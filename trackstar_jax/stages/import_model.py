@@ -6,8 +6,9 @@ The run directory it writes is the one `stages.train` writes, so build_index, re
 evaluate run on it unchanged: `config.json` (the settings with the model section filled from
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
 (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer state holds V
-estimated from per-example gradients (`training.second_moment`; `vectors.estimate_v_examples`,
-`vectors.estimate_v_seed`), described by `opt_state.json`. A finished import (its checkpoint
+estimated as `vectors.estimate_v_method` says (`training.second_moment.estimate`: by default
+Adafactor's own V from minibatch gradients of text that is not the candidates), described by
+`opt_state.json` (the settings, the source, the counts). A finished import (its checkpoint
 exists) only reports.
 """
 
@@ -35,31 +36,34 @@ from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
 
-def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: float | None) -> dict:
+def _no_estimate_record(settings: config_lib.Settings) -> dict:
+    return {"kind": "none", **sm_lib.settings_record(settings.vectors)}
+
+
+def _check_method(settings: config_lib.Settings) -> None:
     v = settings.vectors
-    if not v.estimate_v_examples:
-        return {"kind": "none", "estimate_v_examples": 0, "estimate_v_seed": v.estimate_v_seed}
-    return {
-        "kind": "estimated",
-        "method": "mean of squared per-example gradients of training.step.loss_fn, "
-        "factored as optax.adafactor (training.second_moment)",
-        "estimate_v_examples": v.estimate_v_examples,
-        "estimate_v_seed": v.estimate_v_seed,
-        "num_examples": n,
-        "seconds": seconds,
-    }
+    if v.estimate_v_method not in sm_lib.ESTIMATORS:
+        raise config_lib.ConfigError(
+            f"config.vectors.estimate_v_method={v.estimate_v_method!r}: must be one of {sorted(sm_lib.ESTIMATORS)}"
+        )
+
+
+# An import made before `vectors.estimate_v_method` existed: per-example gradients of the candidates.
+_LEGACY = {"estimate_v_method": "per_example", "estimate_v_source": "candidates"}
 
 
 def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> dict:
     """A finished import: check the config against it and return its summary (nothing is written)."""
     config_lib.check_matches_run(settings, workdir)
     info = checkpoint_lib.read_opt_state_info(workdir) or {}
-    for key in ("estimate_v_examples", "estimate_v_seed"):
-        if key in info and info[key] != getattr(settings.vectors, key):
-            raise config_lib.ConfigError(
-                f"config.vectors.{key}={getattr(settings.vectors, key)} but the run in {workdir} "
-                f"estimated V with {info[key]}; use another workdir to re-estimate"
-            )
+    if info:
+        recorded = {**_LEGACY, **info}
+        for key, want in sm_lib.settings_record(settings.vectors).items():
+            if recorded.get(key) != want:
+                raise config_lib.ConfigError(
+                    f"config.vectors.{key}={want} but the run in {workdir} "
+                    f"estimated V with {recorded.get(key)}; use another workdir to re-estimate"
+                )
     logging.info("%s already holds the imported model (checkpoint step 0): nothing to do", workdir)
     return files.read_json(workdir / importer_lib.SUMMARY_FILE, "import summary")
 
@@ -80,6 +84,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
     workdir = pathlib.Path(workdir)
     logs.quiet_library_logs()
     source = settings.model.source
+    _check_method(settings)
     if not source:
         raise config_lib.ConfigError(
             "config.model.source is empty: set it to a Hugging Face folder, a .gguf file or "
@@ -118,19 +123,18 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         opt = step_lib.make_optimizer(settings.train.optimizer)
         v = settings.vectors
         t1 = time.time()
-        if v.estimate_v_examples:
-            ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
-            batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
-            batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
-            opt_state, n = sm_lib.estimate_opt_state(graphdef, params, opt, settings.train.optimizer, batches)
-            est_s = time.time() - t1
-            logging.info("estimated V from %d per-example gradients (seed %d) in %.1f s", n, v.estimate_v_seed, est_s)
-        else:
-            opt_state, n, est_s = opt.init(params), None, None
-            logging.warning(
-                "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
+        if getattr(v, sm_lib.SIZE_KEY[v.estimate_v_method]):
+            opt_state, record = sm_lib.estimate(
+                v, graphdef, params, opt, settings.train.optimizer, corpus, settings.data, tok, model_cfg.max_len
             )
-        record = _estimate_record(settings, n, est_s)
+            record["seconds"] = time.time() - t1
+            logging.info("estimated V (%s) in %.1f s: %s", v.estimate_v_method, record["seconds"], record)
+        else:
+            opt_state, record = opt.init(params), _no_estimate_record(settings)
+            logging.warning(
+                "vectors.%s=0: no V for the correction (build the index with vectors.correction=False)",
+                sm_lib.SIZE_KEY[v.estimate_v_method],
+            )
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, config_lib.to_dict(settings))  # step 0: the marker of a finished import
@@ -145,7 +149,6 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             "second_moment": record,
             "load_seconds": load_s,
             "wall_seconds": time.time() - t0,
-            "estimate_examples_per_sec": (n / est_s) if n and est_s else None,
         }
         files.atomic_write_json(workdir / importer_lib.SUMMARY_FILE, summary)
         return summary
