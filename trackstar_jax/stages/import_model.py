@@ -113,7 +113,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if not (tok_dir / "tokenizer.json").exists():
             tok.save(tok_dir)
         tok = checkpoint_lib.load_run_tokenizer(workdir)  # what later stages will use
-        loop_lib.report_truncation(corpus, tok, model_cfg.max_len)
+        truncation = loop_lib.report_truncation(corpus, tok, model_cfg.max_len)
 
         mesh = sharding_lib.make_mesh(settings.mesh.shape)
         graphdef, target = checkpoint_lib.abstract_state(
@@ -147,6 +147,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             "tokenizer_vocab_size": tok.vocab_size,
             "num_examples": len(corpus.examples),
             "second_moment": record,
+            "truncation": truncation,  # candidates longer than model.max_len tokens
             "load_seconds": load_s,
             "wall_seconds": time.time() - t0,
         }
