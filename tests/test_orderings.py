@@ -184,7 +184,7 @@ def test_top_overlap_and_log_factor_corr_against_hand_computation():
     assert got["kernels"] == 1 and got["median_rows_cols"] == [1.0, -1.0]
 
 
-@pytest.mark.slow  # ~85 s on the loaded 2-core VM beyond the module's evaluated run (two estimates, two indices)
+@pytest.mark.slow  # 94 s on the loaded 2-core VM beyond the module's evaluated run (two estimates, two indices)
 def test_v_estimates_on_the_tiny_evaluated_run(evaluated):
     workdir, _ = evaluated
     over = {
@@ -202,7 +202,7 @@ def test_v_estimates_on_the_tiny_evaluated_run(evaluated):
         c = rep["log_factor_corr"][m]
         assert c["kernels"] > 0 and all(-1 <= x <= 1 for x in c["median_rows_cols"])
         assert 0 <= rep["top10_overlap_with_true"][m]["exp4"] <= 1
-    assert (workdir / "vcheck_minibatch").is_dir()  # each V its own index
+    assert len(list(workdir.glob("vcheck_minibatch_*"))) == 1  # each V its own index
 
 
 # ---------------------------------------------------------------------------------------
@@ -237,7 +237,7 @@ def test_frozen_state_scales_only_the_named_tensor():
         v_2x2.frozen_state((st,), ["nope"])
 
 
-@pytest.mark.slow  # ~2-4 min beyond the module's evaluated run (a V estimate, an index, five tail-patch passes)
+@pytest.mark.slow  # 300 s on the loaded 2-core VM beyond the module's evaluated run (a V estimate, an index, 5 tail-patch passes)
 def test_v_2x2_on_the_tiny_evaluated_run(evaluated):
     workdir, table = evaluated
     over = {"estimate_v_source": "candidates", "estimate_v_batch_sequences": 8, "estimate_v_steps": 2}

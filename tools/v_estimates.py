@@ -12,7 +12,7 @@ B sequences per step, N steps) from the same source text, and prints one JSON ob
 - the top-10 overlap (mean over queries of |top10(est) ∩ top10(true)| / 10) of TrackStar
   (`methods.method("trackstar")`: corrected, R mixed, unit norm) retrieving with each V against
   TrackStar with the true V, and the same for Exp. 4 (corrected, no R); each V's index is built
-  under `<workdir>/vcheck_<estimate>` (reused on a rerun), queries from the finished
+  under `<workdir>/vcheck_<method>_<hash of the estimate>` (reused on a rerun with the same estimate), queries from the finished
   evaluation's `eval/queries.jsonl` (R_eval of the mixed row: the queries, as in LDS).
 
     python tools/v_estimates.py runs/trex_table1_tiny [--source=heldout] [--batch_sequences=16]
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import pathlib
 from typing import Any, Mapping, Sequence
@@ -59,6 +60,12 @@ def log_factor_corr(true_state: Any, est_state: Any) -> dict:
         "min_rows_cols": c.min(0).round(3).tolist(),
         "per_kernel": {p: [round(x, 3) for x in v] for p, v in per.items()},
     }
+
+
+def _short_hash(record: Mapping[str, Any]) -> str:
+    """8 hex digits of the estimate's record (timing left out): one index directory per estimate."""
+    body = json.dumps({k: v for k, v in record.items() if k != "seconds"}, sort_keys=True, default=str)
+    return hashlib.sha256(body.encode()).hexdigest()[:8]
 
 
 def top_overlap(a: np.ndarray, b: np.ndarray, k: int = K) -> float:
@@ -106,7 +113,7 @@ def report(workdir: pathlib.Path, vec_overrides: Mapping[str, Any], rows: Sequen
     scores: dict[str, dict[str, np.ndarray]] = {}
     for name, (opt_state, rec) in states.items():
         run_v = dataclasses.replace(run, opt_state=opt_state, opt_state_info=None if name == "true" else rec)
-        s_v = settings if name == "true" else settings.replace({"index.dir": f"vcheck_{name}"})
+        s_v = settings if name == "true" else settings.replace({"index.dir": f"vcheck_{name}_{_short_hash(rec)}"})
         ctx = rows_lib.Context(s_v, workdir, run_v, loaded.mesh)
         scores[name] = {r: rows_lib.make_retriever(methods_lib.method(r), ctx).scores(qs) for r in rows}
     return {
