@@ -59,6 +59,7 @@ def get_config(arg: str | None = None):
     c.tailpatch.methods = VERDICT_ROWS
     if arg == "tiny":
         c.data.max_examples = 80
+        c.model.max_len = 64  # the tiny test model's positions (SmolLM2's own: 8192)
         c.data.relations = ""
         c.vectors.num_blocks = 2
         c.vectors.proj_dim = 4  # d = 64
