@@ -2,22 +2,27 @@
 
 TrackStar's correction divides gradients by sqrt(V), V being the optimizer's running
 estimate of E[g^2]. A released model (Hugging Face folder, GGUF) has no optimizer state, so
-we estimate V from per-example gradients of the training objective over a seeded sample of
-the corpus, and store it in exactly the structure optax's Adafactor keeps (`v_row`, `v_col`,
-`v` of `scale_by_factored_rms`), so `features.preconditioner.from_opt_state` reads it like a
-pretraining checkpoint's state.
+we estimate V at the released weights and store it in exactly the structure optax's
+Adafactor keeps (`v_row`, `v_col`, `v` of `scale_by_factored_rms`), so
+`features.preconditioner.from_opt_state` reads it like a pretraining checkpoint's state.
+`estimate` runs one of `ESTIMATORS` (`vectors.estimate_v_method`) on the texts of
+`V_SOURCES` (`vectors.estimate_v_source`, never the candidates but by name):
 
-What is estimated: with `S = mean_n g_n^2` (g_n the gradient of example n's mean token loss,
-`training.step.loss_fn` on a batch of one), `v_row = mean(S, axis=d0) + eps`,
-`v_col = mean(S, axis=d1) + eps` for a factored matrix (optax's `_factored_dims` rule:
-d0 the largest axis, both at least `min_dim_size_to_factor`) and `v = S + eps` otherwise.
-This is exactly the state `optax.adafactor(decay_rate=1.0)` holds after one update per
-example: with exponent 1 its decay `1 - (t+1)^-1 = t / (t+1)` makes every accumulator the
-running MEAN of `g^2 + eps` over the updates (tests/test_second_moment.py checks this).
-
-Limits: per-example gradients, not pretraining batch gradients, so V is E[g^2] of single
-examples (mean^2 + variance) rather than of 1024-example batches (mean^2 + variance / 1024);
-the correction is unchanged by a global scale (unit normalisation), not by this shape change.
+- "minibatch" (the default; `minibatch_opt_state`): V as the optimizer holds it: optax's own
+  `scale_by_factored_rms` (the run's decay schedule and factoring) updated N times with the
+  minibatch-mean gradient of B sequences (accumulated), weights fixed. E[g_B^2] = mu^2 +
+  sigma^2 / B, as in pretraining; limits: B and N are what a CPU affords (SmolLM2's steps held
+  ~1M tokens), and the pretraining V averages along the training trajectory, this one at the
+  final weights. `SECOND_MOMENT_RULES["adam"]` gives Adam's `nu` the same way (not wired into
+  the import; `preconditioner.adam_effective_v`).
+- "per_example" (`mean_squared_grads`, `factored_state`): with `S = mean_n g_n^2` (g_n the
+  gradient of example n's mean token loss, `training.step.loss_fn` on a batch of one),
+  `v_row = mean(S, axis=d0) + eps`, `v_col = mean(S, axis=d1) + eps` for a factored matrix
+  (optax's `_factored_dims` rule: d0 the largest axis, both at least `min_dim_size_to_factor`)
+  and `v = S + eps` otherwise: exactly the state `optax.adafactor(decay_rate=1.0)` holds after
+  one update per example (its decay `t / (t+1)` makes every accumulator a running MEAN;
+  tests/test_second_moment.py checks both). E[g^2] of single examples is mu^2 + sigma^2, off
+  from the optimizer's by up to B per parameter, which unit normalisation does not remove.
 """
 
 from __future__ import annotations
