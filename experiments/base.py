@@ -43,7 +43,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.seqio_split = "train"  # split of the seqio Task
     c.data.seqio_module = ""  # module to import so that the seqio Task is registered
     c.data.relations = ""  # comma-separated LAMA relation ids to read ("" = all)
-    c.data.max_examples = 0  # cap on corpus size (0 = no cap)
+    c.data.max_examples = 0  # cap on corpus size (0 = no cap; LAMA: a fact that would exceed it is skipped)
+    # LAMA: evidence sentences kept per fact (0 = all), a seeded choice (data.evidence_seed); the
+    # shared T-REx files have a median of 2 per fact, 90% of facts <= 7, but up to 1,832: 8 keeps
+    # every sentence of most facts and stops one fact from crowding out hundreds (BUILD_NOTES §2)
+    c.data.max_evidence_per_fact = 8
+    c.data.evidence_seed = 0  # seed of that choice (a hash of seed, fact and sentence: no file order)
     c.data.embedded = ml_collections.ConfigDict()  # the seeded fact-corpus generator
     c.data.embedded.num_entities = 200
     c.data.embedded.num_facts = 120
@@ -100,9 +105,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # (one layer's per-example gradient materialised at a time), False its rank-one factorisation
     c.vectors.exact_v = False
     c.vectors.batch_size = 32  # examples per featurize step (global)
-    c.vectors.estimate_v_examples = (
-        256  # imported models (no optimizer state): corpus examples whose per-example grads estimate V
-    )
+    # imported models (no optimizer state): how V is estimated (training/second_moment.py).
+    # "minibatch": the optimizer's own V, an Adafactor EMA (train.decay_rate, its factoring) over
+    # estimate_v_steps steps of estimate_v_batch_sequences-sequence minibatch gradients |
+    # "per_example": the mean of squared per-example gradients of estimate_v_examples texts
+    c.vectors.estimate_v_method = "minibatch"
+    # text of the estimate: "heldout" (data.eval_fraction's passages) | "candidates" |
+    # "lama:<relations>" (other T-REx relations) | "file:<path>" (.txt / .jsonl); never the candidates but by name
+    c.vectors.estimate_v_source = "heldout"
+    c.vectors.estimate_v_examples = 256  # per_example: texts whose gradients estimate V (0: none)
+    c.vectors.estimate_v_batch_sequences = 64  # minibatch: sequences per step (B; accumulated by vectors.batch_size)
+    c.vectors.estimate_v_steps = 16  # minibatch: steps (N; 0: no estimate)
     c.vectors.estimate_v_seed = 0  # seed of that sample
     # float32 GEMMs of the featurize step: "float32" (exact on every chip) | "tf32" | "bf16"
     # (on a CPU bf16 rounds the model's operands itself; a bf16 model's GEMMs are bf16 whatever

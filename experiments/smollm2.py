@@ -6,7 +6,9 @@
 
 The model section is filled from the GGUF (llama arch, 30 layers x 576, 9 query / 3 key-value
 heads, vocab 49152, tied embeddings): leave its shape keys at base.py's defaults. V for the
-correction is estimated at import from per-example gradients of 64 corpus passages.
+correction is estimated at import from per-example gradients of 64 corpus passages (the
+embedded corpus has no other text of its kind; experiments/smollm2_trex.py estimates the
+optimizer's own V from text that is not the candidates).
 """
 
 from experiments import base
@@ -20,6 +22,8 @@ def get_config(arg: str | None = None):
     c.vectors.num_blocks = 8  # 30 layers -> 8 consecutive-layer blocks, attention and MLP apart
     c.vectors.proj_dim = 16  # d = 2 * 8 * 16^2 = 4096
     c.vectors.batch_size = 8
+    c.vectors.estimate_v_method = "per_example"  # the demo's corpus is all candidates: no held-out text
+    c.vectors.estimate_v_source = "candidates"
     c.vectors.estimate_v_examples = 64
     c.hessian.lambda_component_fraction = 64 / 4096
     c.index.chunk_rows = 64

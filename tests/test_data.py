@@ -267,6 +267,42 @@ def test_lama_reader_on_a_small_copy(tmp_path):
         data.build_corpus(config_lib.section("data", dict(cfg, relations="P99")), 0)
 
 
+def test_lama_evidence_cap_is_seeded_and_skips_an_oversized_fact(tmp_path):
+    """At most `data.max_evidence_per_fact` sentences per fact, chosen by a seeded hash of the
+    fact and sentence (not by file order); a fact over `data.max_examples` is skipped, not the
+    end of reading; the corpus' info reports evidence per fact."""
+    many = [("Oslo", f"Ann Lee lived in [MASK] in {1900 + i}.") for i in range(40)]
+    rows = {
+        "P19": [
+            _fact("a", "Ann Lee", "Oslo", "P19", many),
+            _fact("b", "Bo Wu", "Rome", "P19", [("Rome", f"Bo Wu left [MASK] in {2000 + i}.") for i in range(6)]),
+            _fact("c", "Cy Ng", "Pisa", "P19", [("Pisa", "Cy Ng was born in [MASK].")]),
+        ]
+    }
+    _write_lama(tmp_path / "fwd", rows)
+    rev = {"P19": [dict(rows["P19"][0], evidences=rows["P19"][0]["evidences"][::-1]), *rows["P19"][1:]]}
+    _write_lama(tmp_path / "rev", rev)
+    cfg = {"source": "lama", "eval_fraction": 0.0, "max_evidence_per_fact": 3}
+    fwd = data.build_corpus(config_lib.section("data", dict(cfg, path=str(tmp_path / "fwd"))), 0)
+    back = data.build_corpus(config_lib.section("data", dict(cfg, path=str(tmp_path / "rev"))), 0)
+    kept = {fwd.texts[i] for i in fwd.facts[0].evidence_ids}
+    assert len(kept) == 3 and kept == {back.texts[i] for i in back.facts[0].evidence_ids}  # order-free
+    other = data.build_corpus(config_lib.section("data", dict(cfg, path=str(tmp_path / "fwd"), evidence_seed=1)), 0)
+    assert {other.texts[i] for i in other.facts[0].evidence_ids} != kept  # the seed chooses
+    info = fwd.info["lama"]
+    assert (info["evidence_dropped"], info["facts_skipped"]) == (37 + 3, 0)
+    assert info["evidence_per_fact"]["histogram"] == {"1": 1, "3": 2, "8+": 0}
+    # max_examples = 5: a (3) fits, b (3 more) would overflow and is skipped, c (1) still fits
+    capped = data.build_corpus(config_lib.section("data", dict(cfg, path=str(tmp_path / "fwd"), max_examples=5)), 0)
+    assert [f.fact_id for f in capped.facts] == ["a", "c"] and capped.info["lama"]["facts_skipped"] == 1
+    assert len(capped.texts) == 4
+    # no cap: every sentence, as before
+    whole = data.build_corpus(
+        config_lib.section("data", dict(cfg, path=str(tmp_path / "fwd"), max_evidence_per_fact=0)), 0
+    )
+    assert len(whole.facts[0].evidence_ids) == 40 and whole.info["lama"]["evidence_dropped"] == 0
+
+
 def test_lama_reader_names_bad_evidence(tmp_path):
     _write_lama(tmp_path, {"P19": [_fact("a", "A", "B", "P19", [("B", "no mask here")])]})
     with pytest.raises(ValueError, match=r"evidence 0 of fact a at .*P19\.jsonl\.gz:1 has no \[MASK\]"):
@@ -286,9 +322,12 @@ def test_lama_reader_on_shared_data(shared_data):
     with gzip.open(lama / "TREx" / "P19.jsonl.gz", "rt") as f:
         for line in list(f)[:200]:
             r = json.loads(line)
-            want = {e["masked_sentence"].replace("[MASK]", e["obj_surface"]).strip() for e in r["evidences"]} - held
+            every = {e["masked_sentence"].replace("[MASK]", e["obj_surface"]).strip() for e in r["evidences"]}
             got = {c.texts[i] for i in by_uuid[r["uuid"]].evidence_ids}
-            assert got == want
+            if len(every) <= 8:  # data.max_evidence_per_fact's default: all of them
+                assert got == every - held
+            else:  # 8 of them, chosen by the seeded hash
+                assert got <= every and len(got | (every & held)) >= 8 - len(every & held)
             assert by_uuid[r["uuid"]].evidence_ids  # a fact never loses all of its gold passages
 
 

@@ -89,7 +89,8 @@ def _config(folder):
 
     c = tiny.get_config()
     c.model.source = str(folder)
-    c.vectors.estimate_v_examples = 24
+    c.vectors.estimate_v_batch_sequences = 6  # minibatch (the default): V from 3 steps of 6 held-out passages
+    c.vectors.estimate_v_steps = 3
     c.vectors.estimate_v_seed = 5
     c.vectors.batch_size = 8
     return c
@@ -107,11 +108,25 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
         1e-5,
         str(hf_folder),
     )
-    assert summary["second_moment"]["kind"] == "estimated" and summary["second_moment"]["num_examples"] == 24
+    rec = summary["second_moment"]
+    assert (
+        rec["kind"],
+        rec["estimate_v_method"],
+        rec["estimate_v_source"],
+        rec["num_steps"],
+        rec["num_sequences"],
+    ) == (
+        "estimated",
+        "minibatch",
+        "heldout",
+        3,
+        18,
+    )
+    assert rec["num_dropped_candidates"] == 0 and rec["decay_rate"] == c.train.decay_rate
 
     run = stages.load_run(workdir)
     assert isinstance(run.tokenizer, hf_tokenizer.HFTokenizer) and run.step == 0
-    assert run.opt_state_info["estimate_v_examples"] == 24 and run.opt_state_info["estimate_v_seed"] == 5
+    assert run.opt_state_info["estimate_v_batch_sequences"] == 6 and run.opt_state_info["estimate_v_seed"] == 5
     _, want = hf_lib.load_hf(hf_folder, max_len=c.model.max_len)
     for p, x in lm.flat_params(want).items():
         np.testing.assert_array_equal(np.asarray(lm.flat_params(run.params)[p]), x, err_msg=p)
@@ -142,12 +157,12 @@ def test_import_build_index_retrieve(hf_folder, tmp_path):
     stages.build_index(settings, workdir)
     man = store.read_manifest(build.index_dir(settings.index, workdir))
     sm = man["model"]["second_moment"]
-    assert (sm["kind"], sm["estimate_v_examples"], sm["estimate_v_seed"], sm["num_examples"]) == (
+    assert (sm["kind"], sm["estimate_v_steps"], sm["estimate_v_batch_sequences"], sm["num_sequences"]) == (
         "estimated",
-        24,
-        5,
-        24,
-    )
+        3,
+        6,
+        18,
+    )  # B, N, the source and the counts are part of the index identity
     assert man["storage"]["num_rows"] == len(run.corpus.examples)
     queries = [retrieval_stage.TextQuery("q0", "The capital of", " Paris"), retrieval_stage.TextQuery("q1", "A", " b")]
     recs, _ = retrieval_stage.retrieve_queries(run, settings, workdir, queries, k=5)
@@ -201,16 +216,38 @@ def test_refusals(hf_folder, tmp_path):
 
 def test_no_estimate_refuses_the_correction(hf_folder, tmp_path):
     c = _config(hf_folder)
-    c.vectors.estimate_v_examples = 0
+    c.vectors.estimate_v_steps = 0
     workdir = tmp_path / "run"
     stages.import_model(config_lib.from_configdict(c), workdir)
     run = stages.load_run(workdir)
     assert run.opt_state is None and run.opt_state_info["kind"] == "none"
     with pytest.raises(ValueError, match="vectors.correction=False"):
         stages.build_index(config_lib.from_configdict(c), workdir)
-    c.vectors.estimate_v_examples = 8  # a different estimate on a finished import is refused, not redone
-    with pytest.raises(config_lib.ConfigError, match="estimate_v_examples=8"):
+    c.vectors.estimate_v_steps = 8  # a different estimate on a finished import is refused, not redone
+    with pytest.raises(config_lib.ConfigError, match="estimate_v_steps=8"):
         stages.import_model(config_lib.from_configdict(c), workdir)
+    c.vectors.estimate_v_steps = 0
+    c.vectors.estimate_v_source = "candidates"  # so is another source
+    with pytest.raises(config_lib.ConfigError, match="estimate_v_source=candidates"):
+        stages.import_model(config_lib.from_configdict(c), workdir)
+
+
+def test_per_example_estimate_from_a_file_source(hf_folder, tmp_path):
+    """The per-example method stays an option; a file source is read and never holds candidates."""
+    c = _config(hf_folder)
+    src = tmp_path / "v_text.txt"
+    cands = data_lib.build_corpus(config_lib.from_configdict(c).data, 0).texts
+    src.write_text("\n".join(["The cat sat on the mat.", "Paris is a city.", cands[0]]) + "\n")
+    c.vectors.estimate_v_method = "per_example"
+    c.vectors.estimate_v_source = f"file:{src}"
+    c.vectors.estimate_v_examples = 8
+    rec = stages.import_model(config_lib.from_configdict(c), tmp_path / "run")["second_moment"]
+    assert (rec["estimate_v_method"], rec["num_examples"], rec["num_source_texts"], rec["num_dropped_candidates"]) == (
+        "per_example",
+        2,
+        2,
+        1,
+    )
 
 
 @pytest.mark.slow  # ~140 s on the shared 2-core CPU (train + completions + index compiles)

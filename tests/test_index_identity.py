@@ -68,7 +68,13 @@ def test_only_identity_keys_change_the_identity():
         other = {
             bool: lambda v: not v,
             int: lambda v: v + 1,
-            str: lambda v: {"loss": "margin", "fast": "reference", "float32": "tf32"}[v],
+            str: lambda v: {
+                "loss": "margin",
+                "fast": "reference",
+                "float32": "tf32",
+                "minibatch": "per_example",  # V's settings enter through the run's record (opt_state_info)
+                "heldout": "candidates",
+            }[v],
         }
         changed = dataclasses.replace(vec_cfg, **{field: other[type(value)](value)})
         assert (ident(_manifest(model_cfg, changed)) != base) == (cls == build_lib.IDENTITY), key

@@ -301,7 +301,7 @@ def test_import_build_index_retrieve(tmp_path):
     c = _stage_config(tmp_path)
     workdir = tmp_path / "run"
     summary = stages.import_model(config_lib.from_configdict(c), workdir)
-    assert summary["second_moment"]["kind"] == "optimizer" and summary["second_moment"]["count"] == 4
+    assert summary["second_moment"]["kind"] == "checkpoint" and summary["second_moment"]["count"] == 4
     run = stages.load_run(workdir)
     want = _load("scanned")
     for path, x in lm.flat_params(want.params).items():

@@ -159,3 +159,94 @@ def test_rescoring_gives_back_the_tables_mrr(evaluated, tmp_path):
     assert set(rep["block_energy"]) == {"index", "index_loss_nocorr", "index_trak_nocorr"}
     # the cached matrices give the same report without the run
     assert orderings.report(workdir, scores=True, cache=cache, score_rows=rows, sizes=(5, 10**9))["rescored"] == got
+
+
+# ---------------------------------------------------------------------------------------
+# tools/v_estimates.py: both estimates of V against the tiny run's own Adafactor V
+# ---------------------------------------------------------------------------------------
+
+import v_estimates  # noqa: E402
+
+
+def test_top_overlap_and_log_factor_corr_against_hand_computation():
+    a = np.array([[5.0, 4, 3, 2, 1], [1, 2, 3, 4, 5]])
+    b = np.array([[5.0, 1, 3, 2, 4], [5, 4, 3, 2, 1]])
+    assert v_estimates.top_overlap(a, b, k=2) == pytest.approx((1 / 2 + 0) / 2)  # {0,1}&{0,4}; {4,3}&{0,1}
+    from trackstar_jax.training import second_moment as sm
+
+    st = sm.FactoredState(
+        count=0, v_row={"w": np.array([1.0, 2.0, 4.0])}, v_col={"w": np.array([3.0, 1.0])}, v={"w": np.zeros(1)}
+    )
+    est = st._replace(
+        v_row={"w": np.array([2.0, 4.0, 8.0])}, v_col={"w": np.array([1.0, 3.0])}
+    )  # rows x2; cols swapped
+    got = v_estimates.log_factor_corr(st, est)
+    assert got["kernels"] == 1 and got["median_rows_cols"] == [1.0, -1.0]
+
+
+@pytest.mark.slow  # 94 s on the loaded 2-core VM beyond the module's evaluated run (two estimates, two indices)
+def test_v_estimates_on_the_tiny_evaluated_run(evaluated):
+    workdir, _ = evaluated
+    over = {
+        "estimate_v_source": "candidates",  # the tiny run holds out 4 passages; its training text is the candidates
+        "estimate_v_batch_sequences": 8,
+        "estimate_v_steps": 3,
+        "estimate_v_examples": 16,
+    }
+    rep = v_estimates.report(workdir, over, ["exp4"])
+    assert set(rep["estimates"]) == {"per_example", "minibatch"}
+    assert (
+        rep["estimates"]["minibatch"]["num_sequences"] == 24 and rep["estimates"]["per_example"]["num_examples"] == 16
+    )
+    for m in ("per_example", "minibatch"):
+        c = rep["log_factor_corr"][m]
+        assert c["kernels"] > 0 and all(-1 <= x <= 1 for x in c["median_rows_cols"])
+        assert 0 <= rep["top10_overlap_with_true"][m]["exp4"] <= 1
+    assert len(list(workdir.glob("vcheck_minibatch_*"))) == 1  # each V its own index
+
+
+# ---------------------------------------------------------------------------------------
+# tools/v_2x2.py: scoring V x step V on the tiny evaluated run
+# ---------------------------------------------------------------------------------------
+
+import v_2x2  # noqa: E402
+
+
+def test_sign_factor_names_the_factor_that_flips_the_sign():
+    a, b = v_2x2.V_KINDS
+    cells = lambda aa, ab, ba, bb: {(a, a): aa, (a, b): ab, (b, a): ba, (b, b): bb}  # noqa: E731  (scoring, step)
+    assert v_2x2.sign_factor(cells(-1, 1, -1, 1)) == "step"
+    assert v_2x2.sign_factor(cells(-1, -1, 1, 1)) == "scoring"
+    assert v_2x2.sign_factor(cells(-1, -1, -1, -1)) == "neither"
+    assert v_2x2.sign_factor(cells(-1, 1, 1, 1)) == "both"
+
+
+def test_frozen_state_scales_only_the_named_tensor():
+    from trackstar_jax.training import second_moment as sm
+
+    st = sm.FactoredState(
+        count=np.int32(3),
+        v_row={"embed": np.zeros(1), "w": np.ones(4)},
+        v_col={"embed": np.zeros(1), "w": np.ones(5)},
+        v={"embed": np.full((6, 2), 2.0), "w": np.zeros(1)},
+    )
+    out = v_2x2.frozen_state((st,), ["embed"])[0]
+    np.testing.assert_array_equal(out.v["embed"], 2.0 * v_2x2.FREEZE_SCALE)
+    np.testing.assert_array_equal(out.v_col["w"], 1.0) and np.testing.assert_array_equal(out.v_row["w"], 1.0)
+    with pytest.raises(ValueError, match="no Adafactor"):
+        v_2x2.frozen_state((st,), ["nope"])
+
+
+@pytest.mark.slow  # 300 s on the loaded 2-core VM beyond the module's evaluated run (a V estimate, an index, 5 tail-patch passes)
+def test_v_2x2_on_the_tiny_evaluated_run(evaluated):
+    workdir, table = evaluated
+    over = {"estimate_v_source": "candidates", "estimate_v_batch_sequences": 8, "estimate_v_steps": 2}
+    rep = v_2x2.report(workdir, over, max_queries=6, freeze=["embed"], rows=("exp2", "exp4"))
+    assert len(rep["cells"]) == 5 and rep["tailpatched_queries"] == 6
+    base = rep["cells"]["scoring=per_example, step=per_example"]["tailpatch_at_10"]
+    for r in table["rows"]:  # the evaluation's own V and lists: its own tail-patch values
+        if r["method"] in base:
+            assert base[r["method"]] == pytest.approx(r["tailpatch_at_10"], rel=1e-9, abs=1e-12)
+    frozen = rep["cells"]["scoring=per_example, step=per_example, frozen=embed"]["tailpatch_at_10"]
+    assert frozen != base  # the embedding's update mattered
+    assert rep["sign"]["exp4 - exp2"]["sign_set_by"] in ("scoring", "step", "both", "neither")

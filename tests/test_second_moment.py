@@ -116,3 +116,112 @@ def test_no_examples_is_a_clear_error():
 
     with pytest.raises(ValueError, match="at least one example"):
         sm.mean_squared_grads(graphdef, nnx.to_pure_dict(state), [])
+
+
+# --- V as the optimizer holds it: EMA of squared minibatch-mean gradients (issue 57) ---
+
+
+def _model():
+    from flax import nnx
+
+    graphdef, state = lm.split_model(lm.make_model(CFG, seed=3))
+    return graphdef, nnx.to_pure_dict(state)
+
+
+def _whole_minibatch_grad(graphdef, params, examples, ids):
+    """Reference: `jax.grad` of `loss_fn` on one batch holding the whole minibatch (no accumulation)."""
+    (batch,) = list(_batches([examples[i] for i in ids], len(ids)))
+    batch = {k: jnp.asarray(v) for k, v in batch.items() if k != "example_id"}
+    return jax.jit(jax.grad(lambda p, b: step_lib.loss_fn(p, graphdef, b)[0]))(params, batch)
+
+
+STEPS = [[0, 1, 2, 3], [4, 5, 6, 0], [1, 3, 5, 6]]  # N = 3 steps of B = 4 sequences
+
+
+def _micro(examples, steps, micro):
+    """Each step's minibatch in micro-batches of `micro` rows (accumulated by the estimator)."""
+    return ([dict(b) for b in _batches([examples[i] for i in ids], micro)] for ids in steps)
+
+
+def test_minibatch_estimate_is_a_plain_adafactor_ema_of_minibatch_gradients():
+    min_dim, decay = 20, 0.8
+    graphdef, params = _model()
+    examples = _examples(7, seed=1)
+    opt_cfg = step_lib.OptimizerConfig(min_dim_size_to_factor=min_dim, decay_rate=decay)
+    rule = sm.SECOND_MOMENT_RULES["adafactor"](opt_cfg, 0.0)
+    ours, n = sm.minibatch_opt_state(graphdef, params, rule, _micro(examples, STEPS, micro=3))  # 3 + 1(+2 pad)
+    assert n == 3 and int(ours.count) == 3
+
+    # Independent reference: the EMA written out, on whole-minibatch gradients, for every leaf.
+    trees = [_whole_minibatch_grad(graphdef, params, examples, ids) for ids in STEPS]
+    grads = [lm.flat_params(g) for g in trees]
+    checked = 0
+    for path, p in lm.flat_params(params).items():
+        v_row = v_col = v = 0.0
+        for t, g in enumerate(grads):
+            beta = 1.0 - (t + 1.0) ** -decay  # optax's decay_rate_pow at count t (0 at the first step)
+            g2 = np.asarray(g[path], np.float64) ** 2 + sm.EPSILON
+            if p.ndim == 2 and min(p.shape) >= min_dim:
+                d0 = 1 if p.shape[1] >= p.shape[0] else 0  # the larger axis (the last on a tie): v_row averages it out
+                v_row = beta * v_row + (1 - beta) * g2.mean(axis=d0)
+                v_col = beta * v_col + (1 - beta) * g2.mean(axis=1 - d0)
+            else:
+                v = beta * v + (1 - beta) * g2
+        got = {f: np.asarray(lm.flat_params(getattr(ours, f))[path]) for f in ("v_row", "v_col", "v")}
+        if p.ndim == 2 and min(p.shape) >= min_dim:
+            np.testing.assert_allclose(got["v_row"], v_row, rtol=2e-4, err_msg=path)
+            np.testing.assert_allclose(got["v_col"], v_col, rtol=2e-4, err_msg=path)
+            checked += 1
+        else:
+            np.testing.assert_allclose(got["v"], v, rtol=2e-4, err_msg=path)
+    assert checked >= 2
+    # ... and it is the state optax's own adafactor holds after the same steps at learning rate 0
+    ref_tx = optax.adafactor(learning_rate=0.0, decay_rate=decay, min_dim_size_to_factor=min_dim)
+    ref = ref_tx.init(params)
+    for g in trees:
+        _, ref = ref_tx.update(g, ref, params)
+    (fs,) = [s for s in ref if isinstance(s, sm.FactoredState)]
+    for f in ("v_row", "v_col", "v"):
+        for path, want in lm.flat_params(getattr(fs, f)).items():
+            np.testing.assert_allclose(
+                np.asarray(lm.flat_params(getattr(ours, f))[path]), np.asarray(want), rtol=2e-4, err_msg=path
+            )
+
+
+def test_minibatch_v_is_not_the_per_example_mean():
+    """B > 1: the minibatch V (mu^2 + sigma^2/B) is below the per-example one (mu^2 + sigma^2)."""
+    graphdef, params = _model()
+    examples = _examples(8, seed=2)
+    opt_cfg = step_lib.OptimizerConfig(min_dim_size_to_factor=1000)  # every leaf keeps a full v
+    rule = sm.SECOND_MOMENT_RULES["adafactor"](opt_cfg, 0.0)
+    steps = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    mb, _ = sm.minibatch_opt_state(graphdef, params, rule, _micro(examples, steps, micro=2))
+    per_ex, _ = sm.mean_squared_grads(graphdef, params, _batches(examples, 4))
+    ratio = [
+        float(np.mean(np.asarray(x)) / np.mean(np.asarray(y)))
+        for x, y in zip(jax.tree.leaves(mb.v), jax.tree.leaves(per_ex))
+    ]
+    assert np.median(ratio) < 0.7
+
+
+def test_adam_rule_and_effective_v_are_adams_own_preconditioner():
+    b2, eps = 0.95, 1e-8
+    graphdef, params = _model()
+    examples = _examples(7, seed=4)
+    rule = sm.SECOND_MOMENT_RULES["adam"](None, b2)
+    ours, n = sm.minibatch_opt_state(graphdef, params, rule, _micro(examples, STEPS, micro=2))
+    grads = [_whole_minibatch_grad(graphdef, params, examples, ids) for ids in STEPS]
+    nu = jax.tree.map(lambda x: np.zeros(x.shape), params)
+    for g in grads:  # Adam's EMA written out
+        nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * np.asarray(x, np.float64) ** 2, nu, g)
+    assert isinstance(ours, optax.ScaleByAdamState) and n == 3
+    for a, b in zip(jax.tree.leaves(ours.nu), jax.tree.leaves(nu)):
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4)
+    # optax's Adam update (b1 = 0, so the update is g / (sqrt(nu_hat) + eps)) equals g / sqrt(V_eff)
+    tx = optax.scale_by_adam(b1=0.0, b2=b2, eps=eps)
+    st = tx.init(params)
+    for g in grads:
+        upd, st = tx.update(g, st, params)
+    v_eff = pc.adam_effective_v(st.nu, st.count, b2, eps)
+    for u, g, v in zip(jax.tree.leaves(upd), jax.tree.leaves(grads[-1]), jax.tree.leaves(v_eff)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(g) / np.sqrt(np.asarray(v)), rtol=1e-4, atol=1e-12)

@@ -65,10 +65,11 @@ def build_corpus(cfg: DataConfig, seed: int = 0) -> Corpus:
         return embedded.generate_embedded(cfg.embedded, seed, cfg.eval_fraction, cfg.max_examples)
     templates, info = {}, {}
     if cfg.source == "lama":
-        texts, facts = _read_lama(cfg)
+        texts, facts, lama_info = _read_lama(cfg)
         name = f"lama:{cfg.path}"
         if cfg.statements_per_fact or cfg.eval_fact_fraction or cfg.templates_file:
             texts, facts, templates, info = _with_statements(cfg, texts, facts)
+        info = {**info, "lama": lama_info}
     elif cfg.source in ("text", "jsonl"):
         texts, facts = _read_text_files(cfg), []
         name = f"{cfg.source}:{cfg.path}"
@@ -222,12 +223,49 @@ def _read_text_files(cfg: DataConfig) -> list[str]:
     return texts
 
 
-def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
-    """LAMA T-REx: passages (deduplicated, first-seen order) and facts with gold evidence.
+def _keep_evidence(passages: list[str], fact_id: str, cap: int, seed: int) -> list[str]:
+    """The distinct `passages` of one fact, at most `cap` (0: all) of them: those with the
+    smallest `_unit_hash(seed, fact_id, passage)`, in their first-seen order. The choice
+    depends on the fact and its sentences only, not on the file's order or other facts."""
+    distinct = list(dict.fromkeys(passages))
+    if not cap or len(distinct) <= cap:
+        return distinct
+    keep = set(sorted(distinct, key=lambda p: _unit_hash(seed, fact_id, p))[:cap])
+    return [p for p in distinct if p in keep]
 
-    Facts are visited round-robin over the selected relation files, so that a
-    `max_examples` cap keeps every relation; the cap stops before the fact that would
-    exceed it (so every kept fact keeps all of its evidence).
+
+def evidence_report(counts: Sequence[int]) -> dict:
+    """`{"facts", "mean", "median", "max", "histogram"}` of evidence passages per fact
+    (histogram: `{"1": facts with one, ..., "8+": ...}`)."""
+    c = np.asarray(counts, np.int64)
+    if c.size == 0:
+        return {"facts": 0}
+    hist = {str(k): int(np.sum(c == k)) for k in range(0, 8) if np.any(c == k)}
+    hist["8+"] = int(np.sum(c >= 8))
+    return {
+        "facts": int(c.size),
+        "mean": float(c.mean()),
+        "median": float(np.median(c)),
+        "max": int(c.max()),
+        "histogram": hist,
+    }
+
+
+def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact], dict]:
+    """LAMA T-REx: passages (deduplicated, first-seen order), facts with gold evidence, and a
+    report of what was kept.
+
+    Each fact keeps at most `max_evidence_per_fact` of its distinct evidence sentences (a
+    seeded choice, `_keep_evidence`): one fact can carry hundreds (up to ~1,800 in the shared
+    files), which would otherwise crowd out every other fact. Facts are visited round-robin
+    over the selected relation files, so that a `max_examples` cap keeps every relation; a
+    fact whose new passages would exceed it is skipped (counted), and reading stops once the
+    cap is reached exactly or the files end. Every kept fact keeps all of its kept evidence.
+
+    Returns:
+      `(texts, facts, info)`; `info`: `max_evidence_per_fact`, `evidence_seed`,
+      `evidence_dropped` (sentences the cap left out), `facts_skipped` (over `max_examples`),
+      `evidence_per_fact` (`evidence_report` of the kept facts).
     """
     root = pathlib.Path(cfg.path)
     trex = root / "TREx" if (root / "TREx").is_dir() else root
@@ -244,10 +282,23 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
         streams.append([(f"{f}:{ln}", line) for ln, line in files_lib.read_lines(f) if line.strip()])
     ids: dict[str, int] = {}
     facts: list[Fact] = []
+    dropped = skipped = 0
+
+    def report() -> dict:
+        return {
+            "max_evidence_per_fact": cfg.max_evidence_per_fact,
+            "evidence_seed": cfg.evidence_seed,
+            "evidence_dropped": dropped,
+            "facts_skipped": skipped,
+            "evidence_per_fact": evidence_report([len(f.evidence_ids) for f in facts]),
+        }
+
     for row in range(max((len(s) for s in streams), default=0)):
         for stream in streams:
             if row >= len(stream):
                 continue
+            if cfg.max_examples and len(ids) >= cfg.max_examples:
+                return list(ids), facts, report()
             where, line = stream[row]
             try:
                 rec = json.loads(line)
@@ -261,23 +312,27 @@ def _read_lama(cfg: DataConfig) -> tuple[list[str], list[Fact]]:
                 passages.append(check_passage(ms.replace("[MASK]", ev["obj_surface"]), f"{where} evidence {j}"))
                 obj_aliases.append(ev["obj_surface"])
                 sub_aliases.append(ev.get("sub_surface", rec["sub_label"]))
-            new = [p for p in dict.fromkeys(passages) if p not in ids]
+            fact_id = str(rec.get("uuid", f"{rec['predicate_id']}:{rec['sub_uri']}:{rec['obj_uri']}"))
+            kept = _keep_evidence(passages, fact_id, cfg.max_evidence_per_fact, cfg.evidence_seed)
+            new = [p for p in kept if p not in ids]
             if cfg.max_examples and len(ids) + len(new) > cfg.max_examples:
-                return list(ids), facts
+                skipped += 1
+                continue
+            dropped += len(dict.fromkeys(passages)) - len(kept)
             for p in new:
                 ids[p] = len(ids)
             facts.append(
                 Fact(
-                    fact_id=str(rec.get("uuid", f"{rec['predicate_id']}:{rec['sub_uri']}:{rec['obj_uri']}")),
+                    fact_id=fact_id,
                     subject=rec["sub_label"],
                     relation=rec["predicate_id"],
                     object=rec["obj_label"],
                     object_aliases=tuple(dict.fromkeys(a for a in obj_aliases if a)),
                     subject_aliases=tuple(dict.fromkeys(a for a in sub_aliases if a)),
-                    evidence_ids=tuple(sorted({ids[p] for p in passages})),
+                    evidence_ids=tuple(sorted({ids[p] for p in kept})),
                 )
             )
-    return list(ids), facts
+    return list(ids), facts, report()
 
 
 # ---------------------------------------------------------------------------------------

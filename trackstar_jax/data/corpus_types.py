@@ -43,6 +43,8 @@ class DataConfig:
     seqio_module: str = ""
     relations: str = ""
     max_examples: int = 0
+    max_evidence_per_fact: int = 8
+    evidence_seed: int = 0
     embedded: EmbeddedConfig = EmbeddedConfig()
     tokenizer_model_type: str = "unigram"
     eval_fraction: float = 0.05
@@ -59,6 +61,8 @@ class DataConfig:
             raise ValueError(f"config.data.eval_fraction must be in [0, 1), got {self.eval_fraction}")
         if self.max_examples < 0:
             raise ValueError(f"config.data.max_examples must be >= 0, got {self.max_examples}")
+        if self.max_evidence_per_fact < 0:
+            raise ValueError(f"config.data.max_evidence_per_fact must be >= 0, got {self.max_evidence_per_fact}")
         if self.source in ("lama", "text", "jsonl") and not self.path:
             raise ValueError(f"config.data.path is required for config.data.source={self.source!r}")
         if self.statements_per_fact < 0:

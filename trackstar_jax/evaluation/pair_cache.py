@@ -8,13 +8,18 @@ resumes with the pairs it finished, and a later evaluation with other rows or qu
 sweep, more tail-patched queries) reuses every pair it shares.
 
 The file's `key` hashes what a delta depends on besides the pair: the model weights and
-optimizer state, the checkpoint step, the learning rate of the step and `model.max_len`.
+optimizer state (V, its step count), the checkpoint step, every optimizer setting the step
+runs with (`OptimizerConfig`: learning rate and schedule, decay, update clipping, parameter
+scaling, weight decay, factoring), the learning-rate override, `model.max_len`, and any
+variant of the step a caller runs (`variant`, e.g. a frozen embedding update): changing any of
+them starts another file instead of reusing pairs measured under other settings.
 A pair is keyed by its content (query prompt + target, proponent text), not by ids, so a
 changed query set or candidate set never reuses a wrong value.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import pathlib
@@ -56,12 +61,22 @@ class PairCache:
                 f.flush()
 
 
-def identity(run, lr_scale: float) -> dict:
-    """What a tail-patch delta depends on besides the pair (the cache file's key)."""
+def identity(run, lr_scale: float, variant: dict | None = None) -> dict:
+    """What a tail-patch delta depends on besides the pair (the cache file's key).
+
+    Args:
+      run: the loaded run (`checkpoint.Run`): weights, optimizer state, step, optimizer settings.
+      lr_scale: the learning-rate override's factor (`tailpatch.learning_rate_scale`).
+      variant: settings of a modified step (e.g. `{"frozen": ["embed/embedding"]}`); None: the plain step.
+    """
     tree = {"params": run.params, "opt_state": run.opt_state}
-    return {
+    out = {
         "model_fingerprint": manifest_lib.tree_fingerprint(tree),
         "checkpoint_step": int(run.step),
+        "optimizer": dataclasses.asdict(run.optimizer),
         "lr_scale": float(lr_scale),
         "max_len": int(run.model_cfg.max_len),
     }
+    if variant:
+        out["variant"] = variant
+    return out

@@ -60,9 +60,16 @@ class VectorConfig:
         which §3 leaves out, and, corrected, its vocab x d entries dominate the vector
         (`lm.UNEMBED`). No effect on tied models.
       batch_size: examples per featurize step (global; used by the pipeline).
-      estimate_v_examples: corpus examples whose per-example gradients estimate V for an
-        imported model, which ships no optimizer state (`training.second_moment`; 0 = none).
-      estimate_v_seed: seed of that sample.
+      estimate_v_method: how V is estimated for an imported model, which ships no optimizer
+        state (`training.second_moment.ESTIMATORS`): "minibatch" (the optimizer's own V: an
+        Adafactor EMA over `estimate_v_steps` steps of `estimate_v_batch_sequences`-sequence
+        minibatch gradients) or "per_example" (mean of squared per-example gradients).
+      estimate_v_source: the text V is estimated from (`second_moment.V_SOURCES`): "heldout",
+        "candidates", "lama:<relations>", "file:<path>".
+      estimate_v_examples: per_example: texts whose gradients estimate V (0 = no estimate).
+      estimate_v_batch_sequences: minibatch: sequences per step (B, accumulated in micro-batches of `batch_size`).
+      estimate_v_steps: minibatch: optimizer steps (N; 0 = no estimate).
+      estimate_v_seed: seed of the sample.
       matmul_precision: "float32" | "tf32" | "bf16": the precision of the step's float32 GEMMs
         (`runtime.MATMUL_PRECISIONS`; float32 = exact on every chip; on a CPU, "bf16" rounds
         the operands through the model's `matmul_dtype`, `PRECISION_BY_OPERANDS`, and "tf32"
@@ -78,7 +85,11 @@ class VectorConfig:
     exact_v: bool = False
     unembed: bool = False
     batch_size: int = 32
+    estimate_v_method: str = "minibatch"
+    estimate_v_source: str = "heldout"
     estimate_v_examples: int = 256
+    estimate_v_batch_sequences: int = 64
+    estimate_v_steps: int = 16
     estimate_v_seed: int = 0
     matmul_precision: str = "float32"
 
@@ -87,8 +98,11 @@ class VectorConfig:
             raise ValueError(
                 f"vectors.matmul_precision must be one of {tuple(runtime.MATMUL_PRECISIONS)}, got {self.matmul_precision!r}"
             )
-        if self.estimate_v_examples < 0:
-            raise ValueError(f"vectors.estimate_v_examples must be >= 0, got {self.estimate_v_examples}")
+        for field in ("estimate_v_examples", "estimate_v_steps"):
+            if getattr(self, field) < 0:
+                raise ValueError(f"vectors.{field} must be >= 0, got {getattr(self, field)}")
+        if self.estimate_v_batch_sequences < 1:
+            raise ValueError(f"vectors.estimate_v_batch_sequences must be >= 1, got {self.estimate_v_batch_sequences}")
         if self.output_fn not in grads_lib.OUTPUT_FNS:
             raise ValueError(f"vectors.output_fn must be one of {grads_lib.OUTPUT_FNS}, got {self.output_fn!r}")
         if self.path not in PATHS:
@@ -111,7 +125,10 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
 # The VectorConfig fields that may differ between featurizers sharing one pass (`shared_pass_error`):
 # the correction folds into the projections; output functions share the forward pass, each
 # with its own backward (`factored.factored_vectors`); the import-time keys do not enter the step.
-SHAREABLE_FIELDS = ("correction", "output_fn", "estimate_v_examples", "estimate_v_seed")
+SHAREABLE_FIELDS = (
+    "correction", "output_fn", "estimate_v_method", "estimate_v_source", "estimate_v_examples",
+    "estimate_v_batch_sequences", "estimate_v_steps", "estimate_v_seed",
+)  # fmt: skip
 
 
 def shared_pass_error(a: VectorConfig, b: VectorConfig) -> str | None:

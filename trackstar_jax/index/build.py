@@ -64,6 +64,10 @@ INDEX_KEYS = {
     "vectors.matmul_precision": FEATURIZER,  # the GEMMs' precision: the rows' bits (recorded when not float32)
     "vectors.estimate_v_examples": OTHER,  # import-time keys: the run's own record of V goes in instead
     "vectors.estimate_v_seed": OTHER,
+    "vectors.estimate_v_method": OTHER,
+    "vectors.estimate_v_source": OTHER,
+    "vectors.estimate_v_batch_sequences": OTHER,
+    "vectors.estimate_v_steps": OTHER,
 }
 
 

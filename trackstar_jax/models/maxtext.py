@@ -512,7 +512,7 @@ def load_maxtext(
     v_mt = {k: np.asarray(second_moment(x, count), np.float32) for k, x in nu.items()}
     v = map_tensors(v_mt, cfg, s, scanned, second_moment=True, where=where)
     record = {
-        "kind": "optimizer",
+        "kind": "checkpoint",
         "source": "maxtext",
         "method": "(sqrt(v_hat + adam_eps_root) + adam_eps)^2 of the checkpoint's Adam nu, v_hat bias-corrected "
         "at its count (features.preconditioner.adam_equivalent_v), mapped as the weights (models.maxtext)",

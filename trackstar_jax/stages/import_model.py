@@ -8,11 +8,12 @@ The run directory it writes is the one `stages.train` writes, so build_index, re
 evaluate run on it unchanged: `config.json` (the settings with the model section filled from
 the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in `tokenizer/`
 (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer state holds V
-estimated from per-example gradients (`training.second_moment`; `vectors.estimate_v_examples`,
-`vectors.estimate_v_seed`), described by `opt_state.json`. A source that carries its own
-optimizer state (a Hugging Face Trainer checkpoint's `optimizer.pt`) gives its real V instead
-(`training.optimizer_state`; no estimate is made). A finished import (its checkpoint exists)
-only reports.
+estimated as `vectors.estimate_v_method` says (`training.second_moment.estimate`: by default
+Adafactor's own V from minibatch gradients of text that is not the candidates), described by
+`opt_state.json` (the settings, the source, the counts). A source that carries its own optimizer
+state (a Hugging Face Trainer checkpoint's `optimizer.pt`, `training.optimizer_state`; a MaxText
+checkpoint's Adam `nu`, `models.maxtext`) gives its real V instead, recorded with kind
+"checkpoint" (no estimate is made). A finished import (its checkpoint exists) only reports.
 """
 
 from __future__ import annotations
@@ -41,19 +42,20 @@ from trackstar_jax.training import second_moment as sm_lib
 from trackstar_jax.training import step as step_lib
 
 
-def _estimate_record(settings: config_lib.Settings, n: int | None, seconds: float | None) -> dict:
+def _no_estimate_record(settings: config_lib.Settings) -> dict:
+    return {"kind": "none", **sm_lib.settings_record(settings.vectors)}
+
+
+def _check_method(settings: config_lib.Settings) -> None:
     v = settings.vectors
-    if not v.estimate_v_examples:
-        return {"kind": "none", "estimate_v_examples": 0, "estimate_v_seed": v.estimate_v_seed}
-    return {
-        "kind": "estimated",
-        "method": "mean of squared per-example gradients of training.step.loss_fn, "
-        "factored as optax.adafactor (training.second_moment)",
-        "estimate_v_examples": v.estimate_v_examples,
-        "estimate_v_seed": v.estimate_v_seed,
-        "num_examples": n,
-        "seconds": seconds,
-    }
+    if v.estimate_v_method not in sm_lib.ESTIMATORS:
+        raise config_lib.ConfigError(
+            f"config.vectors.estimate_v_method={v.estimate_v_method!r}: must be one of {sorted(sm_lib.ESTIMATORS)}"
+        )
+
+
+# An import made before `vectors.estimate_v_method` existed: per-example gradients of the candidates.
+_LEGACY = {"estimate_v_method": "per_example", "estimate_v_source": "candidates"}
 
 
 def _check_unfactored(settings: config_lib.Settings, params: Any) -> None:
@@ -86,14 +88,16 @@ def _report_finished(settings: config_lib.Settings, workdir: pathlib.Path) -> di
     """A finished import: check the config against it and return its summary (nothing is written)."""
     config_lib.check_matches_run(settings, workdir)
     info = checkpoint_lib.read_opt_state_info(workdir) or {}
-    if info.get("kind") == "checkpoint":  # the source's own V (optimizer_state): no estimate settings to compare
+    if info.get("kind") == "checkpoint":  # the source's own V: no estimate settings to compare
         info = {}
-    for key in ("estimate_v_examples", "estimate_v_seed"):
-        if key in info and info[key] != getattr(settings.vectors, key):
-            raise config_lib.ConfigError(
-                f"config.vectors.{key}={getattr(settings.vectors, key)} but the run in {workdir} "
-                f"estimated V with {info[key]}; use another workdir to re-estimate"
-            )
+    if info:
+        recorded = {**_LEGACY, **info}
+        for key, want in sm_lib.settings_record(settings.vectors).items():
+            if recorded.get(key) != want:
+                raise config_lib.ConfigError(
+                    f"config.vectors.{key}={want} but the run in {workdir} "
+                    f"estimated V with {recorded.get(key)}; use another workdir to re-estimate"
+                )
     logging.info("%s already holds the imported model (checkpoint step 0): nothing to do", workdir)
     return files.read_json(workdir / importer_lib.SUMMARY_FILE, "import summary")
 
@@ -114,6 +118,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
     workdir = pathlib.Path(workdir)
     logs.quiet_library_logs()
     source = settings.model.source
+    _check_method(settings)
     if not source:
         raise config_lib.ConfigError(
             "config.model.source is empty: set it to a Hugging Face folder, a .gguf file or "
@@ -153,7 +158,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if not (tok_dir / "tokenizer.json").exists():
             tok.save(tok_dir)
         tok = checkpoint_lib.load_run_tokenizer(workdir)  # what later stages will use
-        loop_lib.report_truncation(corpus, tok, model_cfg.max_len)
+        truncation = loop_lib.report_truncation(corpus, tok, model_cfg.max_len)
 
         mesh = sharding_lib.make_mesh(settings.mesh.shape)
         graphdef, target = checkpoint_lib.abstract_state(
@@ -164,30 +169,27 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         v = settings.vectors
         t1 = time.time()
         if loaded.second_moment is not None:  # the source kept its optimizer state: no estimate
-            opt_state, n, est_s = _kept_opt_state(settings, loaded, params, opt), None, None
+            opt_state = _kept_opt_state(settings, loaded, params, opt)
+            record = loaded.record
             logging.info("V from the source's optimizer state (%s); vectors.estimate_v_* unused", loaded.record)
         elif real is not None:
             opt_state = jax.device_put(real.opt_state, jax.tree.map(lambda x: x.sharding, target.opt_state))
-            n = est_s = None
+            record = real.record
             logging.info(
                 "V from %s (%s, step %s)", real.record["file"], real.record["optimizer"], real.record["global_step"]
             )
-        elif v.estimate_v_examples:
-            ids = sm_lib.sample_ids(len(corpus.examples), v.estimate_v_examples, v.estimate_v_seed)
-            batches = sm_lib.example_batches(corpus, tok, ids, v.batch_size, model_cfg.max_len)
-            batches = logs.progress(batches, total=-(-len(ids) // v.batch_size), desc="estimate V", unit="batch")
-            opt_state, n = sm_lib.estimate_opt_state(graphdef, params, opt, settings.train.optimizer, batches)
-            est_s = time.time() - t1
-            logging.info("estimated V from %d per-example gradients (seed %d) in %.1f s", n, v.estimate_v_seed, est_s)
-        else:
-            opt_state, n, est_s = opt.init(params), None, None
-            logging.warning(
-                "vectors.estimate_v_examples=0: no V for the correction (build the index with vectors.correction=False)"
+        elif getattr(v, sm_lib.SIZE_KEY[v.estimate_v_method]):
+            opt_state, record = sm_lib.estimate(
+                v, graphdef, params, opt, settings.train.optimizer, corpus, settings.data, tok, model_cfg.max_len
             )
-        if loaded.second_moment is not None:
-            record = loaded.record
+            record["seconds"] = time.time() - t1
+            logging.info("estimated V (%s) in %.1f s: %s", v.estimate_v_method, record["seconds"], record)
         else:
-            record = real.record if real is not None else _estimate_record(settings, n, est_s)
+            opt_state, record = opt.init(params), _no_estimate_record(settings)
+            logging.warning(
+                "vectors.%s=0: no V for the correction (build the index with vectors.correction=False)",
+                sm_lib.SIZE_KEY[v.estimate_v_method],
+            )
         files.atomic_write_json(workdir / checkpoint_lib.OPT_STATE_INFO_FILE, record)
         state = step_lib.TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params, opt_state=opt_state)
         mngr.save(state, config_lib.to_dict(settings))  # step 0: the marker of a finished import
@@ -200,9 +202,9 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
             "tokenizer_vocab_size": tok.vocab_size,
             "num_examples": len(corpus.examples),
             "second_moment": record,
+            "truncation": truncation,  # candidates longer than model.max_len tokens
             "load_seconds": load_s,
             "wall_seconds": time.time() - t0,
-            "estimate_examples_per_sec": (n / est_s) if n and est_s else None,
         }
         files.atomic_write_json(workdir / importer_lib.SUMMARY_FILE, summary)
         return summary

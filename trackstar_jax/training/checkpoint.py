@@ -300,7 +300,7 @@ def restore_state(
     logging.info("loaded run %s at step %d", workdir, step)
     info = read_opt_state_info(workdir)
     # An import without an estimate holds optax's zero state: no V to correct with (the
-    # correction then refuses, naming vectors.correction / vectors.estimate_v_examples).
+    # correction then refuses, naming vectors.correction / the estimate's size key).
     opt_state = None if info is not None and info.get("kind") == "none" else state.opt_state
     return graphdef, int(step), state.params, opt_state, info
 

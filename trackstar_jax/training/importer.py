@@ -17,8 +17,8 @@ The run directory it writes is the one `launch.train` writes, so build_index, re
 evaluate run on it unchanged: `config.json` (the settings with the model section filled
 from the import, `config.resolve_imported_model`), `corpus/`, the imported tokenizer in
 `tokenizer/` (no SentencePiece training), and an orbax checkpoint at step 0 whose optimizer
-state holds V estimated from per-example gradients (`training.second_moment`;
-`vectors.estimate_v_examples`, `vectors.estimate_v_seed`), described by `opt_state.json`.
+state holds V estimated as `vectors.estimate_v_method` says (`training.second_moment.estimate`;
+by default Adafactor's own EMA of minibatch gradients), described by `opt_state.json`.
 A finished import (its checkpoint exists) only reports.
 """
 

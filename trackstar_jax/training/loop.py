@@ -61,21 +61,36 @@ def prepare_corpus(data_cfg: data_lib.DataConfig, seed: int, workdir: str | os.P
             len(corpus.eval_texts),
             corpus.fingerprint[:12],
         )
+        lama = corpus.info.get("lama")
+        if lama:  # the LAMA reader's per-fact evidence cap and max_examples skips (also in corpus/meta.json)
+            logging.info(
+                "LAMA evidence: %s per fact (cap data.max_evidence_per_fact=%d left out %d sentences), "
+                "%d facts skipped over data.max_examples",
+                lama["evidence_per_fact"],
+                lama["max_evidence_per_fact"],
+                lama["evidence_dropped"],
+                lama["facts_skipped"],
+            )
     return corpus
 
 
-def report_truncation(corpus: data_lib.Corpus, tok: data_lib.Tokenizer, max_len: int) -> None:
-    """Logs how many passages exceed `max_len` tokens (they are truncated when encoded)."""
+def report_truncation(corpus: data_lib.Corpus, tok: data_lib.Tokenizer, max_len: int) -> dict:
+    """Logs how many passages exceed `max_len` tokens (they are truncated when encoded) and
+    returns `{"max_len", "num_passages", "num_truncated"}`."""
     long = data_lib.truncation_report(corpus.texts, tok, max_len)
-    if long:
-        logging.warning(
-            "%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
-            len(long),
-            len(corpus.examples),
-            max_len,
-            long[:10],
-            " ..." if len(long) > 10 else "",
-        )
+    out = {"max_len": int(max_len), "num_passages": len(corpus.examples), "num_truncated": len(long)}
+    if not long:
+        logging.info("all %d passages fit model.max_len=%d tokens", len(corpus.examples), max_len)
+        return out
+    logging.warning(
+        "%d of %d passages exceed model.max_len=%d tokens and are truncated (example ids %s%s)",
+        len(long),
+        len(corpus.examples),
+        max_len,
+        long[:10],
+        " ..." if len(long) > 10 else "",
+    )
+    return out
 
 
 def prepare_data(

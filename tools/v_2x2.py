@@ -1,0 +1,221 @@
+"""Which V sets the sign of the optimizer correction's tail-patch effect (issue 57's 2 x 2).
+
+On a finished evaluation of an imported model (Run A: V estimated per example at import), this
+re-measures tail-patch@10 of Exp. 2-5 and TrackStar in four cells, V used for scoring ×
+V used by the tail-patch step, each in {`per_example` (the import's V), `minibatch` (V as
+Adafactor holds it, `training.second_moment`, estimated here from `--source`)}, plus one arm
+with the embedding update frozen in the step (scoring and step V: the import's). It prints one
+JSON object with every cell's mean tail-patch@10 per row, the correction's paired bootstrap
+differences (Exp. 4 − Exp. 2, Exp. 5 − Exp. 3; `evaluation.claims.paired_difference`) per
+cell, and `sign_set_by`: which factor, changed with the other held, flips the sign of the
+mean difference (`sign_factor`).
+
+- Scoring V: the uncorrected rows (Exp. 2, 3) do not depend on it; Exp. 4, 5 and TrackStar are
+  re-retrieved with the minibatch V on their own indices (`<index.dir>_vmb...`, reused on a
+  rerun); the per-example cells read the evaluation's own top-10 lists
+  (`eval/retrievals/<row>.jsonl`).
+- Step V: the tail-patch step (`evaluation.stage.tailpatch_all`, the evaluation's own settings)
+  runs from the run with that V in its optimizer state; every pair is cached under the run's
+  workdir (`pair_cache`, keyed on V's fingerprint), so a rerun resumes.
+- Frozen embedding: the step's V of the embedding (`--freeze`, default `embed`, the token embedding, tied to the output in SmolLM2) is
+  multiplied by 1e30 (`frozen_state`): Adafactor's update of that tensor is scaled by 1e-15
+  (below float32 resolution of any weight), every other tensor's update is unchanged (clipping
+  and parameter scaling act per tensor).
+
+    python tools/v_2x2.py runs/smollm2_table1 [--source=lama:P108,...] [--batch_sequences=64]
+        [--steps=16] [--max_queries=150] [--freeze=embed]
+
+The queries are rebuilt from the run (`query_set.make_eval_queries`, deterministic; checked
+against `eval/queries.jsonl`). Sizing for a 2-core machine: BUILD_NOTES §15.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pathlib
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+ROWS = ("exp2", "exp3", "exp4", "exp5", "trackstar")
+CORRECTED = ("exp4", "exp5", "trackstar")  # the rows whose scores depend on V
+CONTRASTS = (("exp4", "exp2"), ("exp5", "exp3"))  # the correction, one setting apart (Table 1)
+V_KINDS = ("per_example", "minibatch")
+FREEZE_SCALE = 1e30
+
+
+def frozen_state(opt_state: Any, paths: Sequence[str]) -> Any:
+    """`opt_state` with the Adafactor V of `paths` (their `v_col` and full `v`; `v_row` enters
+    the update only through its mean-normalised shape) times `FREEZE_SCALE`: the step's update
+    of those tensors becomes ~1e-15 of what it was, the others' stay exactly as they were.
+
+    Raises:
+      ValueError: a path has no Adafactor second moment in `opt_state`.
+    """
+    import jax
+
+    from trackstar_jax.models import layers as layers_lib
+
+    found: set[str] = set()
+
+    def scale(key_path, leaf):
+        segs = layers_lib.param_path_str(key_path).split("/")
+        for field in ("v_col", "v"):
+            if field in segs:
+                rest = "/".join(segs[segs.index(field) + 1 :])
+                if rest in paths and getattr(leaf, "size", 0) > 1:
+                    found.add(rest)
+                    return leaf * FREEZE_SCALE
+        return leaf
+
+    out = jax.tree_util.tree_map_with_path(scale, opt_state)
+    missing = sorted(set(paths) - found)
+    if missing:
+        raise ValueError(f"--freeze: no Adafactor v_col / v for {missing} in the optimizer state")
+    return out
+
+
+def sign_factor(cells: Mapping[tuple[str, str], float]) -> str:
+    """Given the mean difference per (scoring V, step V) cell, the factor whose change flips
+    its sign with the other factor held at either value: "scoring", "step", "both" (each flips
+    it somewhere), or "neither" (one sign in every cell)."""
+    sgn = {k: np.sign(v) for k, v in cells.items()}
+    a, b = V_KINDS
+    scoring = any(sgn[(a, s)] != sgn[(b, s)] for s in V_KINDS)
+    step = any(sgn[(s, a)] != sgn[(s, b)] for s in V_KINDS)
+    if scoring and step:
+        return "both"
+    return "scoring" if scoring else "step" if step else "neither"
+
+
+def _read_retrieved(workdir: pathlib.Path, out_dir: str, rows: Sequence[str], num_queries: int) -> dict:
+    from trackstar_jax.evaluation import rows as rows_lib
+
+    out = {}
+    for r in rows:
+        with (workdir / out_dir / "retrievals" / f"{r}.jsonl").open(encoding="utf-8") as f:
+            recs = {int(x["example_id"]): x for x in map(json.loads, f) if x}
+        ids = [list(recs[q]["proponent_ids"]) for q in range(num_queries)]
+        out[r] = rows_lib.Retrieved(ids, [[0.0] * len(x) for x in ids])
+    return out
+
+
+def report(
+    workdir: pathlib.Path,
+    vec_overrides: Mapping[str, Any],
+    max_queries: int,
+    freeze: Sequence[str],
+    rows: Sequence[str] = ROWS,
+) -> dict:
+    from trackstar_jax import config as config_lib
+    from trackstar_jax import methods as methods_lib
+    from trackstar_jax.evaluation import claims, metrics, query_set
+    from trackstar_jax.evaluation import report as report_lib
+    from trackstar_jax.evaluation import rows as rows_lib
+    from trackstar_jax.evaluation import stage as stage_lib
+    from trackstar_jax.stages import run as run_lib
+    from trackstar_jax.training import second_moment as sm_lib
+    from trackstar_jax.training import step as step_lib
+
+    table_file = workdir / "eval" / "table.json"
+    settings = config_lib.load_table_settings(table_file)
+    settings = settings.replace({"tailpatch.methods": tuple(rows), "tailpatch.max_queries": max_queries})
+    corrected = [r for r in rows if r in CORRECTED]
+    contrasts = [(a, b) for a, b in CONTRASTS if a in rows and b in rows]
+    loaded = run_lib.open_run(settings, workdir)
+    run, mesh = loaded.run, loaded.mesh
+    eq = query_set.make_eval_queries(run, settings)
+    with (workdir / "eval" / "queries.jsonl").open(encoding="utf-8") as f:
+        saved = [q for q in map(json.loads, f) if q]
+    if [(q["prompt"], q["target"]) for q in saved] != [(q.prompt, q.target) for q in eq.queries]:
+        raise ValueError(f"the rebuilt queries differ from {workdir}/eval/queries.jsonl (another config or code)")
+
+    vec = dataclasses.replace(settings.vectors, estimate_v_method="minibatch", **vec_overrides)
+    opt_cfg = settings.train.optimizer
+    v_mb, rec = sm_lib.estimate(
+        vec, run.graphdef, run.params, step_lib.make_optimizer(opt_cfg), opt_cfg, run.corpus, settings.data,
+        run.tokenizer, run.model_cfg.max_len,
+    )  # fmt: skip
+    runs = {"per_example": run, "minibatch": dataclasses.replace(run, opt_state=v_mb, opt_state_info=rec)}
+
+    retrieved = {"per_example": _read_retrieved(workdir, "eval", rows, len(eq.queries))}
+    ctx = rows_lib.Context(
+        settings.replace({"index.dir": settings.index.dir + "_vmb"}), workdir, runs["minibatch"], mesh
+    )
+    retrievers = rows_lib.make_retrievers([methods_lib.method(r) for r in corrected], ctx)
+    retrieved["minibatch"] = {
+        **{r: retrieved["per_example"][r] for r in rows if r not in corrected},
+        **{r: retrievers[r].retrieve(eq, settings.eval.num_proponents) for r in corrected},
+    }
+
+    def per_query(ret: Mapping[str, Any], deltas: Mapping) -> dict[str, np.ndarray]:
+        out = {}
+        for r in rows:
+            recs = report_lib.query_records(eq, ret[r], deltas, settings.tailpatch.top_ks, methods_lib.method(r))
+            out[r] = np.asarray([x.get("tailpatch_at_10", np.nan) for x in recs], np.float64)
+        return out
+
+    cells: dict[str, dict] = {}
+    values: dict[str, dict[str, np.ndarray]] = {}
+    arms = [(s, t, False) for s in V_KINDS for t in V_KINDS] + (
+        [("per_example", "per_example", True)] if freeze else []
+    )
+    for scoring, step, frozen in arms:
+        step_run = runs[step]
+        if frozen:
+            step_run = dataclasses.replace(step_run, opt_state=frozen_state(step_run.opt_state, freeze))
+        deltas = stage_lib.tailpatch_all(step_run, eq, retrieved[scoring], settings, mesh, workdir)
+        name = f"scoring={scoring}, step={step}" + (f", frozen={','.join(freeze)}" if frozen else "")
+        values[name] = per_query(retrieved[scoring], deltas)
+        cells[name] = {"tailpatch_at_10": {r: float(np.nanmean(v)) for r, v in values[name].items()}}
+        for a, b in contrasts:
+            x, y = values[name][a], values[name][b]
+            ok = np.isfinite(x) & np.isfinite(y)
+            ci = claims.paired_difference(x[ok], y[ok], seed=settings.eval.bootstrap_seed)
+            cells[name][f"{a} - {b}"] = {"mean": ci.mean, "ci": [ci.lo, ci.hi], "n": ci.n}
+    signs = {}
+    for a, b in contrasts:
+        per_cell = {(s, t): cells[f"scoring={s}, step={t}"][f"{a} - {b}"]["mean"] for s in V_KINDS for t in V_KINDS}
+        signs[f"{a} - {b}"] = {
+            "sign_set_by": sign_factor(per_cell),
+            "means": {f"scoring={s}, step={t}": m for (s, t), m in per_cell.items()},
+        }
+    return {
+        "workdir": str(workdir),
+        "minibatch_v": {k: v for k, v in rec.items() if k != "seconds"},
+        "per_example_v": run.opt_state_info,
+        "num_queries": len(eq.queries),
+        "tailpatched_queries": int(np.sum(np.isfinite(values[next(iter(values))][rows[0]]))),
+        "cells": cells,
+        "sign": signs,
+        "metric": f"tail-patch@10 ({metrics.__name__}.tailpatch_at_k), paired bootstrap over queries",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("workdir", type=pathlib.Path)
+    ap.add_argument("--source", default="", help="vectors.estimate_v_source of the minibatch V (default: the config's)")
+    ap.add_argument("--batch_sequences", type=int, default=0, help="B (default: the config's)")
+    ap.add_argument("--steps", type=int, default=0, help="N (default: the config's)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max_queries", type=int, default=150, help="tail-patched queries (tailpatch.max_queries)")
+    ap.add_argument("--freeze", default="embed", help="parameters frozen in the extra arm ('' = no arm)")
+    ap.add_argument("--rows", default=",".join(ROWS), help="rows re-measured (with retrieval files in eval/)")
+    args = ap.parse_args(argv)
+    over: dict[str, Any] = {"estimate_v_seed": args.seed}
+    if args.source:
+        over["estimate_v_source"] = args.source
+    if args.batch_sequences:
+        over["estimate_v_batch_sequences"] = args.batch_sequences
+    if args.steps:
+        over["estimate_v_steps"] = args.steps
+    freeze = [p for p in args.freeze.split(",") if p]
+    rows = [r for r in args.rows.split(",") if r]
+    print(json.dumps(report(args.workdir, over, args.max_queries, freeze, rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
