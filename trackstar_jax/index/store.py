@@ -76,6 +76,7 @@ from trackstar_jax import files
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import hessian
 from trackstar_jax.models import lm
+from trackstar_jax.training import checkpoint as checkpoint_lib
 
 FORMAT = "trackstar_jax.index/2"
 # Older formats: why they are refused (the fix is always a rebuild).
@@ -932,6 +933,12 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
             report["r_train_max_rel_diff"] = err
             if err > 1e-6:
                 problems.append(f"R_train differs from a recomputation from the stored rows (max rel diff {err:.3g})")
+    try:  # built from the checkpoint now on disk (its checksum digest, recorded at build time)
+        report["checkpoint"] = checkpoint_lib.check_recorded_checkpoint(
+            p, reader.manifest.get(_INFO, {}).get("checkpoint")
+        )
+    except checkpoint_lib.CheckpointCorruptError as e:
+        problems.append(str(e))
     report["ok"] = not problems
     report["problems"] = problems
     if problems:

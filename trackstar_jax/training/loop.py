@@ -229,7 +229,7 @@ class MetricsLog:
 
     def __init__(self, path: pathlib.Path | None, tokens_per_step: int, bar: Any, workdir: Any = None):
         self.workdir = workdir
-        self.file = open(path, "a") if path is not None else None  # noqa: SIM115  (closed by close())
+        self.file = files.open_append(path) if path is not None else None  # closed by close()
         self.tokens_per_step, self.bar = tokens_per_step, bar
         self.pending: list[Any] = []
         self.train_loss: float | None = None
