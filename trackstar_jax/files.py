@@ -151,10 +151,12 @@ class InputError(ValueError):
     """An input or run file cannot be read as what it should be; the message names file[:line]."""
 
 
-def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+def read_lines(path: str | os.PathLike, data: bytes | None = None) -> Iterator[tuple[int, str]]:
     """Yields `(line_no, text)` (1-based, newline stripped) of a UTF-8 text file (`.gz` too).
 
     Every jsonl / text reader goes through here, so bad bytes are reported the same way.
+    `data`: the file's bytes, already read (by a reader that bounds and checks what it opens);
+    `path` then only names it.
 
     Raises:
       InputError: a line is not valid UTF-8 (names `file:line` and the byte offset in it).
@@ -162,7 +164,7 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     path = pathlib.Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        fh = opener(path, "rb")
+        fh = io.BytesIO(data) if data is not None else opener(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"no such file: {path}") from None
     with fh:
@@ -179,13 +181,14 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             raise InputError(f"{path}: cannot be read ({e})") from None
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """Yields `("file:line", record)` for every non-blank line of a jsonl file.
+def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> Iterator[tuple[str, Any]]:
+    """Yields `("file:line", record)` for every non-blank line of a jsonl file (`data`: its
+    bytes, already read, as in `read_lines`).
 
     Raises:
       InputError: bad UTF-8 or a line that is not JSON (names `file:line`).
     """
-    for n, line in read_lines(path):
+    for n, line in read_lines(path, data):
         if not line.strip():
             continue
         try:
