@@ -264,10 +264,11 @@ def check_recorded_checkpoint(index_path: str | os.PathLike, recorded: dict | No
         )
     digest = verify_step(step_dir)
     if digest != recorded["digest"]:
+        now = digest[:19] if digest else f"none (no {CHECKSUM_FILE})"
         raise CheckpointCorruptError(
-            f"checkpoint {step_dir} is not the one index {index_path} was built from (checksum digest "
-            f"{str(digest)[:19]} now, {recorded['digest'][:19]} when indexed): the checkpoint was replaced "
-            "since; rebuild the index (`python -m launch.build_index`), or put the indexed checkpoint back"
+            f"checkpoint {step_dir} is not the one index {index_path} was built from (checksum digest {now} "
+            f"now, {recorded['digest'][:19]} when indexed): the checkpoint was replaced since; rebuild the "
+            "index (`python -m launch.build_index`), or put the indexed checkpoint back"
         )
     return {"checked": True, "step_dir": str(step_dir), "digest": digest}
 
