@@ -1011,7 +1011,7 @@ def test_one_symlink_rule_for_every_endpoint(tmp_path):
 @pytest.mark.parametrize(
     "field,value,why",
     [
-        ("proponent_ids", ["1", "3"], "proponent_ids must be corpus passage ids"),
+        ("proponent_ids", ["p1", "p3"], "proponent_ids must be corpus passage ids"),
         ("proponent_ids", "13", "proponent_ids must be a list"),
         ("proponent_ids", [1, 99], "proponent_ids must be corpus passage ids, integers in [0, 8); it holds 99"),
         ("proponent_tailpatch", "x", "proponent_tailpatch must be a list"),
