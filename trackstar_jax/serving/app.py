@@ -169,6 +169,8 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
             return _error(404, str(e))
         except PermissionError as e:  # `browse.servable`: a link
             return _error(403, str(e))
+        except (ValueError, files.InputError) as e:  # anything else that does not read back: still JSON
+            return _error(500, str(e))
         return responses.JSONResponse(out)
 
     async def evaluation(request: requests.Request) -> responses.Response:
