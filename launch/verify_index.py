@@ -2,8 +2,9 @@
 (or `--config=experiments/tiny.py --workdir=runs/tiny`).
 
 Reads every chunk (crc32c, size, presence), checks values are finite, that the arrays match
-the manifest, and recomputes R_train from the stored rows. Prints a JSON report; exits 1 and
-names the row range of every bad or incomplete chunk otherwise.
+the manifest, recomputes R_train from the stored rows, and checks that the run's checkpoint is
+the one the index was built from (its checksums, `training.checkpoint`). Prints a JSON report;
+exits 1 and names the row range of every bad or incomplete chunk (or the checkpoint) otherwise.
 """
 
 import json

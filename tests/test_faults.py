@@ -338,6 +338,148 @@ def test_nan_checkpoint_is_neither_saved_nor_resumed(work):
 
 
 # ---------------------------------------------------------------------------------------
+# Damaged checkpoints: refused by their checksums, naming the step folder and the file
+# ---------------------------------------------------------------------------------------
+
+
+def _largest_checkpoint_file(step_dir: pathlib.Path) -> pathlib.Path:
+    """The biggest file orbax wrote for the state (the arrays' data)."""
+    return max((f for f in (step_dir / "state").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size)
+
+
+def test_flipped_bit_or_truncated_checkpoint_file_is_refused_naming_step_and_file(work):
+    """Issue 53 (1): one flipped bit in an orbax data file loaded silently (and build_index, verify_index
+    went on); a truncated file gave a raw TensorStore error. Now every stage that reads the weights
+    refuses first, naming the step folder and the file; retrieve blames the checkpoint, not the index."""
+    step_dir = work / "checkpoints" / "3"
+    data = _largest_checkpoint_file(step_dir)
+    rel = data.relative_to(step_dir).as_posix()
+    good = data.read_bytes()
+    where = rf"checkpoint {step_dir} is damaged: file {rel} "
+    _flip(data, bit=3)
+    for stage in (
+        lambda: stages.load_run(work),
+        lambda: _retrieve(work),
+        lambda: stages.build_index(_settings(**{"index.dir": "index2"}), work),
+    ):
+        with pytest.raises(checkpoint.CheckpointCorruptError, match=where + "differs from the bytes saved"):
+            stage()
+    with pytest.raises(store.IndexCorruptError, match=where + "differs"):
+        store.verify_index(work / "index", recompute_r=False)
+    assert not (work / "index2").exists()
+    data.write_bytes(good[: len(good) // 2])
+    with pytest.raises(
+        checkpoint.CheckpointCorruptError, match=where + rf"has {len(good) // 2} bytes, {len(good)} were"
+    ):
+        stages.load_run(work)
+    data.write_bytes(good)
+    assert stages.load_run(work).step == 3
+
+
+def test_checkpoint_without_checksums_loads_with_a_warning_and_a_damaged_one_names_its_folder(work, caplog):
+    """A checkpoint saved before checksums (no `trackstar_checksums.json`) loads, unverified, with one
+    warning line; a file of it that orbax cannot read is refused naming the step folder, not as a raw
+    TensorStore exception."""
+    step_dir = work / "checkpoints" / "3"
+    (step_dir / checkpoint.CHECKSUM_FILE).unlink()
+    with caplog.at_level("WARNING"):
+        assert stages.load_run(work).step == 3
+    assert f"checkpoint {step_dir} has no {checkpoint.CHECKSUM_FILE}" in caplog.text
+    _truncate(_largest_checkpoint_file(step_dir))
+    with pytest.raises(
+        checkpoint.CheckpointCorruptError, match=rf"checkpoint {step_dir} cannot be read: .*Error reading \"params\."
+    ):
+        stages.load_run(work)
+
+
+def test_verify_index_and_retrieve_detect_a_checkpoint_swapped_after_indexing(work):
+    """The index records the checksum digest of the checkpoint it was built from: a checkpoint
+    replaced since (another valid one at the same step) fails `verify_index` and `launch.verify_index`,
+    and retrieve says the checkpoint changed."""
+    assert store.verify_index(work / "index", recompute_r=False)["checkpoint"]["checked"]
+    s = _settings()
+    mngr = checkpoint.CheckpointManager(work / "checkpoints", max_to_keep=None)
+    _, target = checkpoint.abstract_state(s.model, step_lib.make_optimizer(s.train.optimizer))
+    step, state = mngr.restore_latest(target)
+    saved = mngr.saved_config(step)
+    mngr.close()
+    shutil.rmtree(work / "checkpoints" / str(step))
+    other = jax.tree.map(lambda x: x * 1.001, state.params)
+    mngr = checkpoint.CheckpointManager(work / "checkpoints", max_to_keep=None)
+    mngr.save(state.replace(params=other), saved)
+    mngr.close()
+    swapped = rf"checkpoint {work / 'checkpoints' / str(step)} is not the one index {work / 'index'} was built from"
+    with pytest.raises(store.IndexCorruptError, match=swapped):
+        store.verify_index(work / "index", recompute_r=False)
+    done = subprocess.run(
+        [sys.executable, "-m", "launch.verify_index", f"--path={work / 'index'}", "--norecompute_r"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 1 and "is not the one index" in json.loads(done.stdout.splitlines()[-1])["error"]
+    with pytest.raises(
+        store.IndexMismatchError, match=rf"the run's checkpoint {work / 'checkpoints' / str(step)} is not"
+    ):
+        _retrieve(work)
+
+
+# ---------------------------------------------------------------------------------------
+# No write follows a symlink
+# ---------------------------------------------------------------------------------------
+
+
+def test_linked_lock_files_are_refused_and_their_targets_untouched(work, tmp_path):
+    """Issue 53 (2): a workdir whose `.writer-0000.lock` (or an index's `progress/writer-*.lock`) was a
+    symlink had the file it points to emptied, outside the workdir, and the stage exited 0."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    lock = work / ".writer-0000.lock"
+    lock.unlink(missing_ok=True)
+    lock.symlink_to(victim)
+    with pytest.raises(files.SymlinkError, match=rf"{lock} is a symbolic link \(to {victim}\)"):
+        _retrieve(work)
+    lock.unlink()
+    progress = work / "index2" / "progress"
+    progress.mkdir(parents=True)
+    (progress / "writer-0000-of-0001.lock").symlink_to(victim)
+    with pytest.raises(files.SymlinkError, match=r"writer-0000-of-0001.lock is a symbolic link"):
+        stages.build_index(_settings(**{"index.dir": "index2"}), work)
+    assert victim.read_text() == "precious\n"
+
+
+def test_a_linked_output_folder_or_file_is_refused_and_nothing_is_written_outside(work, tmp_path):
+    """A symlinked `retrieval/` (or output file) made retrieve write outside the workdir; now refused
+    before any work, naming the link; so is a linked folder anywhere below the run directory."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    shutil.rmtree(work / "retrieval")
+    (work / "retrieval").symlink_to(outside)
+    with pytest.raises(files.SymlinkError, match=rf"{work / 'retrieval'} is a symbolic link \(to {outside}\)"):
+        _retrieve(work)
+    (work / "retrieval").unlink()
+    (work / "retrieval").mkdir()
+    (work / "retrieval" / "queries.jsonl").symlink_to(outside / "out.jsonl")
+    with pytest.raises(files.SymlinkError, match=r"retrieval/queries.jsonl is a symbolic link"):
+        _retrieve(work)
+    assert list(outside.iterdir()) == []
+    # The rule itself: inside a held run directory every folder is checked; outside, the file only.
+    (work / "eval").symlink_to(outside)
+    with files.workdir_lock(work, "test"):
+        for write in (
+            lambda: files.atomic_write(work / "eval" / "table.json", "{}"),
+            lambda: files.make_dirs(work / "eval" / "retrievals"),
+            lambda: files.open_append(work / "eval" / "x.jsonl"),
+            lambda: files.create_once(work / "eval" / "y.json", "{}"),
+        ):
+            with pytest.raises(files.SymlinkError, match=rf"{work / 'eval'} is a symbolic link"):
+                write()
+    assert list(outside.iterdir()) == []
+    files.atomic_write(work / "eval" / "free.json", "{}")  # no run directory held: only the file is checked
+    assert (outside / "free.json").exists()
+
+
+# ---------------------------------------------------------------------------------------
 # Index builds: lost chunks, two writers, kill -9
 # ---------------------------------------------------------------------------------------
 

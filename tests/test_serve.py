@@ -907,9 +907,9 @@ def test_plot_endpoint_refuses_links_and_files_that_are_not_pngs(tmp_path, monke
     (ev / "lambda.png").unlink()
     (ev / "lambda.png").mkdir()
     _refused(get("lambda.png"), 500, "not a regular file")
-    # An evaluation folder that is a link out of the workdir.
+    # An evaluation folder that is a link out of the workdir (`browse.servable`, every endpoint's rule).
     os.symlink(_plot_eval(tmp_path, "elsewhere"), workdir / "linked")
-    _refused(get("rows.png", "linked"), 403, "outside the workdir")
+    _refused(get("rows.png", "linked"), 403, "linked: linked is a symbolic link")
     # Past the size cap.
     (ev / "checkpoints.png").write_bytes(good)
     assert get("checkpoints.png").status_code == 200
@@ -924,6 +924,144 @@ def test_plot_endpoint_refuses_links_and_files_that_are_not_pngs(tmp_path, monke
         (empty / f).unlink(missing_ok=True)
     listing = browse.Browser(workdir.resolve(), []).plots("empty")
     assert listing["files"] == listing["errors"] == [] and "python -m launch.evaluate" in listing["none"]
+
+
+def _stand_in_app(workdir, texts=tuple(f"passage {i}" for i in range(8))):
+    """`_plot_app` whose corpus has `texts` (the browse views read gold passages from it)."""
+    import types
+
+    engine = types.SimpleNamespace(
+        settings=config_lib.from_configdict(_config()),
+        workdir=workdir.resolve(),
+        run=types.SimpleNamespace(corpus=types.SimpleNamespace(texts=list(texts))),
+        max_k=10,
+    )
+    return TestClient(app_lib.make_app(engine), base_url=LOCAL)
+
+
+def _record_eval(workdir, name="eval", record=None):
+    """An evaluation folder with one query (gold passage 1) and one method's record (`record`
+    replaces fields of a well-formed one), plus evaluate's plots."""
+    import dataclasses
+
+    from trackstar_jax.evaluation import queries as queries_lib
+
+    ev = _plot_eval(workdir, name)
+    q = queries_lib.Query(
+        0, "f0", "P19", "Ann", "Rome", "Ann was born in", " Rome", ("Rome",), ("Ann",), (1,), (1, 2), "[1,10)", 0
+    )
+    (ev / "queries.jsonl").write_text(json.dumps(dataclasses.asdict(q)) + "\n")
+    rec = {
+        "example_id": 0,
+        "inputs_plaintext": q.prompt,
+        "targets_plaintext": q.target,
+        "proponent_ids": [1, 3],
+        "proponents": ["passage 1", "passage 3"],
+        "proponent_scores": [2.0, 1.0],
+        "proponent_tailpatch": [0.1, None],
+        "model_completion": " Rome",
+        "model_correct": True,
+        **(record or {}),
+    }
+    (ev / "retrievals").mkdir()
+    (ev / "retrievals" / "bm25.jsonl").write_text(json.dumps(rec) + "\n")
+    table = json.loads((ev / "table.json").read_text())
+    table["rows"] = [{"method": "bm25", "label": "BM25", "mrr": 1.0}]
+    (ev / "table.json").write_text(json.dumps(table))
+    return ev
+
+
+def test_one_symlink_rule_for_every_endpoint(tmp_path):
+    """Issue 53: an evaluation folder linked out of the workdir was served by `/api/eval` but refused
+    by `/api/eval/plot`. Now every endpoint refuses a path with a link below the workdir (a folder or
+    the file, pointing out of the workdir or into it) with the same 403 (`browse.servable`)."""
+    workdir = tmp_path / "run"
+    ev = _record_eval(workdir)
+    client = _stand_in_app(workdir)
+    endpoints = {
+        "eval": lambda name: client.get("/api/eval", params={"name": name}),
+        "query": lambda name: client.get("/api/eval/query", params={"name": name, "query_id": "0"}),
+        "plot": lambda name: client.get("/api/eval/plot", params={"name": name, "file": "rows.png"}),
+        "file": lambda name: client.get("/api/file", params={"path": f"{name}/retrievals/bm25.jsonl"}),
+    }
+    for name, get in endpoints.items():
+        assert get("eval").status_code == 200, (name, get("eval").text)
+    os.symlink(_record_eval(tmp_path, "elsewhere"), workdir / "linked")
+    os.symlink(ev, workdir / "alias")  # a link inside the workdir is refused alike
+    for link in ("linked", "alias"):
+        for name, get in endpoints.items():
+            r = get(link)
+            assert r.status_code == 403 and f"{link} is a symbolic link" in r.json()["error"], (name, link, r.text)
+    assert client.get("/api/eval").json()["evals"] == ["eval"]
+    # A linked file or folder inside a real evaluation folder: the same rule, naming it.
+    for inside in ("retrievals/bm25.jsonl", "retrievals", "queries.jsonl", "table.json"):
+        other = _record_eval(tmp_path / inside.replace("/", "_"))
+        target = other / inside
+        moved = tmp_path / "moved"
+        os.replace(ev / inside, moved)
+        os.symlink(target, ev / inside)
+        for name in ("eval", "query"):
+            r = endpoints[name]("eval")
+            assert r.status_code == 403 and f"eval/{inside} is a symbolic link" in r.json()["error"], (inside, r.text)
+        (ev / inside).unlink()
+        os.replace(moved, ev / inside)
+    assert endpoints["eval"]("eval").status_code == 200
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("proponent_ids", ["p1", "p3"], "proponent_ids must be corpus passage ids"),
+        ("proponent_ids", "13", "proponent_ids must be a list"),
+        ("proponent_ids", [1, 99], "proponent_ids must be corpus passage ids, integers in [0, 8); it holds 99"),
+        ("proponent_tailpatch", "x", "proponent_tailpatch must be a list"),
+        ("model_correct", "yes", "model_correct must be true, false or null"),
+        ("proponent_scores", [1.0], "proponent lists of unequal lengths"),
+    ],
+)
+def test_malformed_evaluation_records_are_400s_naming_file_line_and_field(tmp_path, field, value, why):
+    """Issue 53: string `proponent_ids` in an evaluation's record gave a 500; every malformed field
+    the browse views read is now a 400 naming `<eval>/retrievals/<method>.jsonl:<line>` and the field."""
+    workdir = tmp_path / "run"
+    _record_eval(workdir, record={field: value})
+    client = _stand_in_app(workdir)
+    for r in (client.get("/api/eval"), client.get("/api/eval/query", params={"query_id": "0"})):
+        assert r.status_code == 400, r.text
+        assert r.json()["error"].startswith("eval/retrievals/bm25.jsonl:1: ") and why in r.json()["error"], r.text
+
+
+def test_file_endpoint_is_bounded_and_reads_off_the_event_loop(tmp_path, monkeypatch):
+    """Issue 53: `/api/file` read a 58 MB jsonl whole inside the event loop (another request waited
+    21 s). It now reads in a worker thread, at most `MAX_FILE_BYTES`: a larger file is a 413 naming it
+    and the page's local-file picker, nothing of it parsed."""
+    workdir = tmp_path / "run"
+    _record_eval(workdir)
+    (workdir / "retrieval").mkdir()
+    line = json.dumps({"example_id": 0, "proponent_ids": [1], "proponents": ["p"], "proponent_scores": [1.0]})
+    (workdir / "retrieval" / "big.jsonl").write_text((line + "\n") * 100)
+    client = _stand_in_app(workdir)
+    threads = []
+    real = app_lib.read_jsonl
+
+    def spy(*args):
+        try:
+            asyncio.get_running_loop()
+            threads.append("event loop")
+        except RuntimeError:
+            threads.append("worker")
+        return real(*args)
+
+    monkeypatch.setattr(app_lib, "read_jsonl", spy)
+    r = client.get("/api/file", params={"path": "retrieval/big.jsonl"})
+    assert r.status_code == 200 and len(r.json()) == 100 and threads == ["worker"]
+    monkeypatch.setattr(app_lib, "MAX_FILE_BYTES", 50 * len(line))
+    r = client.get("/api/file", params={"path": "retrieval/big.jsonl"})
+    assert r.status_code == 413, r.text
+    assert r.json()["error"].startswith("retrieval/big.jsonl: ") and "local-file picker" in r.json()["error"]
+    assert str(tmp_path) not in r.text
+    os.mkfifo(workdir / "retrieval" / "fifo.jsonl")  # never waited on
+    r = client.get("/api/file", params={"path": "retrieval/fifo.jsonl"})
+    assert r.status_code == 400 and "not a regular file" in r.json()["error"]
 
 
 def test_eval_api_lists_the_plots_evaluate_wrote(evaluated):

@@ -5,6 +5,13 @@ never half a file, and `create_once` lets several writers (processes or hosts sh
 filesystem) race for a file that must be written exactly once. A failed write (a full disk)
 removes its temporary and names the file; `workdir_lock` keeps two stages from writing one
 run directory at once.
+
+No write follows a symbolic link (`check_writable`, the one rule): below the run directory a
+stage holds (`workdir_lock`), no folder on a written file's path and not the file itself may be
+a symlink, so a tampered workdir (a linked lock file, a linked `retrieval/`) cannot make a stage
+write, truncate or create anything outside it. Outside a held run directory only the file
+itself is checked. Files are opened with O_NOFOLLOW; folders a library writes into (tensorstore's
+arrays, orbax's checkpoints) are checked whole first (`check_tree`).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import os
 import pathlib
 import re
 import socket
+import stat
 import zlib
 from typing import Any, Callable, Iterator
 
@@ -52,15 +60,19 @@ def write_tmp(path: pathlib.Path, data: bytes) -> pathlib.Path:
     """Writes `data` durably (fsync) to a temporary sibling of `path`; returns its path.
 
     Raises:
+      SymlinkError: `path` or a folder on it is a symlink (`check_writable`).
       WriteError: naming `path` (the temporary is removed).
     """
+    path = check_writable(path)
     tmp = _tmp_path(path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        make_dirs(path.parent)
+        with os.fdopen(open_nofollow(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    except SymlinkError:
+        raise
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise write_error(path, e) from e
@@ -71,9 +83,10 @@ def atomic_write(path: str | os.PathLike, data: bytes | str) -> None:
     """Writes `data` to `path` via a temporary file, fsync and rename (readers see old or new).
 
     Raises:
+      SymlinkError: `path` or a folder on it is a symlink (`check_writable`).
       WriteError: naming `path` (nothing replaced, no temporary left).
     """
-    path = pathlib.Path(path)
+    path = check_writable(path)
     tmp = write_tmp(path, data.encode() if isinstance(data, str) else data)
     try:
         os.replace(tmp, path)
@@ -89,9 +102,9 @@ def atomic_write_json(path: str | os.PathLike, obj: Any, **kwargs: Any) -> None:
 
 def atomic_write_with(path: str | os.PathLike, write: Callable[[str], None]) -> None:
     """Runs `write(tmp_path)` (e.g. a compiler writing its output), then renames it to `path`."""
-    path = pathlib.Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
+    path = check_writable(path)
+    make_dirs(path.parent)
+    tmp = check_writable(_tmp_path(path))
     try:
         write(str(tmp))
         os.replace(tmp, path)
@@ -102,8 +115,13 @@ def atomic_write_with(path: str | os.PathLike, write: Callable[[str], None]) -> 
 
 
 def create_once(path: str | os.PathLike, data: bytes | str) -> bool:
-    """Atomically creates `path` with `data` unless it exists; True if this call created it."""
-    path = pathlib.Path(path)
+    """Atomically creates `path` with `data` unless it exists; True if this call created it.
+
+    Raises:
+      SymlinkError: `path` or a folder on it is a symlink (`check_writable`): a link is not
+        "the file exists", it is refused.
+    """
+    path = check_writable(path)
     tmp = write_tmp(path, data.encode() if isinstance(data, str) else data)
     try:
         os.link(tmp, path)  # fails if another writer got there first
@@ -135,10 +153,12 @@ class InputError(ValueError):
     """An input or run file cannot be read as what it should be; the message names file[:line]."""
 
 
-def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+def read_lines(path: str | os.PathLike, data: bytes | None = None) -> Iterator[tuple[int, str]]:
     """Yields `(line_no, text)` (1-based, newline stripped) of a UTF-8 text file (`.gz` too).
 
     Every jsonl / text reader goes through here, so bad bytes are reported the same way.
+    `data`: the file's bytes, already read (by a reader that bounds and checks what it opens);
+    `path` then only names it.
 
     Raises:
       InputError: a line is not valid UTF-8 (names `file:line` and the byte offset in it).
@@ -146,7 +166,7 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     path = pathlib.Path(path)
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        fh = opener(path, "rb")
+        fh = io.BytesIO(data) if data is not None else opener(path, "rb")
     except FileNotFoundError:
         raise FileNotFoundError(f"no such file: {path}") from None
     with fh:
@@ -163,13 +183,14 @@ def read_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
             raise InputError(f"{path}: cannot be read ({e})") from None
 
 
-def read_jsonl(path: str | os.PathLike) -> Iterator[tuple[str, Any]]:
-    """Yields `("file:line", record)` for every non-blank line of a jsonl file.
+def read_jsonl(path: str | os.PathLike, data: bytes | None = None) -> Iterator[tuple[str, Any]]:
+    """Yields `("file:line", record)` for every non-blank line of a jsonl file (`data`: its
+    bytes, already read, as in `read_lines`).
 
     Raises:
       InputError: bad UTF-8 or a line that is not JSON (names `file:line`).
     """
-    for n, line in read_lines(path):
+    for n, line in read_lines(path, data):
         if not line.strip():
             continue
         try:
@@ -239,9 +260,132 @@ def markdown_text(value: Any) -> str:
     return html.escape(str(value), quote=False).replace("|", "\\|").replace("\r", " ").replace("\n", " ")
 
 
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of a file's bytes, read in blocks (a checkpoint's arrays need not fit in memory)."""
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def shorten(text: str, limit: int = 80) -> str:
     """`repr`-style short form of user text for error messages (long prompts are cut)."""
     return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} characters)"
+
+
+# ---------------------------------------------------------------------------------------
+# No write follows a symlink
+# ---------------------------------------------------------------------------------------
+
+
+class SymlinkError(WriteError):
+    """A write refused because the file, or a folder on its path below the run directory, is a
+    symbolic link (the message names the link and where it points); nothing was written."""
+
+
+_roots: list[pathlib.Path] = []  # run directories held by `workdir_lock` in this process
+
+
+def symlink_below(root: str | os.PathLike, path: str | os.PathLike) -> pathlib.Path | None:
+    """The first existing component of `path` below `root` (each folder, then `path` itself)
+    that is a symbolic link, or None. Both are taken lexically (`os.path.abspath`: `..` folded,
+    no link resolved); `root` itself may be a link (the user's choice of run directory).
+
+    The one test behind every symlink rule of the project: writes (`check_writable`) and what
+    the explorer serves (`serving.browse.servable`).
+
+    Raises:
+      ValueError: `path` does not lie under `root`.
+    """
+    root, path = pathlib.Path(os.path.abspath(root)), pathlib.Path(os.path.abspath(path))
+    cur = root
+    for part in path.relative_to(root).parts:
+        cur = cur / part
+        try:
+            if stat.S_ISLNK(os.lstat(cur).st_mode):
+                return cur
+        except FileNotFoundError:
+            return None
+    return None
+
+
+def _held_root(path: pathlib.Path) -> pathlib.Path | None:
+    """The held run directory `path` lies in (the innermost; as given or resolved), or None."""
+    roots = [r for root in _roots for r in (root, pathlib.Path(os.path.realpath(root))) if path.is_relative_to(r)]
+    return max(roots, key=lambda r: len(r.parts)) if roots else None
+
+
+def check_writable(path: str | os.PathLike) -> pathlib.Path:
+    """`path`, absolute with `..` folded, after checking that writing it follows no symlink: no
+    folder between the held run directory (`workdir_lock`) and `path`, nor `path` itself, is a
+    symbolic link (outside a held run directory: `path` itself). Callers write the returned path
+    (the folded one: `link/..` is not the folder the OS would reach).
+
+    Raises:
+      SymlinkError: names `path`, the link and its target.
+    """
+    path = pathlib.Path(os.path.abspath(path))
+    link = symlink_below(_held_root(path) or path.parent, path)
+    if link is not None:
+        raise SymlinkError(
+            errno.ELOOP,
+            f"refusing to write {path}: {link} is a symbolic link (to {os.readlink(link)}); a run directory's "
+            "files and folders must be real ones so that nothing is written outside it: replace the link by "
+            "the file or folder itself",
+        )
+    return path
+
+
+def open_nofollow(path: str | os.PathLike, flags: int, mode: int = 0o644) -> int:
+    """`os.open(path, flags | O_NOFOLLOW)` after `check_writable` (a link swapped in between is
+    refused by the kernel, not followed); returns the fd.
+
+    Raises:
+      SymlinkError: the file or a folder on its path is a symlink.
+    """
+    path = check_writable(path)
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise SymlinkError(errno.ELOOP, f"refusing to write {path}: it is a symbolic link") from None
+        raise
+
+
+def open_append(path: str | os.PathLike) -> io.TextIOWrapper:
+    """`path` opened for appending UTF-8 text (created if absent), never through a symlink
+    (`open_nofollow`); its folder is made (`make_dirs`)."""
+    path = check_writable(path)
+    make_dirs(path.parent)
+    return os.fdopen(open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+
+
+def make_dirs(path: str | os.PathLike) -> pathlib.Path:
+    """`mkdir -p path`, inside a held run directory after `check_writable(path)` (no folder on it
+    is a symlink); outside one (a folder the user named) unchecked. Returns it, absolute."""
+    path = pathlib.Path(os.path.abspath(path))
+    if _held_root(path) is not None:
+        check_writable(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def check_tree(folder: str | os.PathLike) -> pathlib.Path:
+    """`folder` (`check_writable`) after checking that nothing below it is a symbolic link: for
+    folders a library writes into by its own paths (tensorstore's index arrays, orbax's
+    checkpoints), which this module cannot open for it. One `scandir` pass (no file is read).
+
+    Raises:
+      SymlinkError: names the first link found.
+    """
+    folder = check_writable(folder)
+    stack = [folder] if folder.is_dir() else []
+    while stack:
+        with os.scandir(stack.pop()) as it:
+            for entry in it:
+                if entry.is_symlink():
+                    check_writable(entry.path)  # raises, naming it
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(pathlib.Path(entry.path))
+    return folder
 
 
 # ---------------------------------------------------------------------------------------
@@ -269,8 +413,10 @@ def exclusive_lock(lock: pathlib.Path, holder: str, busy: Callable[[str], Except
 
     Raises:
       busy(what the live holder wrote): another process holds it.
+      SymlinkError: the lock file (or a folder on its path) is a symlink: never followed, the
+        file it points to is not touched.
     """
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = open_nofollow(lock, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -319,10 +465,12 @@ def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0)
 
     with exclusive_lock(lock, stage, busy):
         _held[key] = 1
+        _roots.append(workdir.absolute())
         try:
             remove_stale_temporaries(workdir)
             yield
         finally:
+            _roots.remove(workdir.absolute())
             del _held[key]
 
 

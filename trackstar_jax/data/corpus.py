@@ -357,18 +357,20 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
                 f"{meta.get('fingerprint', '?')[:12]}) than {corpus.name} ({corpus.fingerprint[:12]})"
             )
         return
-    d.parent.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=d.name + ".tmp", dir=d.parent))
-    with open(tmp / "examples.jsonl", "w", encoding="utf-8") as f:
+    d = files_lib.check_writable(d)  # `corpus/` and the folders above it in the run: no symlinks
+    files_lib.make_dirs(d.parent)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=d.name + ".tmp", dir=d.parent))  # new, mode 0700: no link in it
+    with open(tmp / "examples.jsonl", "x", encoding="utf-8") as f:
         for e in corpus.examples:
             f.write(json.dumps({"example_id": e.example_id, "text": e.text}, ensure_ascii=False) + "\n")
-    with open(tmp / "facts.jsonl", "w", encoding="utf-8") as f:
+    with open(tmp / "facts.jsonl", "x", encoding="utf-8") as f:
         for fact in corpus.facts:
             f.write(json.dumps(dataclasses.asdict(fact), ensure_ascii=False) + "\n")
-    with open(tmp / "eval.jsonl", "w", encoding="utf-8") as f:
+    with open(tmp / "eval.jsonl", "x", encoding="utf-8") as f:
         for t in corpus.eval_texts:
             f.write(json.dumps({"text": t}, ensure_ascii=False) + "\n")
-    (tmp / "templates.json").write_text(json.dumps(corpus.templates, indent=1, ensure_ascii=False))
+    with open(tmp / "templates.json", "x", encoding="utf-8") as f:
+        f.write(json.dumps(corpus.templates, indent=1, ensure_ascii=False))
     meta = {
         "format_version": CORPUS_FORMAT_VERSION,
         "name": corpus.name,
@@ -378,7 +380,8 @@ def save_corpus(corpus: Corpus, directory: str | os.PathLike) -> None:
         "num_eval": len(corpus.eval_texts),
         "info": corpus.info,
     }
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    with open(tmp / "meta.json", "x", encoding="utf-8") as f:
+        f.write(json.dumps(meta, indent=1))
     os.replace(tmp, d)
 
 

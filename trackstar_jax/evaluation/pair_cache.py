@@ -26,6 +26,7 @@ import pathlib
 
 from absl import logging
 
+from trackstar_jax import files
 from trackstar_jax.index import manifest as manifest_lib
 
 CACHE_DIR = "tailpatch_pairs"
@@ -50,13 +51,14 @@ class PairCache:
                 except (json.JSONDecodeError, KeyError, TypeError, ValueError):
                     logging.warning("tail-patch cache %s: skipping damaged line %d (a killed write)", self.path, n + 1)
         if write:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            (self.path.parent / f"{key}.identity.json").write_text(json.dumps(identity, indent=1, sort_keys=True))
+            files.atomic_write(
+                self.path.parent / f"{key}.identity.json", json.dumps(identity, indent=1, sort_keys=True)
+            )
 
     def add(self, items: dict[str, float]) -> None:
         self.values.update(items)
         if self.write and items:
-            with open(self.path, "a", encoding="utf-8") as f:
+            with files.open_append(self.path) as f:
                 f.write("".join(json.dumps({"k": k, "d": d}) + "\n" for k, d in items.items()))
                 f.flush()
 

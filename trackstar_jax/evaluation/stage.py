@@ -280,7 +280,7 @@ def prepare(ctx: rows_lib.Context, methods: list[baselines_lib.Method]) -> pathl
     # were ≈ 39 s of Run A's `load` for nothing (BUILD_NOTES section 13).
     if memory_lib.device_memory_limit() is not None:
         check_fits(ctx, methods)
-    (out_dir / "retrievals").mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out_dir / "retrievals")
     stale = sorted((out_dir / "retrievals").glob("*.jsonl"))
     if stale and multihost.is_primary():  # overwrite: a previous evaluation's rows would not match this query set
         logging.info("eval: replacing the previous evaluation in %s (%d retrieval files)", out_dir, len(stale))

@@ -130,6 +130,8 @@ def index_manifest(
             "workdir": str(run.workdir),
             "devices": [str(d) for d in jax.local_devices()],
             "jax_version": jax.__version__,
+            # the checkpoint's checksum digest: `verify_index` compares it with the one on disk
+            **({"checkpoint": ck} if (ck := checkpoint_lib.checkpoint_record(run.workdir, run.step)) else {}),
         },
     )
 

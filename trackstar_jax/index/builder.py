@@ -92,8 +92,8 @@ class IndexBuilder:
     # -- setup ---------------------------------------------------------------------------
 
     def _open_or_create(self) -> None:
-        p = self.path
-        p.mkdir(parents=True, exist_ok=True)
+        p = files.check_tree(self.path)  # tensorstore writes its arrays by its own paths: no link below
+        files.make_dirs(p)
         mpath = p / "manifest.json"
         if not mpath.exists():
             if (p / "vectors").exists():
@@ -104,8 +104,8 @@ class IndexBuilder:
         # Fields present on disk but absent from ours also count as a mismatch.
         store.check_manifest(self.manifest, manifest_lib._identity(on_disk), path=str(p), action="resume")
         self.manifest = on_disk
-        (p / "progress").mkdir(exist_ok=True)
-        (p / "r_train").mkdir(exist_ok=True)
+        files.make_dirs(p / "progress")
+        files.make_dirs(p / "r_train")
         part = json.dumps({"process_count": self.process_count}).encode()
         files.create_once(p / "progress" / "partition.json", part)
         started = store.read_partition(p)

@@ -68,7 +68,6 @@ def compute_row_scale(
         out[start : start + len(block)] = np.asarray(_row_scale_step(block, scale, w, unit_norm=True))
     if cache and hi > lo:
         out_part = out[lo:hi]
-        f.parent.mkdir(exist_ok=True)
         data = files.npy_bytes(np.ascontiguousarray(out_part))
         # The checksum first: a cache file without its checksum beside it is never trusted.
         files.atomic_write(f.with_suffix(".sha256"), files.sha256_bytes(data))

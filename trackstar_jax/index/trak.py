@@ -69,7 +69,6 @@ def save_q(path: pathlib.Path, manifest: dict, q: np.ndarray) -> None:
     """Caches `Q [num_rows]` of the index at `path` (with its sha256; process 0 only)."""
     f = q_file(path, manifest)
     if jax.process_index() == 0:
-        f.parent.mkdir(exist_ok=True)
         data = files.npy_bytes(np.asarray(q, np.float32))
         files.atomic_write(f.with_suffix(".sha256"), files.sha256_bytes(data))
         files.atomic_write(f, data)

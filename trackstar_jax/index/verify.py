@@ -11,7 +11,7 @@ import pathlib
 import jax
 import numpy as np
 
-from trackstar_jax.index.manifest import IndexCorruptError, IndexStoreError, read_manifest
+from trackstar_jax.index.manifest import _INFO, IndexCorruptError, IndexStoreError, read_manifest
 from trackstar_jax.index.store import (
     IndexReader,
     _chunk_autocorrelation,
@@ -20,6 +20,7 @@ from trackstar_jax.index.store import (
     process_chunk_range,
     read_partition,
 )
+from trackstar_jax.training import checkpoint as checkpoint_lib
 
 
 def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_complete: bool = True) -> dict:
@@ -105,6 +106,12 @@ def verify_index(path: str | os.PathLike, *, recompute_r: bool = True, require_c
             report["r_train_max_rel_diff"] = err
             if err > 1e-6:
                 problems.append(f"R_train differs from a recomputation from the stored rows (max rel diff {err:.3g})")
+    try:  # built from the checkpoint now on disk (its checksum digest, recorded at build time)
+        report["checkpoint"] = checkpoint_lib.check_recorded_checkpoint(
+            p, reader.manifest.get(_INFO, {}).get("checkpoint")
+        )
+    except checkpoint_lib.CheckpointCorruptError as e:
+        problems.append(str(e))
     report["ok"] = not problems
     report["problems"] = problems
     if problems:

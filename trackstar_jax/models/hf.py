@@ -526,7 +526,7 @@ def save_hf(folder: str | pathlib.Path, cfg: lm.LMConfig, params: Any, *, tokeni
     for name in (CONFIG_FILE, SINGLE_FILE, INDEX_FILE):
         if (folder / name).exists():
             raise FileExistsError(f"{folder / name} exists: export into an empty folder")
-    folder.mkdir(parents=True, exist_ok=True)
+    files_lib.make_dirs(folder)
     _safetensors()  # the optional package, with the install hint
     from safetensors import numpy as st_numpy  # noqa: PLC0415
 

@@ -121,10 +121,10 @@ def build(*, force: bool = False) -> pathlib.Path:
     so = out_dir / _LIB_NAME
     if not force and _is_valid(so):
         return so
-    out_dir.mkdir(parents=True, exist_ok=True)
+    files.make_dirs(out_dir)
     import fcntl  # noqa: PLC0415  (POSIX only; elsewhere the failure means: XLA fallback)
 
-    with open(out_dir / ".lock", "w") as lock_file:
+    with os.fdopen(files.open_nofollow(out_dir / ".lock", os.O_WRONLY | os.O_CREAT), "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)  # one builder at a time; others then find its result
         if not force and _is_valid(so):
             return so

@@ -219,9 +219,23 @@ def open_checked_index(
     path = build_lib.index_dir(settings.index, workdir)
     if not (path / "manifest.json").exists():
         raise FileNotFoundError(f"no index at {path} (run `python -m launch.build_index` with this config first)")
-    reader = store_lib.open_index(
-        path, expect=build_lib.expected_identity(run, settings.vectors, settings.index.storage, settings.vectors.dim)
-    )
+    try:
+        reader = store_lib.open_index(
+            path,
+            expect=build_lib.expected_identity(run, settings.vectors, settings.index.storage, settings.vectors.dim),
+        )
+    except store_lib.IndexMismatchError as e:
+        # The index records the checksum digest of the checkpoint it was built from: when the
+        # run's checkpoint of that step has other files now, the checkpoint changed, not the index.
+        built = store_lib.read_manifest(path).get("info", {}).get("checkpoint")
+        now = checkpoint_lib.checkpoint_record(run.workdir, run.step)
+        if built and now and built["step_dir"] == now["step_dir"] and built["digest"] != now["digest"]:
+            raise store_lib.IndexMismatchError(
+                f"the run's checkpoint {pathlib.Path(run.workdir) / now['step_dir']} is not the one index {path} was "
+                "built from (its files' checksums changed since: it was replaced or re-saved); rebuild the index "
+                f"(`python -m launch.build_index`), or put the indexed checkpoint back ({e})"
+            ) from None
+        raise
     if reader.dtype_name != settings.index.dtype:  # storage is not part of the identity, but the user asked for it
         raise store_lib.IndexMismatchError(
             f"config.index.dtype={settings.index.dtype!r}, but the index at {path} stores {reader.dtype_name!r}: pass "

@@ -12,7 +12,8 @@ streamed body limit, CSP): see `trackstar_jax.serving.guard`.
   "proponents": [{"example_id", "score", "text"}], "opponents", "method", "seconds", "record"}`.
   No target: the model's greedy completion is the target ("debugging incorrect predictions").
 - `GET /api/file?path=<relative to the workdir>` : a retrieval jsonl as a JSON list (each
-  record's known fields type-checked, `RECORD_FIELDS`; NaN scores become null).
+  record's known fields type-checked, `browse.RECORD_FIELDS`; NaN scores become null), read in
+  a worker thread; over `MAX_FILE_BYTES` a 413 (the page's local-file picker reads any size).
 - `GET /api/eval?name=eval&relation=&bucket=&correct=` : an evaluation's metrics table, its
   filter values and the queries that pass the filters, each with its gold passages, the
   model's completion / correctness, and per method the 1-based rank of the first gold passage
@@ -27,14 +28,20 @@ streamed body limit, CSP): see `trackstar_jax.serving.guard`.
   pictures the page can show (`plots`).
 
 `name` is an evaluation folder `browse.list_evals` lists; without it, the served settings'
-evaluation folder (`evaluation.report.eval_dir`) when it is one, else `eval`.
+evaluation folder (`evaluation.report.eval_dir`) when it is one, else `eval`. An evaluation
+whose records have fields of the wrong type (string proponent ids, say) is a 400 naming
+`<name>/<file>:<line>` and the field.
+
+Every endpoint reads files under one rule, `browse.servable`: relative to the workdir, staying
+in it, and no symbolic link on the path below the workdir (folder or file), wherever it
+points: a 403 naming the link.
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from starlette import applications, concurrency, middleware, requests, responses, routing
 from starlette.staticfiles import StaticFiles
@@ -48,107 +55,42 @@ from trackstar_jax.serving import guard as guard_lib
 
 STATIC_DIR = pathlib.Path(__file__).parent / "static"
 MAX_BODY_BYTES = 1 << 20  # a query is a few hundred bytes; refuse anything silly before parsing
-
-
-def _is_id(x: Any) -> bool:
-    return isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool))
-
-
-def _is_score(x: Any) -> bool:
-    return x is None or (isinstance(x, (int, float)) and not isinstance(x, bool))
-
-
-def _list_of(ok: Callable[[Any], bool]) -> Callable[[Any], bool]:
-    return lambda x: isinstance(x, list) and all(ok(v) for v in x)
-
-
-# The fields of a retrieval record (PAIR-code schema, `retrieval.records`) the page shows or
-# uses, each optional: field -> (check, what it must be). Other fields pass through unread.
-RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "example_id": (_is_id, "an integer or a string"),
-    "query_set": (lambda x: isinstance(x, str), "a string"),
-    "inputs_plaintext": (lambda x: isinstance(x, str), "a string"),
-    "targets_plaintext": (lambda x: isinstance(x, str), "a string"),
-    "model_completion": (lambda x: x is None or isinstance(x, str), "a string or null"),
-    "model_correct": (lambda x: x is None or isinstance(x, bool), "true, false or null"),
-    "proponent_correct": (_list_of(lambda x: isinstance(x, bool)), "a list of true / false"),
-    "proponent_tailpatch": (_list_of(_is_score), "a list of numbers / null"),
-    # token attribution (`retrieval.attribution`): the page's heat-maps
-    "proponent_token_scores": (
-        _list_of(
-            lambda p: (
-                isinstance(p, dict)
-                and _list_of(lambda x: isinstance(x, str))(p.get("tokens"))
-                and _list_of(_is_score)(p.get("scores"))
-                and len(p["tokens"]) == len(p["scores"])
-            )
-        ),
-        'a list of {"tokens": [strings], "scores": [numbers]} of equal lengths',
-    ),
-    "target_tokens": (_list_of(lambda x: isinstance(x, str)), "a list of strings"),
-    "target_token_scores": (_list_of(_list_of(_is_score)), "a list of lists of numbers / null"),
-    **{
-        f: check
-        for kind in ("proponent", "opponent")
-        for f, check in (
-            (f"{kind}_ids", (_list_of(_is_id), "a list of integers / strings")),
-            (f"{kind}s", (_list_of(lambda x: isinstance(x, str)), "a list of strings")),
-            (f"{kind}_scores", (_list_of(_is_score), "a list of numbers / null")),
-        )
-    },
-}
-
-
-def check_record(rec: Any) -> str | None:
-    """Why `rec` is not a retrieval record the page can show (None: it is): not an object, a
-    `RECORD_FIELDS` field of another type, or ids / texts / scores lists of unequal lengths."""
-    if not isinstance(rec, dict):
-        return "not a retrieval record (a JSON object)"
-    for field, (ok, what) in RECORD_FIELDS.items():
-        if field in rec and not ok(rec[field]):
-            return f"{field} must be {what}"
-    for kind in ("proponent", "opponent"):
-        if f"{kind}_ids" in rec:
-            lengths = {f: len(rec.get(f, ())) for f in (f"{kind}_ids", f"{kind}s", f"{kind}_scores")}
-            if len(set(lengths.values())) > 1:
-                return f"{kind} lists of unequal lengths {lengths}"
-    return None
+MAX_FILE_BYTES = 16 << 20  # /api/file: a retrieval file of ~1,000 queries x 10 proponents; larger ones are 413s
 
 
 def _error(status: int, message: str) -> responses.JSONResponse:
     return responses.JSONResponse({"error": message}, status_code=status)
 
 
-def resolve_inside(root: pathlib.Path, rel: str) -> pathlib.Path:
-    """`root / rel`, refused (PermissionError) unless it stays inside `root` after resolving
-    `..` and symlinks; an absolute `rel` is refused too."""
-    if (
-        not rel
-        or pathlib.PurePosixPath(rel).is_absolute()
-        or pathlib.PureWindowsPath(rel).is_absolute()
-        or "\x00" in rel
-    ):
-        raise PermissionError(f"path {rel!r}: give a path relative to the workdir")
-    root = root.resolve()
-    path = (root / rel).resolve()
-    if path != root and root not in path.parents:
-        raise PermissionError(f"path {rel!r} leaves the workdir")
-    return path
+def read_jsonl(workdir: pathlib.Path, rel: str) -> list[dict]:
+    """`GET /api/file`: the records of the retrieval jsonl `rel` (`browse.read_servable`: the one
+    symlink rule, at most `MAX_FILE_BYTES`), each `browse.check_record`-ed, non-finite numbers
+    as None. Runs in a worker thread (a large file never stalls the event loop).
 
-
-def read_jsonl(path: pathlib.Path, rel: str) -> list[dict]:
-    """A retrieval jsonl's records (`check_record`; non-finite numbers become None); ValueError
-    naming the first malformed line as `rel:line` (the one reading path, `files.read_jsonl`; the
-    server's own paths stay out of messages)."""
+    Raises:
+      PermissionError (403) / FileNotFoundError (404) / browse.TooLargeError (413) / ValueError
+      (400: not a .jsonl, not a regular file, or the first malformed line as `rel:line`; the
+      server's own paths stay out of messages).
+    """
+    path = browse_lib.servable(workdir, rel)
+    if path.suffix != ".jsonl":
+        raise ValueError(f"path {rel!r}: only retrieval .jsonl files are served")
+    try:
+        data = browse_lib.read_servable(workdir, rel, MAX_FILE_BYTES)
+    except browse_lib.TooLargeError as e:
+        raise browse_lib.TooLargeError(
+            f"{e}: /api/file sends at most {MAX_FILE_BYTES >> 20} MiB; open a larger file with the page's "
+            "local-file picker (read in the browser)"
+        ) from None
     out = []
     try:
-        for where, rec in files.read_jsonl(path):
-            why = check_record(rec)
+        for where, rec in files.read_jsonl(rel, data):
+            why = browse_lib.check_record(rec)
             if why is not None:
-                raise ValueError(f"{rel}:{where.rsplit(':', 1)[1]}: {why}")
+                raise ValueError(f"{where}: {why}")
             out.append(browse_lib.finite(rec))
     except files.InputError as e:
-        raise ValueError(str(e).replace(str(path), rel)) from None
+        raise ValueError(str(e)) from None
     return out
 
 
@@ -192,15 +134,13 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
     async def file(request: requests.Request) -> responses.Response:
         rel = request.query_params.get("path", "")
         try:
-            path = resolve_inside(engine.workdir, rel)
+            return responses.JSONResponse(await concurrency.run_in_threadpool(read_jsonl, engine.workdir, rel))
         except PermissionError as e:
             return _error(403, str(e))
-        if path.suffix != ".jsonl":
-            return _error(400, f"path {rel!r}: only retrieval .jsonl files are served")
-        if not path.is_file():
-            return _error(404, f"path {rel!r}: no such file in the workdir")
-        try:
-            return responses.JSONResponse(read_jsonl(path, rel))
+        except FileNotFoundError as e:
+            return _error(404, str(e))
+        except browse_lib.TooLargeError as e:
+            return _error(413, str(e))
         except ValueError as e:
             return _error(400, str(e))
 
@@ -223,11 +163,13 @@ def make_app(engine: engine_lib.Engine, *, hosts: Sequence[str] = guard_lib.LOOP
         try:
             params = _single(request, allowed)
             out = await concurrency.run_in_threadpool(call, params.pop("name", default_eval), params)
-        except browse_lib.BrowseError as e:
+        except browse_lib.BrowseError as e:  # also: records of the wrong type in the evaluation's files
             return _error(400, str(e))
         except FileNotFoundError as e:
             return _error(404, str(e))
-        except (ValueError, files.InputError) as e:  # written files that do not read back
+        except PermissionError as e:  # `browse.servable`: a link
+            return _error(403, str(e))
+        except (ValueError, files.InputError) as e:  # anything else that does not read back: still JSON
             return _error(500, str(e))
         return responses.JSONResponse(out)
 

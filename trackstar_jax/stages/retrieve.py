@@ -12,6 +12,7 @@ import time
 from typing import Sequence
 
 from trackstar_jax import config as config_lib
+from trackstar_jax import files
 from trackstar_jax.distributed import multihost
 from trackstar_jax.evaluation import query_set
 from trackstar_jax.retrieval import stage as retrieval_lib
@@ -21,6 +22,8 @@ from trackstar_jax.training import logs
 
 def _refuse_existing(settings: config_lib.Settings, workdir: str | os.PathLike, name: str) -> None:
     out, man = retrieval_lib.output_paths(workdir, name)
+    for f in (out, man):  # a linked `retrieval/` or output is refused before any work (`files.check_writable`)
+        files.check_writable(f)
     if not settings.retrieval.overwrite and (out.exists() or man.exists()):
         raise FileExistsError(
             f"{out} already exists: set --config.retrieval.overwrite=True to replace it, "

@@ -11,12 +11,23 @@ Hugging Face, for an imported one), `checkpoints/<step>/{state,config}`, and for
 run `opt_state.json` (how its optimizer state was estimated). `Run` is what later stages
 need; `stages.load_run(workdir)` reads one (the run's config.json is read above this layer),
 `restore_state` / `reload` restore its checkpoints.
+
+Every step folder carries `trackstar_checksums.json` (`CHECKSUM_FILE`): the size and sha256 of
+each file orbax wrote, written once the save is final (`seal`). A restore checks it before
+orbax reads anything (`verify_step`): a flipped bit, a truncated, missing or extra file is
+refused naming the step folder and the file (`CheckpointCorruptError`), so no stage uses
+damaged weights. A step folder without it (saved before checksums existed, or killed between
+orbax's finish and the seal) restores with one warning line, unverified. The index records
+the digest of the checkpoint it was built from (`checkpoint_record`), which
+`index.verify_index` compares with the one now on disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
+import json
 import os
 import pathlib
 import shutil
@@ -41,6 +52,13 @@ CORPUS_DIR = "corpus"
 TOKENIZER_FILE = "tokenizer.model"  # SentencePiece (pretrained runs)
 HF_TOKENIZER_DIR = "tokenizer"  # Hugging Face tokenizer.json folder (imported runs)
 OPT_STATE_INFO_FILE = "opt_state.json"  # imported runs: where opt_state's second moments came from
+CHECKSUM_FILE = "trackstar_checksums.json"  # in each step folder: size + sha256 of every file orbax wrote
+CHECKSUM_FORMAT = 1
+
+
+class CheckpointCorruptError(files.InputError):
+    """A checkpoint's files differ from the checksums written when it was saved (or orbax
+    cannot read it); the message names the step folder and the file."""
 
 
 def load_run_tokenizer(workdir: str | os.PathLike) -> Any:
@@ -124,6 +142,137 @@ def nonfinite_leaves(tree: Any) -> list[str]:
     ]
 
 
+def _step_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Every entry below `step_dir` but the checksum file (and its temporaries), sorted; links
+    and other non-regular entries are listed too (`verify_step` refuses them)."""
+    out = []
+    for root, dirs, names in os.walk(step_dir):
+        dirs.sort()
+        for n in names:
+            if not n.startswith(CHECKSUM_FILE) and not n.startswith(f".{CHECKSUM_FILE}"):
+                out.append(pathlib.Path(root) / n)
+        out += [pathlib.Path(root) / d for d in dirs if os.path.islink(pathlib.Path(root) / d)]
+    return sorted(out)
+
+
+def checksum_record(step_dir: str | os.PathLike) -> dict:
+    """`{"format", "files": {relative path: {"size", "sha256"}}}` of a finished step folder."""
+    step_dir = pathlib.Path(step_dir)
+    return {
+        "format": CHECKSUM_FORMAT,
+        "files": {
+            f.relative_to(step_dir).as_posix(): {"size": f.stat().st_size, "sha256": files.sha256_file(f)}
+            for f in _step_files(step_dir)
+        },
+    }
+
+
+def seal(step_dir: str | os.PathLike) -> None:
+    """Writes `CHECKSUM_FILE` into a finished step folder (atomically; once orbax has finished it)."""
+    step_dir = pathlib.Path(step_dir)
+    files.atomic_write_json(step_dir / CHECKSUM_FILE, checksum_record(step_dir), sort_keys=True)
+
+
+def _digest(record: dict) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(record["files"], sort_keys=True).encode()).hexdigest()
+
+
+def verify_step(step_dir: str | os.PathLike) -> str | None:
+    """Checks every file of a step folder against its `CHECKSUM_FILE`; returns the checkpoint's
+    digest (sha256 over the recorded checksums), or None (after one warning line) for a folder
+    without checksums.
+
+    Raises:
+      CheckpointCorruptError: a file whose size or sha256 differs (a flipped bit, a truncated
+        file), a recorded file missing, an unrecorded one present, a link, or a damaged
+        checksum file: each names the step folder and the file.
+    """
+    step_dir = pathlib.Path(step_dir)
+    sums = step_dir / CHECKSUM_FILE
+    if not sums.exists():
+        logging.warning(
+            "checkpoint %s has no %s (saved before checkpoints carried checksums, or its save was killed "
+            "before they were written): its files are used unverified",
+            step_dir,
+            CHECKSUM_FILE,
+        )
+        return None
+    fix = "delete that step's folder to fall back to an earlier checkpoint, or restore it from a copy"
+    try:
+        record = files.read_json(sums, "checkpoint checksum file", fix)
+        want = record["files"]
+        if record.get("format") != CHECKSUM_FORMAT or not isinstance(want, dict):
+            raise KeyError("format")
+    except (files.InputError, KeyError, TypeError) as e:
+        raise CheckpointCorruptError(
+            f"checkpoint {step_dir} is damaged: {sums.name} cannot be read ({e}); {fix}"
+        ) from None
+
+    def bad(rel: str, why: str) -> CheckpointCorruptError:
+        return CheckpointCorruptError(f"checkpoint {step_dir} is damaged: file {rel} {why}; {fix}")
+
+    have = {f.relative_to(step_dir).as_posix(): f for f in _step_files(step_dir)}
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise bad(missing[0], "is missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    for rel, f in have.items():
+        if rel not in want:
+            raise bad(rel, "was not written by the save (it is not in the checksums)")
+        if f.is_symlink() or not f.is_file():
+            raise bad(rel, "is not a regular file")
+        size = f.stat().st_size
+        if size != want[rel]["size"]:
+            raise bad(rel, f"has {size} bytes, {want[rel]['size']} were saved (truncated or overwritten)")
+        if files.sha256_file(f) != want[rel]["sha256"]:
+            raise bad(rel, "differs from the bytes saved (sha256 mismatch: a flipped bit or an overwrite)")
+    return _digest(record)
+
+
+def checkpoint_record(workdir: str | os.PathLike | None, step: int) -> dict | None:
+    """`{"step_dir": "checkpoints/<step>", "digest"}` of a run's sealed checkpoint (what an
+    index records of the checkpoint it was built from), or None without a workdir or checksums."""
+    if workdir is None:
+        return None
+    sums = pathlib.Path(workdir) / CHECKPOINT_DIR / str(step) / CHECKSUM_FILE
+    try:
+        return {"step_dir": f"{CHECKPOINT_DIR}/{step}", "digest": _digest(files.read_json(sums))}
+    except (FileNotFoundError, files.InputError, KeyError, TypeError):
+        return None
+
+
+def check_recorded_checkpoint(index_path: str | os.PathLike, recorded: dict | None) -> dict:
+    """Compares the checkpoint an index records (`checkpoint_record`) with the one now on disk,
+    in the nearest folder above the index holding `checkpoints/` (the run the index belongs to).
+
+    Returns:
+      `{"checked": bool, ...}` for the verify report (not checked: no record, or no run above).
+
+    Raises:
+      CheckpointCorruptError: the checkpoint is gone, damaged, or not the one indexed.
+    """
+    if not recorded:
+        return {"checked": False, "why": "the index records no checkpoint digest (built before they were recorded)"}
+    index_path = pathlib.Path(index_path).absolute()
+    run = next((d for d in index_path.parents if (d / CHECKPOINT_DIR).is_dir()), None)
+    if run is None:
+        return {"checked": False, "why": f"no run directory with {CHECKPOINT_DIR}/ above {index_path}"}
+    step_dir = run / recorded["step_dir"]
+    if not step_dir.is_dir():
+        raise CheckpointCorruptError(
+            f"index {index_path} was built from checkpoint {step_dir}, which is no longer on disk: "
+            "rebuild the index (`python -m launch.build_index`) from the run's current checkpoint"
+        )
+    digest = verify_step(step_dir)
+    if digest != recorded["digest"]:
+        now = digest[:19] if digest else f"none (no {CHECKSUM_FILE})"
+        raise CheckpointCorruptError(
+            f"checkpoint {step_dir} is not the one index {index_path} was built from (checksum digest {now} "
+            f"now, {recorded['digest'][:19]} when indexed): the checkpoint was replaced since; rebuild the "
+            "index (`python -m launch.build_index`), or put the indexed checkpoint back"
+        )
+    return {"checked": True, "step_dir": str(step_dir), "digest": digest}
+
+
 # Beyond the arrays: orbax's metadata, the resolved config, the tensorstore manifests.
 CHECKPOINT_SLACK_BYTES = 256 << 10  # measured: a tiny run's step folder is ~120 KiB over its arrays
 
@@ -137,6 +286,8 @@ class CheckpointManager:
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3):
         self.directory = pathlib.Path(directory).absolute()
+        self._unsealed: list[int] = []  # saved by this manager, checksums not written yet
+        self._verified: dict[int, str | None] = {}  # step -> digest (None: no checksums), checked once
         self._mngr = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True),
@@ -171,11 +322,54 @@ class CheckpointManager:
                 "(a newer or equal checkpoint is never overwritten)"
             )
         self.check_space(step, state)
+        self._seal()  # the previous save (orbax waits for it before starting another anyway)
+        files.check_tree(self.directory)  # orbax writes by its own paths: no link in checkpoints/
         self._mngr.save(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(dict(config))),
         )
+        self._unsealed.append(step)
         return step
+
+    def _seal(self) -> None:
+        """Waits for orbax's pending save, then writes the checksums of every step this manager
+        saved (process 0 of a job: orbax has finished every process's files by then)."""
+        if not self._unsealed:
+            return
+        self._mngr.wait_until_finished()
+        for step in self._unsealed:
+            step_dir = self.directory / str(step)
+            if step_dir.is_dir() and jax.process_index() == 0:  # max_to_keep may have removed it
+                seal(step_dir)
+        self._unsealed = []
+
+    def verify(self, step: int) -> str | None:
+        """`verify_step` of checkpoint `step` (once per manager): its digest, None without checksums.
+
+        Raises:
+          CheckpointCorruptError: names the step folder and the file.
+        """
+        if step not in self._verified:
+            self._seal()
+            self._verified[step] = verify_step(self.directory / str(step))
+        return self._verified[step]
+
+    def _read(self, step: int, args: Any) -> Any:
+        """orbax's restore of `step` after `verify`; an error orbax / tensorstore raises (a file
+        of a checkpoint without checksums damaged) becomes a `CheckpointCorruptError` naming it."""
+        self.verify(step)
+        try:
+            return self._mngr.restore(step, args=args)
+        except Exception as e:  # noqa: BLE001  (orbax re-raises tensorstore's errors as a bare Exception)
+            # The innermost error names the array and the file (orbax's wrapper dumps the spec).
+            cause = e
+            while (cause.__cause__ or cause.__context__) is not None:
+                cause = cause.__cause__ or cause.__context__
+            first = (str(cause).strip().splitlines() or [type(cause).__name__])[0]
+            raise CheckpointCorruptError(
+                f"checkpoint {self.directory / str(step)} cannot be read: {first[:500]} (delete that step's "
+                "folder to fall back to an earlier checkpoint, or restore it from a copy)"
+            ) from e
 
     def check_space(self, step: int, state: train_lib.TrainState) -> None:
         """Refuses a save the disk cannot hold, before anything is written: orbax's background
@@ -197,7 +391,7 @@ class CheckpointManager:
     def saved_config(self, step: int | None = None) -> dict:
         """The resolved config stored with checkpoint `step` (default: latest)."""
         step = self._step(step)
-        return dict(self._mngr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+        return dict(self._read(step, ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
     def restore(
         self,
@@ -216,13 +410,15 @@ class CheckpointManager:
 
         Raises:
           FileNotFoundError: no checkpoint. ValueError: config mismatch (names the fields).
+          CheckpointCorruptError: its files differ from their checksums, or orbax cannot read
+            them (names the step folder and the file), before anything of it is used.
         """
         step = self._step(step)
         if check is not None:
             bad = check(self.saved_config(step))
             if bad:
                 raise ValueError(f"checkpoint {self.directory}/{step} does not match the config: " + "; ".join(bad))
-        out = self._mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+        out = self._read(step, ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
         state = out["state"]
         bad = nonfinite_leaves({"params": state.params, "opt_state": state.opt_state})
         if bad:
@@ -249,10 +445,12 @@ class CheckpointManager:
         return step
 
     def wait_until_finished(self) -> None:
+        """Waits for a pending save and writes its checksums."""
         self._mngr.wait_until_finished()
+        self._seal()
 
     def close(self) -> None:
-        self._mngr.wait_until_finished()
+        self.wait_until_finished()
         self._mngr.close()
 
 

@@ -303,7 +303,7 @@ class MetricsLog:
         # The window of steps since the last log, as saved with the checkpoint the loop resumes from.
         self.pending: list[Any] = resume_metrics(path, start_step) if path is not None else []
         self.window_path = path.with_name(WINDOW_FILE) if path is not None else None
-        self.file = open(path, "a") if path is not None else None  # noqa: SIM115  (closed by close())
+        self.file = files.open_append(path) if path is not None else None  # closed by close()
         self.tokens_per_step, self.bar = tokens_per_step, bar
         self.train_loss: float | None = None
         self.tokens_per_sec: float | None = None
