@@ -10,7 +10,7 @@ from ml_collections import config_flags
 from trackstar_jax import config as config_lib
 from trackstar_jax import files
 from trackstar_jax.distributed import memory, runtime
-from trackstar_jax.index import store
+from trackstar_jax.index import manifest
 
 _VERBOSE_ERRORS = flags.DEFINE_bool(
     "verbose_errors",
@@ -30,7 +30,7 @@ KNOWN_ERRORS = (
     ImportError,
     files.WorkdirBusyError,
     memory.DoesNotFitError,
-    store.IndexStoreError,
+    manifest.IndexStoreError,
 )
 
 
