@@ -19,7 +19,6 @@ from experiments import base
 def get_config(arg: str | None = None):
     c = base.get_config(arg)
     c.maxtext.decoder_block = "llama2"  # the one MaxText block mapped
-    c.train.min_dim_size_to_factor = 1 << 30  # keep Adam's per-element V unfactored in the run's state
     c.model.max_len = 64  # the embedded corpus' passages are short (at most maxtext.max_target_length)
     c.data.eval_fraction = 0.0  # nothing is trained, so nothing is held out for an eval loss
     c.vectors.num_blocks = 4

@@ -328,15 +328,16 @@ def test_import_build_index_retrieve(tmp_path):
         assert r["proponent_scores"] == sorted(r["proponent_scores"], reverse=True)
 
 
-def test_stage_refuses_a_factoring_optimizer_and_missing_keys(tmp_path):
+def test_stage_keeps_v_unfactored_and_refuses_missing_keys(tmp_path):
     from trackstar_jax import stages
 
     c = _stage_config(tmp_path)
     c.train.min_dim_size_to_factor = 16
-    # 33: one above the largest second-largest dimension (32) of the model's matrices
-    with pytest.raises(config_lib.ConfigError, match=r"set config.train.min_dim_size_to_factor >= 33 \(it is 16\)"):
-        stages.import_model(config_lib.from_configdict(c), tmp_path / "a")
-    assert not (tmp_path / "a" / "config.json").exists()  # refused before writing anything
+    summary = stages.import_model(config_lib.from_configdict(c), tmp_path / "a")
+    # 33: one above the largest second-largest dimension (32) of the model's matrices, so
+    # Adafactor keeps Adam's per-element V whole (as for a Trainer's AdamW V)
+    assert stages.load_run(tmp_path / "a").optimizer.min_dim_size_to_factor == 33
+    assert summary["second_moment"]["min_dim_size_to_factor"] == 33
     c = _stage_config(tmp_path)
     c.maxtext.tokenizer_path = ""
     with pytest.raises(ValueError, match=r"set config.maxtext.tokenizer_path"):

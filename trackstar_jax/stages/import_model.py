@@ -58,26 +58,27 @@ def _check_method(settings: config_lib.Settings) -> None:
 _LEGACY = {"estimate_v_method": "per_example", "estimate_v_source": "candidates"}
 
 
-def _check_unfactored(settings: config_lib.Settings, params: Any) -> None:
-    """Refuses an optimizer config under which Adafactor would factor a parameter: it would then
-    keep row / column means, not the source's per-element V (names the value that keeps them all).
-
-    Raises:
-      ConfigError: `train.min_dim_size_to_factor` is not above every matrix's second-largest dimension.
-    """
+def _keep_unfactored(settings: config_lib.Settings, params: Any) -> config_lib.Settings:
+    """`settings` with `train.min_dim_size_to_factor` raised, where needed, above every matrix's
+    second-largest dimension: Adafactor would otherwise keep row / column means, not the source's
+    per-element V. The same rule as a Hugging Face Trainer's AdamW V (`optimizer_state.run_state`);
+    the run's config.json and `opt_state.json` record the value, and the log says so."""
     flat = model_lib.flat_params(params)
     need = 1 + max((sorted(x.shape)[-2] for x in flat.values() if x.ndim >= 2), default=0)
-    if settings.train.min_dim_size_to_factor < need:
-        raise config_lib.ConfigError(
-            f"model.source={settings.model.source!r} brings its optimizer's per-element V, which Adafactor keeps "
-            f"only unfactored: set config.train.min_dim_size_to_factor >= {need} "
-            f"(it is {settings.train.min_dim_size_to_factor})" + (f" (in {settings.source})" if settings.source else "")
-        )
+    if settings.train.min_dim_size_to_factor >= need:
+        return settings
+    logging.info(
+        "model.source brings its optimizer's per-element V: train.min_dim_size_to_factor %d -> %d "
+        "(Adafactor keeps it unfactored)",
+        settings.train.min_dim_size_to_factor,
+        need,
+    )
+    return dataclasses.replace(settings, train=dataclasses.replace(settings.train, min_dim_size_to_factor=need))
 
 
 def _kept_opt_state(settings: config_lib.Settings, loaded: importer_lib.Loaded, params: Any, opt: Any) -> Any:
     """The run's Adafactor state holding the source's V as each parameter's full `v`, placed like
-    `params` (so `preconditioner.from_opt_state` reads it element-wise, exactly; `_check_unfactored`
+    `params` (so `preconditioner.from_opt_state` reads it element-wise, exactly; `_keep_unfactored`
     has made sure nothing is factored)."""
     v = jax.tree.map(lambda p, x: jax.device_put(x - sm_lib.EPSILON, p.sharding), params, loaded.second_moment)
     fs = sm_lib.factored_state(v, params, settings.train.min_dim_size_to_factor, count=loaded.record.get("count", 1))
@@ -138,7 +139,8 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         settings = dataclasses.replace(settings, model=model_cfg)
         importer_lib.check_tokenizer_fits(tok, model_cfg, path)
         if loaded.second_moment is not None:
-            _check_unfactored(settings, params)  # before anything is written
+            settings = _keep_unfactored(settings, params)
+            loaded.record["min_dim_size_to_factor"] = settings.train.min_dim_size_to_factor
         # a Hugging Face Trainer checkpoint keeps its optimizer.pt beside the weights
         real = (
             None
