@@ -472,7 +472,7 @@ def test_thin_r_train_is_shrunk_so_unspanned_directions_do_not_dominate(caplog):
     with caplog.at_level("WARNING"):
         oas, wh = _top(hessian.HessianConfig(mode="train"), rows, q, blocks)
     assert (none == want).sum() == 8 and (raw == want).sum() <= 4 and (oas == want).sum() == 8
-    rec = wh.describe()["statistics"]["r_train"]
+    rec = wh.statistics["r_train"]
     assert (rec["num_examples"], rec["block_width"], rec["thin"], rec["shrinkage"]["method"]) == (50, 64, True, "oas")
     assert 0.1 < rec["shrinkage"]["rho_min"] <= rec["shrinkage"]["rho_max"] <= 1.0
     notes = hessian.thin_notes(wh.statistics)
@@ -505,7 +505,7 @@ def test_automatic_lambda_falls_back_when_r_eval_is_too_thin(caplog):
     with caplog.at_level("WARNING"):
         wh = hessian.make_whitening(cfg, rt, re)
     assert wh.mix_lambda == 0.9
-    lam = wh.describe()["statistics"]["lambda"]
+    lam = wh.statistics["lambda"]
     assert (lam["how"], lam["value"], lam["component"]) == ("fallback", 0.9, 8) and "rank 4 < crossing" in lam["reason"]
     ev = wh.statistics["r_eval"]
     assert (ev["num_examples"], ev["rank_min"], ev["needed_for_automatic_lambda"], ev["thin"]) == (2, 2, 8, True)

@@ -33,6 +33,7 @@ from trackstar_jax.data.corpus import (
     Example,
     Fact,
     build_corpus,
+    check_source,
     fingerprint,
     load_corpus,
     make_corpus,

@@ -37,8 +37,8 @@ with ρ_b chosen from S_b and n alone (`oas_shrinkage`): ρ_b ≈ (1 + r_b) / (n
 r_b = (tr S_b)² / tr S_b² the block's effective rank, so at the paper's n = 19.6M rows per
 block of p = 4096 it is at most ~2e-4 (for r_b <= p / 2), while 50 rows get ρ ≈ 0.4-0.8.
 `hessian.r_train_shrinkage` fixes ρ instead (0: the paper's unshrunk R_train). Each statistic
-says what it was estimated from (`Whitening.describe()["statistics"]`), and one that is too
-thin to trust is named in one log line (`thin_notes`).
+says what it was estimated from (`Whitening.statistics`), and one that is too thin to trust
+is named in one log line (`thin_notes`).
 
 Ablations (Table 1): `mode="none"` (no R), `"train"` (R_train only, Exp. 3 and 5), `"mixed"`
 (TrackStar); `unit_norm=False` for Exp. 1 and TRAK-like scores. The optimizer correction is a
@@ -336,9 +336,20 @@ def shrink(r_mean: np.ndarray, rho: np.ndarray) -> np.ndarray:
     return (1.0 - rho) * r + rho * mu * np.eye(p)
 
 
+def r_train_counts(num_examples: int, block_width: int) -> dict:
+    """What R_train is estimated from against what it needs: `thin` when the rows are fewer
+    than the block width p = k² (each block then has rank < p and its unshrunk inverse square
+    root is undetermined in the directions no row spans)."""
+    return {
+        "num_examples": int(num_examples),
+        "block_width": int(block_width),
+        "thin": bool(num_examples < block_width),
+    }
+
+
 class RTrainEstimate(NamedTuple):
     mean: np.ndarray  # [blocks, p, p] float64: the (shrunk) mean autocorrelation that is mixed / inverted
-    record: dict  # what it was estimated from (`Whitening.describe()["statistics"]["r_train"]`)
+    record: dict  # what it was estimated from (`Whitening.statistics["r_train"]`)
 
 
 def estimate_r_train(r_train: RStats, shrinkage: float) -> RTrainEstimate:
@@ -350,9 +361,7 @@ def estimate_r_train(r_train: RStats, shrinkage: float) -> RTrainEstimate:
     method = "oas" if shrinkage < 0 else ("none" if shrinkage == 0 else "fixed")
     rho = oas_shrinkage(rt, r_train.count) if shrinkage < 0 else np.full(rt.shape[0], float(shrinkage))
     record = {
-        "num_examples": int(r_train.count),
-        "block_width": p,
-        "thin": bool(r_train.count < p),
+        **r_train_counts(r_train.count, p),
         "shrinkage": {
             "method": method,
             "rho_min": float(rho.min()),
@@ -497,14 +506,13 @@ class Whitening(NamedTuple):
             "lambda_component": self.component,
             "num_floored_eigenvalues": self.num_floored,
             **({"r_eval": self.r_eval} if self.r_eval else {}),
-            **({"statistics": self.statistics} if self.statistics else {}),
         }
 
 
 def thin_notes(statistics: dict | None) -> list[str]:
     """One line per statistic of a `Whitening.statistics` (or a stage's record of them) that is
     too thin to trust, saying what was done about it; empty when every one is well estimated."""
-    return list((statistics or {}).get("thin", []))
+    return list((statistics or {}).get("thin_notes", []))
 
 
 def _r_train_note(rec: dict) -> str:
@@ -527,7 +535,7 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
     R_train is `estimate_r_train`'s (OAS-shrunk by default); an automatic λ that cannot be
     chosen (R_eval's rank below the crossing component) falls back to `cfg.fallback_lambda`.
     Both, and every statistic too thin to trust, are logged in one line each and recorded in
-    `statistics` (`describe()`).
+    `statistics` (`index.scoring.statistics_record` adds V's).
 
     Args:
       cfg: the hessian section.
@@ -546,9 +554,9 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
         raise ValueError(f"hessian.mode={cfg.mode!r} needs R_train (the index has none yet: is the build complete?)")
     est = estimate_r_train(r_train, cfg.r_train_shrinkage)
     rt = est.mean
-    stats = {"r_train": est.record, "thin": []}
+    stats = {"r_train": est.record, "thin_notes": []}
     if est.record["thin"]:
-        stats["thin"].append(_r_train_note(est.record))
+        stats["thin_notes"].append(_r_train_note(est.record))
     lam, comp, info = None, None, None
     if cfg.mode == "train":
         r = rt
@@ -577,7 +585,7 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
                 lam = float(cfg.fallback_lambda)
                 stats["lambda"] = {"value": lam, "how": "fallback", "component": comp, "reason": str(e)}
                 stats["r_eval"]["thin"] = True
-                stats["thin"].append(
+                stats["thin_notes"].append(
                     f"{str(e).split(';')[0]} (R_eval from {r_eval_stats.count} examples): "
                     f"lambda falls back to hessian.fallback_lambda = {lam:g}"
                 )
@@ -587,7 +595,7 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
         r = mix(re, rt, lam)
         info = {"source": cfg.r_eval_source, "num_vectors": int(r_eval_stats.count)}
         info.update(mixing_diagnostics(re, rt, lam, cfg.damping))
-    for note in stats["thin"]:
+    for note in stats["thin_notes"]:
         logging.warning("%s", note)
     inv = inverse_sqrt(r, cfg.damping, memo=cfg.mode == "train")
     return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored, info, stats)
