@@ -371,14 +371,6 @@ def index_statistics(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig,
     return {"v": v, "r_train": r, "thin_notes": notes}
 
 
-def _describe_v(v: dict) -> str:
-    if v["source"] == "optimizer state":
-        return f"V from the {v['optimizer']} state at step {v['checkpoint_step']} (~{v['effective_steps']} steps' mean)"
-    if v["source"] == "import estimate":
-        return f"V estimated at import from {v.get('num_examples')} examples"
-    return f"no V ({v.get('reason', 'none')})"
-
-
 def _write_summary(
     path: pathlib.Path,
     builder: builder_lib.IndexBuilder,
@@ -425,14 +417,7 @@ def _write_summary(
         100 * stats.write_fraction,
         "; complete" if stats.finalized else "",
     )
-    r = statistics["r_train"]
-    logging.info(
-        "index %s: %s; R_train from %d examples for blocks of width %d",
-        path,
-        _describe_v(statistics["v"]),
-        r["num_examples"],
-        r["block_width"],
-    )
+    logging.info("index %s: %s", path, hessian_lib.describe_statistics(statistics))
     for note in statistics["thin_notes"]:
         logging.warning("index %s: %s", path, note)
     return summary

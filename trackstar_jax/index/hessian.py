@@ -515,6 +515,32 @@ def thin_notes(statistics: dict | None) -> list[str]:
     return list((statistics or {}).get("thin_notes", []))
 
 
+def describe_statistics(stats: dict) -> str:
+    """One log line of a statistics record (`index.scoring.statistics_record`, a build's
+    `index_statistics`): what V, R_train, R_eval and λ were estimated from."""
+    parts = []
+    v = stats.get("v")
+    if v is not None:
+        if v["source"] == "optimizer state":
+            parts.append(
+                f"V from the {v['optimizer']} state at step {v['checkpoint_step']} (~{v['effective_steps']} steps)"
+            )
+        elif v["source"] == "import estimate":
+            parts.append(f"V estimated at import from {v.get('num_examples')} examples")
+        else:
+            parts.append(f"no V ({v.get('reason', 'none')})")
+    if "r_train" in stats:
+        r = stats["r_train"]
+        sh = r.get("shrinkage")
+        rho = f", shrinkage ρ {sh['rho_min']:.2g}-{sh['rho_max']:.2g} ({sh['method']})" if sh else ""
+        parts.append(f"R_train from {r['num_examples']} examples for blocks of width {r['block_width']}{rho}")
+    if "r_eval" in stats:
+        parts.append(f"R_eval from {stats['r_eval']['num_examples']} examples ({stats['r_eval']['source']})")
+    if "lambda" in stats:
+        parts.append(f"λ = {stats['lambda']['value']:.4g} ({stats['lambda']['how']})")
+    return "; ".join(parts)
+
+
 def _r_train_note(rec: dict) -> str:
     sh = rec["shrinkage"]
     done = (

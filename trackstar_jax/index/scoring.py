@@ -170,6 +170,7 @@ def statistics_record(run: checkpoint_lib.Run, correction: bool, whitening: hess
     notes = ([v["note"]] if v.get("thin") else []) + hessian.thin_notes(whitening.statistics)
     if v.get("thin"):
         logging.warning("%s", v["note"])
+    logging.info("scoring: %s", hessian.describe_statistics(out))
     return {**out, "thin_notes": notes}
 
 
