@@ -126,7 +126,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.hessian = ml_collections.ConfigDict()
     c.hessian.mode = "mixed"  # "none" | "train" | "mixed" (lambda R_eval + (1-lambda) R_train)
     c.hessian.mix_lambda = -1.0  # < 0: choose automatically (eigenvalue-curve crossing)
+    # lambda when the automatic choice cannot be made (R_eval's rank below the crossing component:
+    # a handful of queries); the paper's T-REx value; < 0: refuse instead
+    c.hessian.fallback_lambda = 0.9
     c.hessian.lambda_component_fraction = 1000 / 65536  # crossing component / d (paper: 1000th of 2^16)
+    # R_train shrunk toward each block's mean eigenvalue, (1 - rho) R + rho mu I: < 0 = OAS (rho from the
+    # spectrum and row count: ~0 when rows far outnumber the block width, large when they do not); 0 = none
+    c.hessian.r_train_shrinkage = -1.0
     c.hessian.damping = 1e-6  # relative eigenvalue floor for R^{-1/2}
     c.hessian.unit_norm = True  # unit-normalise R^{-1/2} g (TrackStar); off for ablations
 

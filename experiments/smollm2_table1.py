@@ -49,6 +49,9 @@ def get_config(arg: str | None = None):
     c.eval.max_per_relation_target_per_bucket = 25  # §A.4's caps on one (relation, target): 25 per bucket,
     c.eval.max_per_relation_target = 100  # 100 overall
     c.hessian.r_eval_source = "task_prompts"
+    # The paper's R_train, unshrunk (not OAS-shrunk, the default): docs/results.md's tables
+    # were measured so (BUILD_NOTES §5)
+    c.hessian.r_train_shrinkage = 0.0
     c.hessian.r_eval_prompts = 1000  # blocks are 256 wide (d = 4096 = 16 x 256)
     # Tail-patch sets Run A's wall time: ~63 distinct (query, proponent) pairs per query over the 9
     # verdict rows, but only ~15 distinct proponents per query (rows and queries share them), and

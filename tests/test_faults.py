@@ -732,6 +732,36 @@ def test_every_writing_stage_is_locked_out_of_a_busy_workdir_until_the_holder_di
     _retrieve(work)
 
 
+def test_a_stage_that_refuses_its_input_creates_nothing_on_disk(tmp_path):
+    """A mistyped --workdir (folders that do not exist) or data path: every stage refuses,
+    naming it, and leaves neither the folders nor a lock file behind; in a workdir that existed
+    before, what was there stays."""
+    typo = tmp_path / "runs" / "typo"
+    missing = r"no run config at .*typo/config.json"
+    stages_of = {
+        "build_index": lambda s, w: stages.build_index(s, w),
+        "retrieve": lambda s, w: stages.retrieve(s.replace({"retrieval.output": "x"}), w, []),
+        "evaluate": lambda s, w: stages.evaluate(s, w),
+        "validate": lambda s, w: stages.validate(s, w),
+    }
+    for name, run in stages_of.items():
+        with pytest.raises(FileNotFoundError, match=missing):
+            run(_settings(), typo)
+        assert not (tmp_path / "runs").exists(), name
+    bad_data = {"data.source": "text", "data.path": str(tmp_path / "corpus_typo.txt")}
+    with pytest.raises(FileNotFoundError, match=r"config.data.path .*corpus_typo.txt' does not exist"):
+        stages.train(_settings(**bad_data), typo)
+    assert not (tmp_path / "runs").exists()
+    with pytest.raises(FileNotFoundError, match=r"config.data.path .*corpus_typo.txt' does not exist"):
+        stages.import_model(_settings(**bad_data, **{"model.source": str(tmp_path / "model")}), typo)
+    assert not (tmp_path / "runs").exists()
+    typo.mkdir(parents=True)
+    (typo / "notes.txt").write_text("mine")
+    with pytest.raises(FileNotFoundError, match=missing):
+        stages.build_index(_settings(), typo)
+    assert (typo / "notes.txt").read_text() == "mine"
+
+
 def test_evaluate_resumes_its_own_unfinished_work_and_leaves_no_temporaries(work, monkeypatch):
     from trackstar_jax.evaluation import stage as eval_stage
 

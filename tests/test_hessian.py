@@ -214,7 +214,8 @@ def test_on_the_fly_scores_equal_finalised_and_dense_reference(mode, unit_norm):
     q = rng.standard_normal((12, blocks * k2)).astype(np.float32)
     r_train = hessian.r_eval(g, blocks)  # same accumulation as the index
     r_ev = hessian.r_eval(q, blocks)
-    cfg = hessian.HessianConfig(mode=mode, mix_lambda=0.3, damping=0.0, unit_norm=unit_norm)
+    # the paper's R_train, unshrunk (the shrinkage has tests of its own)
+    cfg = hessian.HessianConfig(mode=mode, mix_lambda=0.3, damping=0.0, unit_norm=unit_norm, r_train_shrinkage=0.0)
     wh = hessian.make_whitening(cfg, r_train, r_ev)
     w = None if wh.matrix is None else jnp.asarray(wh.matrix)
     on_the_fly = np.asarray(
@@ -286,11 +287,12 @@ def test_make_whitening_modes():
     rt, re = hessian.r_eval(g, 2), hessian.r_eval(q, 2)
     none = hessian.make_whitening(hessian.HessianConfig(mode="none"), None)
     assert none.matrix is None and none.mix_lambda is None
-    train = hessian.make_whitening(hessian.HessianConfig(mode="train", damping=0.0), rt)
-    lam0 = hessian.make_whitening(hessian.HessianConfig(mode="mixed", mix_lambda=0.0, damping=0.0), rt, re)
+    exact = dict(damping=0.0, r_train_shrinkage=0.0)
+    train = hessian.make_whitening(hessian.HessianConfig(mode="train", **exact), rt)
+    lam0 = hessian.make_whitening(hessian.HessianConfig(mode="mixed", mix_lambda=0.0, **exact), rt, re)
     np.testing.assert_allclose(train.matrix, lam0.matrix, rtol=1e-5, atol=1e-6)
     auto = hessian.make_whitening(
-        hessian.HessianConfig(mode="mixed", lambda_component_fraction=2 / 32, damping=0.0), rt, re
+        hessian.HessianConfig(mode="mixed", lambda_component_fraction=2 / 32, **exact), rt, re
     )
     assert auto.component == 2
     assert auto.mix_lambda == pytest.approx(hessian.choose_lambda(re.mean(), rt.mean(), 2))
@@ -311,6 +313,8 @@ def test_make_whitening_modes():
         ({"mix_lambda": 1.5}, "hessian.mix_lambda"),
         ({"lambda_component_fraction": 0.0}, "lambda_component_fraction"),
         ({"damping": -1.0}, "hessian.damping"),
+        ({"r_train_shrinkage": 1.5}, "hessian.r_train_shrinkage"),
+        ({"fallback_lambda": 2.0}, "hessian.fallback_lambda"),
     ],
 )
 def test_config_validation(kwargs, match):
@@ -389,3 +393,128 @@ def test_whitening_benchmark_runs_and_agrees_with_the_old_formula():
     (row,) = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     assert row["d"] == 64 and row["rel_err_vs_einsum"] < 1e-6
     assert row["einsum_s"] > 0 and row["inverse_sqrt_s"] > 0 and row["first_row_s"] > 0 and row["next_row_s"] > 0
+
+
+# ------------------------------------------------------------------------------------------
+# R_train from few examples: OAS shrinkage, λ fallback, what each statistic came from (issue 58)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [8, 64, 1024])
+def test_oas_shrinkage_approximates_the_oracle(n):
+    """OAS's ρ from S and n alone against the oracle ρ* = E<S-Σ, S-F> / E||S-F||² (F = tr S / p · I,
+    the ρ minimising E||(1-ρ)S + ρF - Σ||²), estimated by Monte Carlo with Σ known."""
+    rng = np.random.default_rng(0)
+    p = 16
+    q, _ = np.linalg.qr(rng.standard_normal((p, p)))
+    chol = q * np.sqrt(1.0 / np.arange(1, p + 1) ** 1.5)
+    sigma = chol @ chol.T
+    num = den = 0.0
+    rhos = []
+    for _ in range(400):
+        x = rng.standard_normal((n, p)) @ chol.T
+        s = x.T @ x / n
+        f = np.trace(s) / p * np.eye(p)
+        num += np.sum((s - sigma) * (s - f))
+        den += np.sum((s - f) ** 2)
+        rhos.append(hessian.oas_shrinkage(s[None], n)[0])
+    assert np.mean(rhos) == pytest.approx(num / den, rel=0.25)
+
+
+def test_oas_shrinkage_is_negligible_at_the_paper_scale_and_large_when_thin():
+    """ρ needs only tr S and tr S²: a diagonal S with the spectrum stands for any S. At the paper's
+    19.6M rows per 4096-wide block (effective rank <= p/2) ρ <= 2.1e-4, so a direction with 1% of
+    the mean eigenvalue keeps its weight to 1%; 50 rows of a 64-wide block shrink strongly."""
+    p = 4096
+    for decay in (0.5, 1.0, 2.0):  # power-law spectra, effective rank 2,000 down to 1.6
+        e = 1.0 / np.arange(1, p + 1) ** decay
+        s = np.diag(e)[None]
+        assert (e.sum() ** 2 / (e**2).sum()) <= p / 2
+        rho = float(hessian.oas_shrinkage(s, 19_600_000)[0])
+        assert rho <= 2.1e-4
+        mu = e.mean()
+        shrunk = (1 - rho) * e + rho * mu
+        weights = (shrunk / shrunk.sum()) ** -0.5 / (e / e.sum()) ** -0.5  # relative to unshrunk, scale-free
+        assert np.abs(weights[e >= 0.01 * mu] - 1).max() < 0.01
+    thin = np.diag(1.0 / np.arange(1, 65))[None] * (np.arange(64) < 50)  # 50 rows: rank 50 of 64
+    assert 0.1 < float(hessian.oas_shrinkage(thin, 50)[0]) <= 1.0
+    assert float(hessian.oas_shrinkage(np.eye(8)[None], 10)[0]) == 1.0  # isotropic: the target is exact
+    assert float(hessian.oas_shrinkage(np.zeros((1, 8, 8)), 10)[0]) == 1.0
+
+
+def _thin_case(n, seed=0, blocks=4, p=64):
+    """Gradient-like rows (10 shared directions of falling strength, each row's own small part)
+    and 8 queries, each one row plus noise of its own: query i's right answer is row i."""
+    rng = np.random.default_rng(seed)
+    shared = rng.standard_normal((10, blocks * p)) * np.linspace(3, 0.3, 10)[:, None]
+    rows = rng.standard_normal((n, 10)) @ shared + 0.3 * rng.standard_normal((n, blocks * p))
+    q = rows[:8] + rng.standard_normal((8, blocks * p))
+    return rows.astype(np.float32), q.astype(np.float32), blocks
+
+
+def _top(cfg, rows, q, blocks, k=1):
+    wh = hessian.make_whitening(cfg, hessian.r_eval(rows, blocks), hessian.r_eval(q, blocks))
+    w = None if wh.matrix is None else jnp.asarray(wh.matrix)
+    s = np.asarray(hessian.finalize_rows(q, w, True)) @ np.asarray(hessian.finalize_rows(rows, w, True)).T
+    return np.argsort(-s, axis=1, kind="stable")[:, :k], wh
+
+
+def test_thin_r_train_is_shrunk_so_unspanned_directions_do_not_dominate(caplog):
+    """50 rows in 64-wide blocks: the unshrunk R_train^{-1/2} ranks rows by their regression
+    coefficients on the query (n <= p whitened rows are orthonormal), and the query's noise
+    wins; the default (OAS) finds every query's row, as the scores without R do. The run says so
+    in one line, and the record names the row count against the block width."""
+    rows, q, blocks = _thin_case(50)
+    want = np.arange(8)[:, None]
+    none, _ = _top(hessian.HessianConfig(mode="none"), rows, q, blocks)
+    raw, _ = _top(hessian.HessianConfig(mode="train", r_train_shrinkage=0.0), rows, q, blocks)
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        oas, wh = _top(hessian.HessianConfig(mode="train"), rows, q, blocks)
+    assert (none == want).sum() == 8 and (raw == want).sum() <= 4 and (oas == want).sum() == 8
+    rec = wh.statistics["r_train"]
+    assert (rec["num_examples"], rec["block_width"], rec["thin"], rec["shrinkage"]["method"]) == (50, 64, True, "oas")
+    assert 0.1 < rec["shrinkage"]["rho_min"] <= rec["shrinkage"]["rho_max"] <= 1.0
+    notes = hessian.thin_notes(wh.statistics)
+    assert len(notes) == 1 and "50 examples, fewer than the block width 64" in notes[0]
+    assert [r.getMessage() for r in caplog.records if "R_train is estimated" in r.getMessage()] == notes
+
+
+def test_shrinkage_leaves_a_well_estimated_r_train_as_it_was():
+    """20,000 rows per 64-wide block (n/p = 312; the paper's is 4,800): ρ < 4e-4, every query's
+    top proponent and >= 90% of its top 10 as with the paper's unshrunk R_train (below the top
+    one the rows are near-ties of noise), nothing reported thin. (At 500 rows ρ is 1.3%: the
+    top proponent is kept for 7 of 8 queries, the near-ties below it reshuffle.)"""
+    rows, q, blocks = _thin_case(20_000)
+    raw, _ = _top(hessian.HessianConfig(mode="train", r_train_shrinkage=0.0), rows, q, blocks, k=10)
+    oas, wh = _top(hessian.HessianConfig(mode="train"), rows, q, blocks, k=10)
+    np.testing.assert_array_equal(oas[:, 0], raw[:, 0])
+    assert np.mean([len(set(a) & set(b)) for a, b in zip(oas, raw)]) >= 9
+    rec = wh.statistics["r_train"]
+    assert rec["shrinkage"]["rho_max"] < 4e-4 and not rec["thin"] and hessian.thin_notes(wh.statistics) == []
+
+
+def test_automatic_lambda_falls_back_when_r_eval_is_too_thin(caplog):
+    """Two queries over 2 blocks of 16: R_eval's rank 4 is below the crossing component 8, so
+    automatic λ falls back to hessian.fallback_lambda (0.9, the paper's T-REx value), saying so
+    in one line and in the record; a negative fallback refuses as before."""
+    rng = np.random.default_rng(3)
+    rt = hessian.r_eval(rng.standard_normal((400, 32)).astype(np.float32), 2)
+    re = hessian.r_eval(rng.standard_normal((2, 32)).astype(np.float32), 2)
+    cfg = hessian.HessianConfig(mode="mixed", lambda_component_fraction=8 / 32)
+    with caplog.at_level("WARNING"):
+        wh = hessian.make_whitening(cfg, rt, re)
+    assert wh.mix_lambda == 0.9
+    lam = wh.statistics["lambda"]
+    assert (lam["how"], lam["value"], lam["component"]) == ("fallback", 0.9, 8) and "rank 4 < crossing" in lam["reason"]
+    ev = wh.statistics["r_eval"]
+    assert (ev["num_examples"], ev["rank_min"], ev["needed_for_automatic_lambda"], ev["thin"]) == (2, 2, 8, True)
+    lines = [r.getMessage() for r in caplog.records if "lambda falls back" in r.getMessage()]
+    assert len(lines) == 1 and "hessian.fallback_lambda = 0.9" in lines[0] and "2 examples" in lines[0]
+    np.testing.assert_array_equal(
+        wh.matrix, hessian.make_whitening(dataclasses.replace(cfg, mix_lambda=0.9), rt, re).matrix
+    )
+    with pytest.raises(hessian.LambdaUndetermined, match="R_eval has numerical rank 4 < crossing component 8"):
+        hessian.make_whitening(dataclasses.replace(cfg, fallback_lambda=-1.0), rt, re)
+    ok = hessian.make_whitening(dataclasses.replace(cfg, lambda_component_fraction=2 / 32), rt, re)
+    assert ok.statistics["lambda"]["how"] == "automatic" and "thin" not in ok.statistics["r_eval"]

@@ -134,9 +134,10 @@ def test_mixed_rows_take_r_eval_from_the_evaluations_queries(served):
 
 
 def test_automatic_lambda_above_one_querys_rank_is_served(served):
-    """The fixture's automatic λ crosses above one query's rank: the query alone cannot be R_eval
-    (`prepare_scoring` refuses it, as the engine's per-query R_eval used to: a 400), yet it is
-    served, with λ resolved at that crossing from the evaluation's queries."""
+    """The fixture's automatic λ crosses above one query's rank: the query alone cannot choose λ
+    (`prepare_scoring` falls back to hessian.fallback_lambda, saying why), yet it is served,
+    with λ resolved at that crossing from the evaluation's queries; the explorer shows what
+    each statistic came from."""
     settings, _, engine, client = served
     row = engine._rows["trackstar"]
     one_rank = row.reader.num_blocks_total  # one vector: rank 1 per diagonal block
@@ -146,13 +147,19 @@ def test_automatic_lambda_above_one_querys_rank_is_served(served):
     q_raw = retrieval_stage.featurize_text_queries(
         engine.run, row.vec_fn, [retrieval_stage.TextQuery(0, prompt, target)]
     )
-    with pytest.raises(ValueError, match=f"R_eval has numerical rank {one_rank} < crossing component {crossing}"):
-        scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw)
+    alone = scoring_lib.prepare_scoring(row.reader, row.settings.hessian, q_raw).whitening
+    assert alone.mix_lambda == 0.9 and alone.statistics["lambda"]["how"] == "fallback"
+    assert (
+        f"R_eval has numerical rank {one_rank} < crossing component {crossing}" in alone.statistics["lambda"]["reason"]
+    )
     r = client.post("/api/query", json={"prompt": prompt, "target": target, "k": 6, "method": "trackstar"})
     assert r.status_code == 200, r.text
     assert len(r.json()["proponents"]) == len(r.json()["opponents"]) == 6
     (m,) = [m for m in client.get("/api/methods").json()["methods"] if m["name"] == "trackstar"]
     assert m["r_eval"]["lambda_component"] == crossing and 0 < m["mix_lambda"] < 1
+    assert m["statistics"]["lambda"]["how"] == "automatic" and m["statistics"]["r_eval"]["num_examples"] > one_rank
+    assert m["statistics"]["r_train"]["num_examples"] == len(engine.run.corpus.texts)
+    assert m["statistics"]["v"]["source"] == "optimizer state" and m["thin_notes"] == m["statistics"]["thin_notes"]
 
 
 def test_mixed_rows_without_an_r_eval_set_are_not_offered(served, monkeypatch):

@@ -21,6 +21,7 @@ def trak_run(tiny_run):
         c = tiny_run_config(num_facts=20, num_distractors=20, num_steps=40, chunk_rows=32)
         c.index.dtype = "float32"
         c.hessian.damping = 0.0  # the reference inverts R exactly
+        c.hessian.r_train_shrinkage = 0.0  # (the paper's R_train, unshrunk)
         c.vectors.proj_dim = 4  # d = 2 * 2 * 16 = 64, blocks of 16 << rows: R has full rank
         workdir = tiny_run(c)
         s = config_lib.from_configdict(c)

@@ -299,6 +299,13 @@ def to_dict(settings: Any) -> dict:
     return json.loads(json.dumps(d, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
+# Keys whose absence from a saved record means another value than today's default: the behaviour
+# before the key existed. A table or run recorded then compares as what it was made with.
+ABSENT_MEANS = {
+    "hessian.r_train_shrinkage": 0.0,  # R_train was used unshrunk before OAS became the default (issue 58)
+}
+
+
 def mismatches(
     saved: Any,
     current: Any,
@@ -308,12 +315,13 @@ def mismatches(
     """Fields of `sections` that differ between two configs (Settings or nested dicts).
 
     A key absent on one side compares equal to the other side's default (so a run saved
-    before a field existed still matches when the field keeps its default).
+    before a field existed still matches when the field keeps its default), or to its
+    `ABSENT_MEANS` value where the default changed what it computes.
 
     Returns:
       e.g. `["model.embed_dim: saved 64, now 128"]`; empty when they agree.
     """
-    defaults = flatten(to_dict(Settings()))
+    defaults = {**flatten(to_dict(Settings())), **ABSENT_MEANS}
     a, b = flatten(to_dict(saved)), flatten(to_dict(current))
     out = []
     for key in sorted(set(a) | set(b)):

@@ -441,12 +441,39 @@ def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0)
     independent `build_index` writers) takes lock `i`, so a job's own processes do not exclude
     each other. On first taking it, temporaries left by dead writers of this host are removed.
 
+    A stage that refuses its input (raises) in a workdir this call created, having written no
+    file but the lock, leaves nothing behind: the lock and the (empty) folders are removed (a
+    mistyped `--workdir`).
+
     Raises:
       WorkdirBusyError: another live process holds it (names its stage, pid and host).
     """
     workdir = pathlib.Path(workdir)
+    created = [p for p in (workdir, *workdir.parents) if not p.exists()]  # deepest first
     workdir.mkdir(parents=True, exist_ok=True)
-    lock = _lock_path(workdir, process_index)
+    with _workdir_lock(workdir, _lock_path(workdir, process_index), stage, created):
+        yield
+
+
+def _remove_if_only_lock(workdir: pathlib.Path, lock: pathlib.Path, created: list[pathlib.Path]) -> None:
+    """Removes `lock`, the empty folders under `workdir` and the `created` folders (deepest
+    first) when `workdir` holds no file but the lock (a refusal wrote nothing)."""
+    try:
+        tree = list(os.walk(workdir, topdown=False))
+        if any(pathlib.Path(root, f) != lock for root, _, names in tree for f in names):
+            return
+        lock.unlink(missing_ok=True)
+        for root, dirs, _ in tree:
+            for d in dirs:
+                pathlib.Path(root, d).rmdir()
+        for d in created:
+            d.rmdir()  # only empty folders: another writer's file keeps its folder
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def _workdir_lock(workdir: pathlib.Path, lock: pathlib.Path, stage: str, created: list[pathlib.Path]) -> Iterator[None]:
     key = str(lock.resolve())
     if key in _held:  # a stage running another stage (evaluate -> build_index, retrieve)
         _held[key] += 1
@@ -469,6 +496,10 @@ def workdir_lock(workdir: str | os.PathLike, stage: str, process_index: int = 0)
         try:
             remove_stale_temporaries(workdir)
             yield
+        except BaseException:
+            if created:  # still holding the lock: no other writer can have started in it
+                _remove_if_only_lock(workdir, lock, created)
+            raise
         finally:
             _roots.remove(workdir.absolute())
             del _held[key]

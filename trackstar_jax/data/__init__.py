@@ -26,7 +26,7 @@ from trackstar_jax.data.batching import (
     train_batches,
     truncation_report,
 )
-from trackstar_jax.data.corpus import build_corpus, load_corpus, save_corpus
+from trackstar_jax.data.corpus import build_corpus, check_source, load_corpus, save_corpus
 from trackstar_jax.data.corpus_types import (
     SOURCES,
     Corpus,

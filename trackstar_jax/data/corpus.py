@@ -186,6 +186,22 @@ def _split_eval(texts: list[str], facts: list[Fact], fraction: float) -> tuple[l
     return train, facts, eval_texts
 
 
+# Sources read from `config.data.path`, and the file patterns a folder there must hold.
+_PATH_PATTERNS = {"text": ("*.txt", "*.txt.gz"), "jsonl": ("*.jsonl", "*.jsonl.gz", "*.json"), "lama": ("*",)}
+
+
+def check_source(cfg: DataConfig) -> None:
+    """Refuses a `config.data.path` that `build_corpus` could not read (missing, or a folder
+    without files of its source), naming it as `build_corpus` would: a stage calls this before
+    it writes anything, so a mistyped path leaves nothing on disk.
+
+    Raises:
+      FileNotFoundError: the path does not exist or holds no file of the source.
+    """
+    if cfg.source in _PATH_PATTERNS:
+        _files(cfg.path, _PATH_PATTERNS[cfg.source])
+
+
 def _files(path: str, patterns: Sequence[str]) -> list[pathlib.Path]:
     p = pathlib.Path(path)
     if p.is_file():
@@ -201,7 +217,7 @@ def _files(path: str, patterns: Sequence[str]) -> list[pathlib.Path]:
 def _read_text_files(cfg: DataConfig) -> list[str]:
     """Plain text: one passage per non-blank line. jsonl: one passage per record."""
     is_jsonl = cfg.source == "jsonl"
-    pats = ("*.jsonl", "*.jsonl.gz", "*.json") if is_jsonl else ("*.txt", "*.txt.gz")
+    pats = _PATH_PATTERNS[cfg.source]
     texts = []
     for f in _files(cfg.path, pats):
         for ln, line in files_lib.read_lines(f):

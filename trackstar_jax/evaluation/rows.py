@@ -364,6 +364,7 @@ class GradientRetriever(Retriever):
                 "index": info["index"],
                 "index_seconds": summary.get("seconds"),
                 "whitening": info["whitening"],
+                "statistics": info["statistics"],  # what V, R_train, R_eval, λ came from
                 "retrieval_seconds": info.get("retrieval_seconds"),
             },
         )
@@ -433,6 +434,7 @@ class GradientRetriever(Retriever):
             r_eval_raw = ctx.shared(("r_eval_raw", key), featurize_r_eval)
         factor = trak_lib.row_factor(run, ms.vectors.output_fn, reader)  # TRAK's Q multiplies scores
         scoring = scoring_lib.prepare_scoring(reader, ms.hessian, r_eval_raw, row_factor=factor)
+        stats = scoring_lib.statistics_record(run, ms.vectors.correction, scoring.whitening)
         info = None
         if r_eval_set is not None:
             w = scoring.whitening
@@ -449,7 +451,7 @@ class GradientRetriever(Retriever):
                 r_eval_set.source["kind"],
                 w.mix_lambda,
             )
-        return ServedGradient(ctx, ms, reader, vec_fn, scoring, info)
+        return ServedGradient(ctx, ms, reader, vec_fn, scoring, info, stats)
 
 
 @dataclasses.dataclass
@@ -465,6 +467,7 @@ class ServedGradient(Retriever):
     vec_fn: vectors_lib.VectorFn
     scoring: scoring_lib.Scoring
     r_eval: dict | None = None
+    statistics: dict | None = None  # what V, R_train, R_eval, λ came from (`scoring.statistics_record`)
 
     splits_tokens = True
 
@@ -505,6 +508,8 @@ class ServedGradient(Retriever):
         }
         if self.r_eval is not None:
             out.update(mix_lambda=self.r_eval["mix_lambda"], r_eval=self.r_eval)
+        if self.statistics is not None:
+            out.update(statistics=self.statistics, thin_notes=self.statistics["thin_notes"])
         return out
 
 

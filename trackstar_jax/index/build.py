@@ -25,6 +25,7 @@ from trackstar_jax.distributed import multihost
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.features import vectors as vectors_lib
 from trackstar_jax.index import builder as builder_lib
+from trackstar_jax.index import hessian as hessian_lib
 from trackstar_jax.index import manifest as manifest_lib
 from trackstar_jax.index import store as store_lib
 from trackstar_jax.index import trak as trak_lib
@@ -358,10 +359,27 @@ def build_from_run(
         _write_summary(
             b.path, b, st, counters, v.dim, ix.storage, process_index, process_count,
             shared_pass=[str(paths[j]) for j in todo if j != i] if i in todo else [],
+            statistics=index_statistics(run, v, b.num_rows),
         )
         for i, (b, st, (v, ix)) in enumerate(zip(builders, stats, targets))
     ]  # fmt: skip
     return summaries[0]
+
+
+def index_statistics(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig, num_rows: int) -> dict:
+    """What the index's statistics are estimated from, against what they need: V (the
+    correction's second moment, `checkpoint.second_moment_record`) and R_train (its rows
+    against the block width, `hessian.r_train_counts`); `thin_notes` names each too thin to trust."""
+    _, block_width = vectors_lib.block_layout(vec_cfg)
+    v = checkpoint_lib.second_moment_record(run, vec_cfg.correction)
+    r = hessian_lib.r_train_counts(num_rows, block_width)
+    notes = [v["note"]] if v.get("thin") else []
+    if r["thin"]:
+        notes.append(
+            f"R_train is estimated from {num_rows} examples, fewer than the block width {block_width} "
+            f"(rank-deficient): retrieval shrinks it toward its mean eigenvalue (hessian.r_train_shrinkage)"
+        )
+    return {"v": v, "r_train": r, "thin_notes": notes}
 
 
 def _write_summary(
@@ -374,6 +392,7 @@ def _write_summary(
     process_index: int,
     process_count: int,
     shared_pass: list[str],
+    statistics: dict,
 ) -> dict:
     itemsize = np.dtype(store_lib.NP_DTYPES[storage.dtype]).itemsize
     summary = {
@@ -397,6 +416,7 @@ def _write_summary(
         "complete": stats.finalized,
         "finalized_by": builder_lib.finalized_by(path) if stats.finalized else None,
         "shared_pass": shared_pass,  # the other indices this pass wrote (their time is this one's)
+        "statistics": statistics,  # what V and R_train are estimated from (`index_statistics`)
     }
     files.atomic_write_json(path / f"build_summary-p{process_index:04d}.json", summary)
     in_range = sum(hi - lo for lo, hi in map(builder.chunk_rows_range, builder.chunks))
@@ -414,4 +434,7 @@ def _write_summary(
         f"; resumed: {built} rows were already built" if built else "",
         "; complete" if stats.finalized else "",
     )
+    logging.info("index %s: %s", path, hessian_lib.describe_statistics(statistics))
+    for note in statistics["thin_notes"]:
+        logging.warning("index %s: %s", path, note)
     return summary

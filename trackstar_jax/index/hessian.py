@@ -28,6 +28,18 @@ so retrieval is a plain streamed matmul over the raw stored rows times a per-row
 `s_m` that is computed once per R (`index.compute_row_scale`). `finalize_rows` gives the other
 path (the finalised vectors themselves); tests prove both give the same scores.
 
+R_train from few examples (a user's own small corpus): an autocorrelation of n rows in a
+block of width p = k² has rank <= n, and with n near or below p its inverse square root turns
+similarity into regression coefficients on the rows (n <= p whitened rows are orthonormal),
+so directions a handful of rows span dominate. R_train is therefore the OAS shrinkage
+estimate (Chen, Wiesel, Eldar & Hero 2010, Eq. 23) per block, `(1-ρ_b) S_b + ρ_b (tr S_b / p) I`
+with ρ_b chosen from S_b and n alone (`oas_shrinkage`): ρ_b ≈ (1 + r_b) / (n (1 - r_b / p)),
+r_b = (tr S_b)² / tr S_b² the block's effective rank, so at the paper's n = 19.6M rows per
+block of p = 4096 it is at most ~2e-4 (for r_b <= p / 2), while 50 rows get ρ ≈ 0.4-0.8.
+`hessian.r_train_shrinkage` fixes ρ instead (0: the paper's unshrunk R_train). Each statistic
+says what it was estimated from (`Whitening.statistics`), and one that is too thin to trust
+is named in one log line (`thin_notes`).
+
 Ablations (Table 1): `mode="none"` (no R), `"train"` (R_train only, Exp. 3 and 5), `"mixed"`
 (TrackStar); `unit_norm=False` for Exp. 1 and TRAK-like scores. The optimizer correction is a
 property of the index (vectors section of the config, recorded in its manifest).
@@ -43,6 +55,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jaxtyping import Array, Float
 
 HESSIAN_MODES = ("none", "train", "mixed")
@@ -56,7 +69,14 @@ class HessianConfig:
     Attributes:
       mode: "none" (R = I), "train" (R_train), "mixed" (λ R_eval + (1-λ) R_train).
       mix_lambda: λ in [0, 1]; a negative value chooses λ automatically (§A.1.3).
+      fallback_lambda: the λ an automatic choice falls back to when it cannot be made (R_eval
+        or R_train has fewer independent directions than the crossing component: a handful of
+        queries); the paper's T-REx value 0.9. Negative: refuse instead (the old behaviour).
       lambda_component_fraction: the crossing component as a fraction of d (paper: 1000/65536).
+      r_train_shrinkage: ρ of R_train's shrinkage toward its mean eigenvalue per block,
+        `(1-ρ) R_train + ρ (tr R_b / p) I`; negative (default): OAS, chosen per block from the
+        spectrum and the row count (`oas_shrinkage`; ≈ 0 when rows far outnumber the block
+        width p, large when they do not); 0: none (the paper's R_train).
       damping: relative eigenvalue floor of R^{-1/2}: eigenvalues below `damping * max eig`
         (over all blocks) are raised to that floor, so directions with (almost) no variance are
         amplified at most `1/sqrt(damping)` times more than the strongest one.
@@ -69,7 +89,9 @@ class HessianConfig:
 
     mode: str = "mixed"
     mix_lambda: float = -1.0
+    fallback_lambda: float = 0.9
     lambda_component_fraction: float = 1000 / 65536
+    r_train_shrinkage: float = -1.0
     damping: float = 1e-6
     unit_norm: bool = True
     r_eval_source: str = "queries"
@@ -80,6 +102,14 @@ class HessianConfig:
             raise ValueError(f"hessian.mode must be one of {HESSIAN_MODES}, got {self.mode!r}")
         if self.mix_lambda > 1.0:
             raise ValueError(f"hessian.mix_lambda must be in [0, 1] (or < 0 for automatic), got {self.mix_lambda}")
+        if self.fallback_lambda > 1.0:
+            raise ValueError(
+                f"hessian.fallback_lambda must be in [0, 1] (or < 0 to refuse), got {self.fallback_lambda}"
+            )
+        if self.r_train_shrinkage > 1.0:
+            raise ValueError(
+                f"hessian.r_train_shrinkage must be in [0, 1] (or < 0 for OAS), got {self.r_train_shrinkage}"
+            )
         if not 0.0 < self.lambda_component_fraction <= 1.0:
             raise ValueError(
                 f"hessian.lambda_component_fraction must be in (0, 1], got {self.lambda_component_fraction}"
@@ -217,6 +247,11 @@ def sorted_eigenvalues(r_blocks: np.ndarray) -> np.ndarray:
     return np.sort(block_eigenvalues(r_blocks).reshape(-1))[::-1]
 
 
+class LambdaUndetermined(ValueError):
+    """Automatic λ cannot be chosen: R_eval or R_train has fewer independent directions than the
+    crossing component (`make_whitening` falls back to `hessian.fallback_lambda`)."""
+
+
 def choose_lambda(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, component: int) -> float:
     """λ where the sorted eigenvalue curves of λ R_eval and (1-λ) R_train meet at `component`.
 
@@ -234,8 +269,8 @@ def choose_lambda(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, component: 
       λ in (0, 1).
 
     Raises:
-      ValueError: if either matrix has fewer than `component` positive eigenvalues (e.g. fewer
-        queries than `component`), naming which one and its numerical rank.
+      LambdaUndetermined: if either matrix has fewer than `component` positive eigenvalues
+        (e.g. fewer queries than `component`), naming which one and its numerical rank.
     """
     e_eval = sorted_eigenvalues(r_eval_mean)
     e_train = sorted_eigenvalues(r_train_mean)
@@ -246,12 +281,97 @@ def choose_lambda(r_eval_mean: np.ndarray, r_train_mean: np.ndarray, component: 
         tol = max(e[0], 0.0) * np.shape(r_eval_mean)[-1] * np.finfo(np.float32).eps
         rank = int((e > tol).sum())
         if rank < component:
-            raise ValueError(
+            raise LambdaUndetermined(
                 f"automatic lambda: {name} has numerical rank {rank} < crossing component {component} "
                 f"(hessian.lambda_component_fraction); use more queries, a smaller fraction, or set hessian.mix_lambda"
             )
     a, b = e_eval[component - 1], e_train[component - 1]
     return float(b / (a + b))
+
+
+# ------------------------------------------------------------------------------------------
+# R_train from few examples: OAS shrinkage (Chen, Wiesel, Eldar & Hero 2010)
+# ------------------------------------------------------------------------------------------
+
+
+def oas_shrinkage(r_mean: np.ndarray, num_examples: int) -> np.ndarray:
+    """Per-block shrinkage ρ_b of the Oracle Approximating Shrinkage estimator (Chen et al.,
+    "Shrinkage Algorithms for MMSE Covariance Estimation", IEEE TSP 2010, Eq. 23).
+
+    For a sample second moment S of n examples in p dimensions, the estimate
+    `(1-ρ) S + ρ (tr S / p) I` with
+
+        ρ = min(1, ((1 - 2/p) tr S² + (tr S)²) / ((n + 1 - 2/p) (tr S² - (tr S)² / p)))
+
+    approximates the ρ minimising the expected Frobenius error to the true second moment for
+    Gaussian examples, from S and n alone (R_train is stored as a sum, not as its rows). With
+    r = (tr S)² / tr S² (the effective rank, 1..p), ρ ≈ (1 + r) / (n (1 - r / p)): negligible
+    when examples far outnumber the effective rank, near 1 when they do not.
+
+    Args:
+      r_mean: `[blocks, p, p]` mean autocorrelation (any global scale: ρ is scale-free).
+      num_examples: n, the rows it is the mean of.
+
+    Returns:
+      float64 `[blocks]` in [0, 1] (1 for an isotropic or all-zero block).
+    """
+    r = np.asarray(r_mean, np.float64)
+    p = r.shape[-1]
+    tr = np.trace(r, axis1=1, axis2=2)
+    tr2 = np.einsum("bij,bji->b", r, r)  # tr S² (S symmetric: the squared Frobenius norm)
+    num = (1.0 - 2.0 / p) * tr2 + tr**2
+    den = (num_examples + 1.0 - 2.0 / p) * (tr2 - tr**2 / p)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        rho = np.where(den > 0, num / np.where(den > 0, den, 1.0), 1.0)
+    return np.clip(rho, 0.0, 1.0)
+
+
+def shrink(r_mean: np.ndarray, rho: np.ndarray) -> np.ndarray:
+    """`(1-ρ_b) R_b + ρ_b (tr R_b / p) I` per block (float64): trace-preserving, so the mixture's
+    scale convention (mean autocorrelations, λ) is unchanged."""
+    r = np.asarray(r_mean, np.float64)
+    p = r.shape[-1]
+    rho = np.asarray(rho, np.float64).reshape(-1, 1, 1)
+    mu = (np.trace(r, axis1=1, axis2=2) / p).reshape(-1, 1, 1)
+    return (1.0 - rho) * r + rho * mu * np.eye(p)
+
+
+def r_train_counts(num_examples: int, block_width: int) -> dict:
+    """What R_train is estimated from against what it needs: `thin` when the rows are fewer
+    than the block width p = k² (each block then has rank < p and its unshrunk inverse square
+    root is undetermined in the directions no row spans)."""
+    return {
+        "num_examples": int(num_examples),
+        "block_width": int(block_width),
+        "thin": bool(num_examples < block_width),
+    }
+
+
+class RTrainEstimate(NamedTuple):
+    mean: np.ndarray  # [blocks, p, p] float64: the (shrunk) mean autocorrelation that is mixed / inverted
+    record: dict  # what it was estimated from (`Whitening.statistics["r_train"]`)
+
+
+def estimate_r_train(r_train: RStats, shrinkage: float) -> RTrainEstimate:
+    """R_train's mean autocorrelation, shrunk toward each block's mean eigenvalue by
+    `shrinkage` (< 0: `oas_shrinkage`; 0: none), with the record of what it came from: row
+    count against the block width (fewer rows than the block width: rank-deficient, `thin`)."""
+    rt = r_train.mean()
+    p = int(rt.shape[-1])
+    method = "oas" if shrinkage < 0 else ("none" if shrinkage == 0 else "fixed")
+    rho = oas_shrinkage(rt, r_train.count) if shrinkage < 0 else np.full(rt.shape[0], float(shrinkage))
+    record = {
+        **r_train_counts(r_train.count, p),
+        "shrinkage": {
+            "method": method,
+            "rho_min": float(rho.min()),
+            "rho_max": float(rho.max()),
+            "rho_mean": float(rho.mean()),
+        },
+    }
+    if method == "none":
+        return RTrainEstimate(rt, record)
+    return RTrainEstimate(_memoized("shrink", shrink, rt, rho), record)
 
 
 def block_ranks(r_blocks: np.ndarray) -> list[int]:
@@ -375,6 +495,7 @@ class Whitening(NamedTuple):
     component: int | None  # crossing component (automatic λ)
     num_floored: int
     r_eval: dict | None = None  # mode "mixed": source, count, ranks, down-weighted components
+    statistics: dict | None = None  # what R_train, R_eval and λ were estimated from (`make_whitening`)
 
     def describe(self) -> dict:
         """JSON-able summary for logs and result files."""
@@ -388,8 +509,59 @@ class Whitening(NamedTuple):
         }
 
 
+def thin_notes(statistics: dict | None) -> list[str]:
+    """One line per statistic of a `Whitening.statistics` (or a stage's record of them) that is
+    too thin to trust, saying what was done about it; empty when every one is well estimated."""
+    return list((statistics or {}).get("thin_notes", []))
+
+
+def describe_statistics(stats: dict) -> str:
+    """One log line of a statistics record (`index.scoring.statistics_record`, a build's
+    `index_statistics`): what V, R_train, R_eval and λ were estimated from."""
+    parts = []
+    v = stats.get("v")
+    if v is not None:
+        if v["source"] == "optimizer state":
+            parts.append(
+                f"V from the {v['optimizer']} state at step {v['checkpoint_step']} (~{v['effective_steps']} steps)"
+            )
+        elif v["source"] == "import estimate":
+            parts.append(f"V estimated at import from {v.get('num_examples')} examples")
+        else:
+            parts.append(f"no V ({v.get('reason', 'none')})")
+    if "r_train" in stats:
+        r = stats["r_train"]
+        sh = r.get("shrinkage")
+        rho = f", shrinkage ρ {sh['rho_min']:.2g}-{sh['rho_max']:.2g} ({sh['method']})" if sh else ""
+        parts.append(f"R_train from {r['num_examples']} examples for blocks of width {r['block_width']}{rho}")
+    if "r_eval" in stats:
+        parts.append(f"R_eval from {stats['r_eval']['num_examples']} examples ({stats['r_eval']['source']})")
+    if "lambda" in stats:
+        parts.append(f"λ = {stats['lambda']['value']:.4g} ({stats['lambda']['how']})")
+    return "; ".join(parts)
+
+
+def _r_train_note(rec: dict) -> str:
+    sh = rec["shrinkage"]
+    done = (
+        f"shrunk toward its mean eigenvalue per block (ρ = {sh['rho_min']:.2g}-{sh['rho_max']:.2g}, "
+        f"hessian.r_train_shrinkage)"
+        if sh["method"] != "none"
+        else "NOT shrunk (hessian.r_train_shrinkage=0): directions few rows span dominate its inverse"
+    )
+    return (
+        f"R_train is estimated from {rec['num_examples']} examples, fewer than the block width "
+        f"{rec['block_width']} (rank-deficient): {done}"
+    )
+
+
 def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RStats | None = None) -> Whitening:
     """Resolves a HessianConfig into the scoring transform (§3 Eq. 2-3, §A.1.3).
+
+    R_train is `estimate_r_train`'s (OAS-shrunk by default); an automatic λ that cannot be
+    chosen (R_eval's rank below the crossing component) falls back to `cfg.fallback_lambda`.
+    Both, and every statistic too thin to trust, are logged in one line each and recorded in
+    `statistics` (`index.scoring.statistics_record` adds V's).
 
     Args:
       cfg: the hessian section.
@@ -398,12 +570,19 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
 
     Returns:
       Whitening with W = R^{-1/2} (or None) and the resolved λ.
+
+    Raises:
+      LambdaUndetermined: automatic λ cannot be chosen and `cfg.fallback_lambda` < 0.
     """
     if cfg.mode == "none":
         return Whitening(None, cfg.unit_norm, cfg.mode, None, None, 0)
     if r_train is None:
         raise ValueError(f"hessian.mode={cfg.mode!r} needs R_train (the index has none yet: is the build complete?)")
-    rt = r_train.mean()
+    est = estimate_r_train(r_train, cfg.r_train_shrinkage)
+    rt = est.mean
+    stats = {"r_train": est.record, "thin_notes": []}
+    if est.record["thin"]:
+        stats["thin_notes"].append(_r_train_note(est.record))
     lam, comp, info = None, None, None
     if cfg.mode == "train":
         r = rt
@@ -413,16 +592,39 @@ def make_whitening(cfg: HessianConfig, r_train: RStats | None, r_eval_stats: RSt
         re = r_eval_stats.mean()
         if re.shape != rt.shape:
             raise ValueError(f"R_eval blocks {re.shape} differ from R_train blocks {rt.shape}")
+        ranks = block_ranks(re)
+        stats["r_eval"] = {
+            "source": cfg.r_eval_source,
+            "num_examples": int(r_eval_stats.count),
+            "block_width": int(re.shape[-1]),
+            "rank_min": int(min(ranks)),
+        }
         if cfg.mix_lambda < 0:
             comp = lambda_component(re.shape[0] * re.shape[1], cfg.lambda_component_fraction)
-            lam = choose_lambda(re, rt, comp)
+            stats["r_eval"]["needed_for_automatic_lambda"] = comp
+            try:
+                lam = choose_lambda(re, rt, comp)
+                stats["lambda"] = {"value": lam, "how": "automatic", "component": comp}
+            except LambdaUndetermined as e:
+                if cfg.fallback_lambda < 0:
+                    raise
+                lam = float(cfg.fallback_lambda)
+                stats["lambda"] = {"value": lam, "how": "fallback", "component": comp, "reason": str(e)}
+                stats["r_eval"]["thin"] = True
+                stats["thin_notes"].append(
+                    f"{str(e).split(';')[0]} (R_eval from {r_eval_stats.count} examples): "
+                    f"lambda falls back to hessian.fallback_lambda = {lam:g}"
+                )
         else:
             lam = float(cfg.mix_lambda)
+            stats["lambda"] = {"value": lam, "how": "fixed"}
         r = mix(re, rt, lam)
         info = {"source": cfg.r_eval_source, "num_vectors": int(r_eval_stats.count)}
         info.update(mixing_diagnostics(re, rt, lam, cfg.damping))
+    for note in stats["thin_notes"]:
+        logging.warning("%s", note)
     inv = inverse_sqrt(r, cfg.damping, memo=cfg.mode == "train")
-    return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored, info)
+    return Whitening(inv.matrix, cfg.unit_norm, cfg.mode, lam, comp, inv.num_floored, info, stats)
 
 
 # ------------------------------------------------------------------------------------------

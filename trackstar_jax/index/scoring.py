@@ -12,11 +12,13 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from jaxtyping import Array, Float
 
 from trackstar_jax import files
 from trackstar_jax.index import builder, hessian, store
 from trackstar_jax.index import manifest as manifest_lib
+from trackstar_jax.training import checkpoint as checkpoint_lib
 
 # ------------------------------------------------------------------------------------------
 # Scoring preparation: per-row scales for on-the-fly R^{-1/2} + unit norm (hessian.py)
@@ -156,6 +158,20 @@ def prepare_scoring(
             raise ValueError(f"row_factor has shape {factor.shape}, the index {reader.path} has {scale.shape[0]} rows")
         scale = scale * factor
     return Scoring(whit, scale, factor)
+
+
+def statistics_record(run: checkpoint_lib.Run, correction: bool, whitening: hessian.Whitening) -> dict:
+    """What every statistic of a gradient retrieval was estimated from, against what it needs:
+    `v` (`checkpoint.second_moment_record`), and where R is used `r_train`, `r_eval`, `lambda`
+    (`hessian.make_whitening`); `thin_notes`, one line per statistic too thin to trust (V's is
+    logged here; R's and λ's were logged when the whitening was made)."""
+    v = checkpoint_lib.second_moment_record(run, correction)
+    out = {"v": v, **{k: x for k, x in (whitening.statistics or {}).items() if k != "thin_notes"}}
+    notes = ([v["note"]] if v.get("thin") else []) + hessian.thin_notes(whitening.statistics)
+    if v.get("thin"):
+        logging.warning("%s", v["note"])
+    logging.info("scoring: %s", hessian.describe_statistics(out))
+    return {**out, "thin_notes": notes}
 
 
 def write_finalized(

@@ -353,6 +353,7 @@ def retrieve_queries(
     t3 = time.perf_counter()
     info.update(
         whitening=scoring.whitening.describe(),
+        statistics=scoring_lib.statistics_record(run, settings.vectors.correction, scoring.whitening),
         scoring_prep_seconds=t2 - t1,
         retrieval_seconds=t3 - t2,
         dots_per_s=len(queries) * reader.num_rows / max(t3 - t2, 1e-9),

@@ -131,6 +131,7 @@ def import_model(settings: config_lib.Settings, workdir: str | os.PathLike) -> d
         if mngr.latest_step() is not None and (workdir / importer_lib.SUMMARY_FILE).exists():
             return _report_finished(settings, workdir)
         t0 = time.time()
+        loop_lib.check_corpus_source(settings.data, workdir)  # a mistyped data path writes nothing
         loaded = importer_lib.load(
             source, dtype=settings.model.dtype, param_dtype=settings.model.param_dtype, maxtext=settings.maxtext
         )

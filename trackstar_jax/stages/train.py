@@ -35,6 +35,7 @@ def _open_run_dir(settings: config_lib.Settings, workdir: pathlib.Path) -> tuple
     primary = multihost.is_primary()
     with multihost.step("train:run_dir"):
         if primary:
+            loop_lib.check_corpus_source(settings.data, workdir)  # a mistyped data path writes nothing
             run_lib.save_run_config(workdir, settings)
             corpus, tok = loop_lib.prepare_data(settings.model, settings.data, settings.seed, workdir)
     if not primary:

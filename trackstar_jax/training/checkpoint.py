@@ -471,6 +471,42 @@ class Run:
     opt_state_info: dict | None = None  # imported runs: how V was estimated (opt_state.json)
 
 
+# An imported V estimated from fewer examples than this is reported as too thin to trust: a
+# mean of n squared (Gaussian) gradients has a relative standard error of sqrt(2/n) (35% at
+# n = 16), which the correction 1/sqrt(V) halves (18%).
+V_MIN_EXAMPLES = 16
+
+
+def second_moment_record(run: Run, correction: bool = True) -> dict:
+    """Where the run's V (the second moment of the optimizer correction, §3) came from and from
+    how many examples: an imported run's estimate (its `opt_state.json`, all its fields but
+    the timing), or a trained run's Adafactor state (its step and decay exponent; its running
+    mean weighs about the last `step ** decay_rate` steps). `thin` (with a one-line `note`)
+    when an estimate used fewer than `V_MIN_EXAMPLES` examples."""
+    if not correction:
+        return {"source": "none", "reason": "vectors.correction is off"}
+    if run.opt_state is None:
+        return {"source": "none", "reason": "imported without an estimate (vectors.estimate_v_examples = 0)"}
+    if run.opt_state_info is not None:
+        rec = {"source": "import estimate", **{k: v for k, v in run.opt_state_info.items() if k != "seconds"}}
+        n = rec.get("num_examples")
+        if isinstance(n, int) and n < V_MIN_EXAMPLES:
+            rec["thin"] = True
+            rec["note"] = (
+                f"V is estimated from {n} examples (< {V_MIN_EXAMPLES}: each element's relative error "
+                f"is above {(2 / n) ** 0.5:.0%}); raise vectors.estimate_v_examples"
+            )
+        return rec
+    decay = float(run.optimizer.decay_rate)
+    return {
+        "source": "optimizer state",
+        "optimizer": "adafactor",
+        "checkpoint_step": int(run.step),
+        "decay_rate": decay,
+        "effective_steps": int(round(max(int(run.step), 1) ** decay)),
+    }
+
+
 def restore_state(
     workdir: pathlib.Path,
     model_cfg: model_lib.LMConfig,

@@ -43,6 +43,13 @@ METRICS_FILE = "metrics.jsonl"
 MAX_EVIDENCE_FOR_PROMPT = 8
 
 
+def check_corpus_source(data_cfg: data_lib.DataConfig, workdir: str | os.PathLike) -> None:
+    """Refuses, before a stage writes anything, a data path `prepare_corpus` would not find
+    (`data.check_source`); a workdir whose corpus is built already needs none."""
+    if not (pathlib.Path(workdir) / checkpoint_lib.CORPUS_DIR / "meta.json").exists():
+        data_lib.check_source(data_cfg)
+
+
 def prepare_corpus(data_cfg: data_lib.DataConfig, seed: int, workdir: str | os.PathLike) -> data_lib.Corpus:
     """Builds the corpus of `data_cfg` (`config.data`; `seed`: `config.seed`) into `workdir/corpus/`,
     or reloads it (written once)."""
