@@ -365,7 +365,7 @@ def test_flipped_bit_or_truncated_checkpoint_file_is_refused_naming_step_and_fil
         with pytest.raises(checkpoint.CheckpointCorruptError, match=where + "differs from the bytes saved"):
             stage()
     with pytest.raises(store.IndexCorruptError, match=where + "differs"):
-        store.verify_index(work / "index", recompute_r=False)
+        verify_lib.verify_index(work / "index", recompute_r=False)
     assert not (work / "index2").exists()
     data.write_bytes(good[: len(good) // 2])
     with pytest.raises(
@@ -396,7 +396,7 @@ def test_verify_index_and_retrieve_detect_a_checkpoint_swapped_after_indexing(wo
     """The index records the checksum digest of the checkpoint it was built from: a checkpoint
     replaced since (another valid one at the same step) fails `verify_index` and `launch.verify_index`,
     and retrieve says the checkpoint changed."""
-    assert store.verify_index(work / "index", recompute_r=False)["checkpoint"]["checked"]
+    assert verify_lib.verify_index(work / "index", recompute_r=False)["checkpoint"]["checked"]
     s = _settings()
     mngr = checkpoint.CheckpointManager(work / "checkpoints", max_to_keep=None)
     _, target = checkpoint.abstract_state(s.model, step_lib.make_optimizer(s.train.optimizer))
@@ -410,7 +410,7 @@ def test_verify_index_and_retrieve_detect_a_checkpoint_swapped_after_indexing(wo
     mngr.close()
     swapped = rf"checkpoint {work / 'checkpoints' / str(step)} is not the one index {work / 'index'} was built from"
     with pytest.raises(store.IndexCorruptError, match=swapped):
-        store.verify_index(work / "index", recompute_r=False)
+        verify_lib.verify_index(work / "index", recompute_r=False)
     done = subprocess.run(
         [sys.executable, "-m", "launch.verify_index", f"--path={work / 'index'}", "--norecompute_r"],
         cwd=REPO,
