@@ -67,6 +67,9 @@ def _config(source: str, corpus, experiment: str = "tiny"):
     c = {"tiny": tiny, "smollm2": smollm2}[experiment].get_config()
     c.model.source = source
     c.data.source, c.data.path, c.data.eval_fraction = "text", str(corpus), 0.0
+    # a corpus of one's own with nothing held out: V per example from the candidates (the
+    # minibatch default needs text that is not a candidate and refuses naming what to set)
+    c.vectors.estimate_v_method, c.vectors.estimate_v_source = "per_example", "candidates"
     c.vectors.estimate_v_examples = 16  # V_MIN_EXAMPLES: not reported thin
     c.vectors.batch_size = 64  # one featurize batch (the tests' 8 CPU devices take 8 rows each)
     c.index.chunk_rows = 64
