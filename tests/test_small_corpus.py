@@ -149,3 +149,17 @@ def test_smollm2_on_fifty_sentences_finds_each_fact(smollm2_path, tmp_path):
     c.vectors.batch_size = 8
     workdir, summary = _imported_run(tmp_path, c)
     _check_small_corpus(c, workdir, summary, block_width=256)
+
+
+def test_the_default_v_of_a_corpus_with_nothing_held_out_is_refused_naming_what_to_set(tiny_llama_run, tmp_path):
+    """The default V (minibatch gradients of text that is not a candidate) has no text to come
+    from when the corpus holds nothing out: the import says so and what to set, instead of
+    estimating V from nothing or silently from the candidates."""
+    import copy
+
+    c = copy.deepcopy(tiny_llama_run[0])
+    c.vectors.estimate_v_method, c.vectors.estimate_v_source = "minibatch", "heldout"
+    with pytest.raises(
+        ValueError, match=r"estimate_v_source='heldout' gives no text that is not a candidate.*eval_fraction"
+    ):
+        stages.import_model(config_lib.from_configdict(c), tmp_path / "run")
