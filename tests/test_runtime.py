@@ -175,7 +175,7 @@ _INTERRUPTED = """
 import sys, time
 import numpy as np
 from trackstar_jax.distributed import runtime
-a = np.ones((1500, 1500))
+a, b = np.ones((2500, 2500)), np.empty((2500, 2500))  # one product: ~0.1-0.5 s inside BLAS
 with runtime.exit_on_interrupt(grace_s=float(sys.argv[2])):
     try:
         print("ready", flush=True)
@@ -183,7 +183,8 @@ with runtime.exit_on_interrupt(grace_s=float(sys.argv[2])):
             if sys.argv[1] == "python":
                 time.sleep(0.01)  # the interrupt reaches Python at once
             else:
-                (a @ a @ a @ a).sum()  # BLAS holds it: it reaches Python only when the product returns
+                np.dot(a, a, out=b)  # BLAS holds it: it reaches Python only when the product returns
+                # (one call per iteration: a chain of products would let it in between them)
     finally:
         print("unwound", flush=True)
 """
