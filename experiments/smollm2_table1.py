@@ -20,7 +20,8 @@ most `max_per_bucket / 10` facts the model gets wrong per frequency bucket).
 
 Variants (`:arg`): "cpu" (default; 10,000 sentences, every query §A.4 admits, 150 of them
 tail-patched) and
-"tiny" (a few dozen sentences; for tests, with `--config.model.source=<a small HF folder>`).
+"2x2" (3,200 sentences, the rows of issue 57's `tools/v_2x2.py`, V per example as the earlier
+Run A: the 2 x 2's starting point) and "tiny" (a few dozen sentences; for tests, with `--config.model.source=<a small HF folder>`).
 Any LAMA-format relation set: `--config.data.path=<folder> --config.data.relations=P36,P37`.
 """
 
@@ -28,12 +29,14 @@ from experiments import smollm2_trex, trex_table1
 
 # The rows the verdicts (evaluation/claims.py) compare: tail-patched.
 VERDICT_ROWS = ("trex_gold", "bm25", "trak", "exp1", "exp2", "exp3", "exp4", "exp5", "trackstar")
+# The rows tools/v_2x2.py re-measures: the correction's two contrasts (Exp. 4 - 2, Exp. 5 - 3) and TrackStar.
+TWO_BY_TWO_ROWS = ("exp2", "exp3", "exp4", "exp5", "trackstar")
 
 
 def get_config(arg: str | None = None):
     arg = arg or "cpu"
-    if arg not in ("cpu", "tiny"):
-        raise ValueError(f"experiments/smollm2_table1.py: unknown variant {arg!r} (use 'cpu' or 'tiny')")
+    if arg not in ("cpu", "tiny", "2x2"):
+        raise ValueError(f"experiments/smollm2_table1.py: unknown variant {arg!r} (use 'cpu', 'tiny' or '2x2')")
     c = smollm2_trex.get_config()
     c.data.relations = trex_table1.CPU_RELATIONS
     c.data.statements_per_fact = 0  # nothing is trained here: no templated statements
@@ -60,6 +63,17 @@ def get_config(arg: str | None = None):
     # raising it only computes the new queries.
     c.tailpatch.max_queries = 150
     c.tailpatch.methods = VERDICT_ROWS
+    if arg == "2x2":
+        # Issue 57's 2 x 2 (tools/v_2x2.py) sized for one 180-min session on a 2-core machine: the
+        # earlier Run A's regime (V per example from 64 candidates) on the rows whose tail-patch
+        # the correction's sign is read from; 3,200 candidates admit ~160 queries
+        # (`benchmarks.query_budget`: 152-163 at 3,000), so >= 150 are tail-patched.
+        c.data.max_examples = 3200
+        c.eval.methods = TWO_BY_TWO_ROWS
+        c.eval.optional_methods = ()
+        c.tailpatch.methods = TWO_BY_TWO_ROWS
+        c.vectors.estimate_v_method = "per_example"
+        c.vectors.estimate_v_source = "candidates"
     if arg == "tiny":
         c.data.max_examples = 80
         c.model.max_len = 64  # the tiny test model's positions (SmolLM2's own: 8192)

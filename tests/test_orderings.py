@@ -221,6 +221,18 @@ def test_sign_factor_names_the_factor_that_flips_the_sign():
     assert v_2x2.sign_factor(cells(-1, 1, 1, 1)) == "both"
 
 
+def test_the_2x2_variant_evaluates_and_tail_patches_the_rows_the_tool_re_measures():
+    from experiments import smollm2_table1
+    from trackstar_jax import config as config_lib
+
+    s = config_lib.from_configdict(smollm2_table1.get_config("2x2"))
+    assert tuple(s.eval.methods) == tuple(s.tailpatch.methods) == v_2x2.ROWS
+    assert set(v_2x2.CORRECTED) < set(v_2x2.ROWS) and {a for c in v_2x2.CONTRASTS for a in c} <= set(v_2x2.ROWS)
+    # the earlier Run A's V (the 2 x 2's per-example side), >= 150 tail-patched queries (issue 57)
+    assert (s.vectors.estimate_v_method, s.vectors.estimate_v_source) == ("per_example", "candidates")
+    assert s.tailpatch.max_queries >= 150 and s.data.max_examples < smollm2_table1.get_config().data.max_examples
+
+
 def test_frozen_state_scales_only_the_named_tensor():
     from trackstar_jax.training import second_moment as sm
 

@@ -39,7 +39,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-ROWS = ("exp2", "exp3", "exp4", "exp5", "trackstar")
+from experiments.smollm2_table1 import TWO_BY_TWO_ROWS as ROWS  # the `:2x2` variant evaluates them
+
 CORRECTED = ("exp4", "exp5", "trackstar")  # the rows whose scores depend on V
 CONTRASTS = (("exp4", "exp2"), ("exp5", "exp3"))  # the correction, one setting apart (Table 1)
 V_KINDS = ("per_example", "minibatch")
