@@ -1,7 +1,7 @@
 """models.gguf: GGUF -> Hugging Face config and tensors.
 
-The SmolLM2 tests compare every tensor and the config with transformers' own GGUF load of the
-same file (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`). The synthetic tests write
+The SmolLM2 file's tensors and config against transformers' own GGUF load of the same file are
+in tests/test_smollm2_jax.py (one module loads the 135M model once). The synthetic tests write
 small GGUF files with `gguf.GGUFWriter`: a tiny Llama whose q/k rows are permuted the way
 llama.cpp's converter does (checks the un-permutation without transformers), and files that
 must be refused.
@@ -18,95 +18,8 @@ from trackstar_jax.models import gguf as gguf_lib
 from trackstar_jax.models import lm
 
 # ---------------------------------------------------------------------------------------
-# SmolLM2 against transformers
+# SmolLM2's file
 # ---------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def ours(smollm2_tensors):
-    return smollm2_tensors  # conftest: load_gguf of the file, shared by the session
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2_transformers):
-    """transformers' float32 state dict and config from the same file."""
-    model = smollm2_transformers
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    return model.config, state
-
-
-def test_smollm2_tensors_equal_transformers(ours, reference):
-    config, tensors = ours
-    ref_config, ref = reference
-    assert config["tie_word_embeddings"] and ref_config.tie_word_embeddings
-    # transformers' state dict lists the tied head too; the file (and our dict) has it once.
-    assert set(tensors) == set(ref) - {"lm_head.weight"}
-    assert len(tensors) == 2 + 9 * 30
-    worst = 0.0
-    for name, w in tensors.items():
-        assert w.dtype == np.float32 and w.shape == ref[name].shape, name
-        worst = max(worst, float(np.max(np.abs(w - ref[name]))))
-    # Both dequantize with gguf-py's numpy kernels, so the values are bit-identical; the q/k
-    # rows only agree if the un-permutation matches transformers' (measured max |diff| = 0.0).
-    assert worst == 0.0
-    np.testing.assert_array_equal(ref["lm_head.weight"], tensors["model.embed_tokens.weight"])
-
-
-def test_smollm2_qk_rows_are_unpermuted(ours, smollm2_path):
-    _, tensors = ours
-    reader = gguf_lib.open_reader(smollm2_path)
-    raw = {t.name: t for t in reader.tensors}
-    q_raw = gguf_lib.dequantize(raw["blk.3.attn_q.weight"])
-    k_raw = gguf_lib.dequantize(raw["blk.3.attn_k.weight"])
-    q, k = tensors["model.layers.3.self_attn.q_proj.weight"], tensors["model.layers.3.self_attn.k_proj.weight"]
-    assert not np.array_equal(q, q_raw)  # the permutation is not the identity...
-    np.testing.assert_array_equal(_reference_permute(q, 9), q_raw)  # ...and llama.cpp's maps ours back
-    np.testing.assert_array_equal(_reference_permute(k, 3), k_raw)
-    v = tensors["model.layers.3.self_attn.v_proj.weight"]
-    np.testing.assert_array_equal(v, gguf_lib.dequantize(raw["blk.3.attn_v.weight"]))  # v is left alone
-
-
-def test_smollm2_config_equals_transformers(ours, reference):
-    config, _ = ours
-    ref, _ = reference
-    for key in (
-        "model_type",
-        "num_hidden_layers",
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "max_position_embeddings",
-        "vocab_size",
-        "tie_word_embeddings",
-        "bos_token_id",
-        "eos_token_id",
-        "pad_token_id",
-        "hidden_act",
-    ):
-        assert config[key] == getattr(ref, key), key
-    # transformers 5 moved rope_theta into rope_parameters; 4.x keeps it at top level.
-    ref_theta = getattr(ref, "rope_parameters", None) or {"rope_theta": ref.rope_theta}
-    assert config["rope_theta"] == ref_theta["rope_theta"] == 100000.0
-    assert (
-        config["num_hidden_layers"],
-        config["hidden_size"],
-        config["num_attention_heads"],
-        config["num_key_value_heads"],
-        config["intermediate_size"],
-        config["vocab_size"],
-    ) == (30, 576, 9, 3, 1536, 49152)
-
-
-def test_smollm2_bfloat16(smollm2_path, ours):
-    ml_dtypes = pytest.importorskip("ml_dtypes")
-    _, tensors = ours
-    _, bf16 = gguf_lib.load_gguf(smollm2_path, dtype="bfloat16")
-    w = bf16["model.layers.0.mlp.down_proj.weight"]
-    assert w.dtype == ml_dtypes.bfloat16
-    np.testing.assert_array_equal(w, tensors["model.layers.0.mlp.down_proj.weight"].astype(ml_dtypes.bfloat16))
 
 
 def test_smollm2_path_names_the_package(monkeypatch):
