@@ -219,6 +219,8 @@ def test_sign_factor_names_the_factor_that_flips_the_sign():
     assert v_2x2.sign_factor(cells(-1, -1, 1, 1)) == "scoring"
     assert v_2x2.sign_factor(cells(-1, -1, -1, -1)) == "neither"
     assert v_2x2.sign_factor(cells(-1, 1, 1, 1)) == "both"
+    assert v_2x2.sign_factor({(a, a): -1, (b, a): 1}) == "scoring (partial)"  # a run stopped part way
+    assert v_2x2.sign_factor({(a, a): -1, (b, a): -1, (a, b): 1}) == "step (partial)"
 
 
 def test_the_2x2_variant_evaluates_and_tail_patches_the_rows_the_tool_re_measures():

@@ -25,6 +25,10 @@ mean difference (`sign_factor`).
     python tools/v_2x2.py runs/smollm2_table1 [--source=lama:P108,...] [--batch_sequences=64]
         [--steps=16] [--max_queries=150] [--freeze=embed]
 
+Each cell is appended to `<workdir>/eval/v_2x2_cells.jsonl` as it finishes, cheapest first
+(the evaluation's own cell, the scoring V changed, the step V changed, both, the frozen arm), so a
+run stopped part way keeps what it measured and a rerun computes only the missing pairs.
+
 The queries are rebuilt from the run (`query_set.make_eval_queries`, deterministic; checked
 against `eval/queries.jsonl`). Sizing for a 2-core machine: BUILD_NOTES §15.
 """
@@ -81,14 +85,18 @@ def frozen_state(opt_state: Any, paths: Sequence[str]) -> Any:
 def sign_factor(cells: Mapping[tuple[str, str], float]) -> str:
     """Given the mean difference per (scoring V, step V) cell, the factor whose change flips
     its sign with the other factor held at either value: "scoring", "step", "both" (each flips
-    it somewhere), or "neither" (one sign in every cell)."""
+    it somewhere), or "neither" (one sign in every cell). With cells missing (a run stopped
+    part way) only the comparisons whose two cells exist count, and "(partial)" is appended."""
     sgn = {k: np.sign(v) for k, v in cells.items()}
     a, b = V_KINDS
-    scoring = any(sgn[(a, s)] != sgn[(b, s)] for s in V_KINDS)
-    step = any(sgn[(s, a)] != sgn[(s, b)] for s in V_KINDS)
-    if scoring and step:
-        return "both"
-    return "scoring" if scoring else "step" if step else "neither"
+
+    def flips(pairs) -> bool:
+        return any(sgn[x] != sgn[y] for x, y in pairs if x in sgn and y in sgn)
+
+    scoring = flips(((a, s), (b, s)) for s in V_KINDS)
+    step = flips(((s, a), (s, b)) for s in V_KINDS)
+    out = "both" if scoring and step else "scoring" if scoring else "step" if step else "neither"
+    return out if len(sgn) == len(V_KINDS) ** 2 else out + " (partial)"
 
 
 def _read_retrieved(workdir: pathlib.Path, out_dir: str, rows: Sequence[str], num_queries: int) -> dict:
@@ -160,9 +168,13 @@ def report(
 
     cells: dict[str, dict] = {}
     values: dict[str, dict[str, np.ndarray]] = {}
-    arms = [(s, t, False) for s in V_KINDS for t in V_KINDS] + (
+    # Cheapest first, so a run stopped part way has the most comparisons: the evaluation's own
+    # cell (its pairs cached), the scoring V changed (only the corrected rows' lists are new),
+    # the step V changed (every pair new), both, then the frozen embedding.
+    arms = [(s, t, False) for t in V_KINDS for s in V_KINDS] + (
         [("per_example", "per_example", True)] if freeze else []
     )
+    cells_file = workdir / "eval" / "v_2x2_cells.jsonl"
     for scoring, step, frozen in arms:
         step_run = runs[step]
         if frozen:
@@ -176,9 +188,16 @@ def report(
             ok = np.isfinite(x) & np.isfinite(y)
             ci = claims.paired_difference(x[ok], y[ok], seed=settings.eval.bootstrap_seed)
             cells[name][f"{a} - {b}"] = {"mean": ci.mean, "ci": [ci.lo, ci.hi], "n": ci.n}
+        with cells_file.open("a", encoding="utf-8") as f:  # each cell as it finishes: a stopped run keeps it
+            f.write(
+                json.dumps(
+                    {"cell": name, "minibatch_v": {k: v for k, v in rec.items() if k != "seconds"}, **cells[name]}
+                )
+                + "\n"
+            )
     signs = {}
     for a, b in contrasts:
-        per_cell = {(s, t): cells[f"scoring={s}, step={t}"][f"{a} - {b}"]["mean"] for s in V_KINDS for t in V_KINDS}
+        per_cell = {(s, t): cells[f"scoring={s}, step={t}"][f"{a} - {b}"]["mean"] for s in V_KINDS for t in V_KINDS}  # fmt: skip
         signs[f"{a} - {b}"] = {
             "sign_set_by": sign_factor(per_cell),
             "means": {f"scoring={s}, step={t}": m for (s, t), m in per_cell.items()},
