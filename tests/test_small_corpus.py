@@ -140,9 +140,9 @@ def test_an_imported_model_on_fifty_sentences_finds_each_fact(tiny_llama_run):
 
 @pytest.mark.slow
 def test_smollm2_on_fifty_sentences_finds_each_fact(smollm2_path, tmp_path):
-    """SmolLM2-135M over the same corpus: d = 4096 in 16 blocks of 256, R_train from 50 rows (26
-    min on a 2-core VM under load 16: no R and TrackStar each found 7 of 8; both rank the Paris
-    sentence first for the Japan query)."""
+    """SmolLM2-135M over the same corpus: d = 4096 in 16 blocks of 256, R_train from 50 rows (290
+    s on the idle 2-core VM, 26 min under load 16: no R and TrackStar each found 7 of 8; both rank
+    the Paris sentence first for the Japan query)."""
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TEXTS) + "\n")
     c = _config("smollm2", corpus, "smollm2")
