@@ -251,6 +251,28 @@ def test_frozen_state_scales_only_the_named_tensor():
         v_2x2.frozen_state((st,), ["nope"])
 
 
+def test_saved_estimate_is_read_back_only_for_its_own_settings_and_shapes(tmp_path):
+    calls = []
+
+    def estimate(scale):
+        def run():
+            calls.append(scale)
+            return {"v": np.full((3, 2), scale, np.float32), "count": np.int32(7)}, {"b": 4, "seconds": 1.0}
+
+        return run
+
+    like = {"v": np.zeros((3, 2), np.float32), "count": np.int32(0)}
+    stem = tmp_path / "v_minibatch"
+    first, rec = v_2x2.saved_estimate(stem, {"b": 4}, like, estimate(2.0))
+    again, rec2 = v_2x2.saved_estimate(stem, {"b": 4}, like, estimate(3.0))
+    assert calls == [2.0] and rec2 == rec  # read back: not estimated again
+    np.testing.assert_array_equal(again["v"], first["v"])
+    assert int(again["count"]) == 7
+    v_2x2.saved_estimate(stem, {"b": 8}, like, estimate(5.0))  # other settings: estimated again
+    v_2x2.saved_estimate(stem, {"b": 8}, {"v": np.zeros((2, 3), np.float32), "count": np.int32(0)}, estimate(6.0))
+    assert calls == [2.0, 5.0, 6.0]  # other shapes (another model): estimated again
+
+
 @pytest.mark.slow  # 300 s on the loaded 2-core VM beyond the module's evaluated run (a V estimate, an index, 5 tail-patch passes)
 def test_v_2x2_on_the_tiny_evaluated_run(evaluated):
     workdir, table = evaluated

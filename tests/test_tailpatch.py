@@ -207,6 +207,52 @@ def test_group_pairs_shares_a_proponent_up_to_the_group_size():
     assert [tailpatch.slots_for(n, 6) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
 
 
+def test_prop_width_is_the_last_target_rounded_to_a_power_of_two():
+    mask = np.zeros((5, 40), np.int32)
+    for i, last in enumerate((3, 8, 9, 30)):
+        mask[i, 1 : last + 1] = 1  # targets 1..last: the row's used width is last + 1
+    assert tailpatch.prop_width(mask).tolist() == [8, 16, 16, 32, 8]  # an all-zero row: the narrowest
+    assert tailpatch.prop_width(mask[:, :20]).tolist() == [8, 16, 16, 20, 8]  # never past the rows' width
+    pairs = np.array([[0, 0], [1, 3], [2, 1], [3, 3], [4, 2]])
+    # one slot count (1 query): narrowest first; the 2-query group of proponent 3 comes first
+    assert tailpatch.group_pairs(pairs, 2, tailpatch.prop_width(mask)) == [[1, 3], [0], [2], [4]]
+    assert tailpatch.group_pairs(pairs, 1, tailpatch.prop_width(mask)) == [[0], [2], [4], [1], [3]]
+
+
+def test_calls_cut_proponents_to_their_width_with_the_whole_rows_values(trained):
+    """Proponents of 4-12 tokens in rows of 12: the calls run at widths 8 and 12 (each call's
+    proponents of one width) and every pair has the value of the plain step on the whole row."""
+    graphdef, opt, state = trained
+    mesh = sharding.make_mesh(devices=jax.devices()[:1])
+    rng = np.random.default_rng(8)
+    props, queries = _batch(rng, 6, lengths=[5, 12, 6, 11, 4, 7]), _query_batch(rng, 3)
+    pairs = np.array([[0, 0], [0, 1], [1, 2], [1, 3], [2, 4], [2, 5], [0, 4]])
+    fn = tailpatch.make_jit_tailpatch(mesh, graphdef=graphdef, opt=opt, opt_cfg=OPT)
+    widths = []
+
+    def spy(params, opt_state, proponents, qs, lr, before):
+        widths.append((proponents["tokens"].shape[1], np.asarray(proponents["loss_mask"]).sum(1).tolist()))
+        return fn(params, opt_state, proponents, qs, lr, before)
+
+    spy.log_probs = fn.log_probs
+    got = tailpatch.run_pairs(
+        spy, state.params, state.opt_state, props, queries, pairs, batch_size=2, lr_scale=1.0, queries_per_step=2
+    )
+    # proponent 4's 2-query group with proponent 0, then 2 with 5 (all <= 8 tokens), then 1 with 3
+    assert [w for w, _ in widths] == [8, 8, 12]
+    assert all(w == 8 for w, used in widths if max(used) < 8)
+    want = _pairs(
+        state.params,
+        state.opt_state,
+        {k: v[pairs[:, 1]] for k, v in props.items()},
+        {k: v[pairs[:, 0]] for k, v in queries.items()},
+        graphdef=graphdef,
+        opt=opt,
+    )
+    for k in got:
+        np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 @pytest.mark.parametrize(
     "num_devices,queries_per_step,step",
     [(1, 1, "dense"), (1, 3, "dense"), (8, 1, "dense"), (8, 2, "dense"), (1, 3, "lowrank"), (8, 2, "lowrank")],

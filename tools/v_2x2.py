@@ -99,6 +99,32 @@ def sign_factor(cells: Mapping[tuple[str, str], float]) -> str:
     return out if len(sgn) == len(V_KINDS) ** 2 else out + " (partial)"
 
 
+def saved_estimate(stem: pathlib.Path, settings: Mapping[str, Any], like: Any, estimate) -> tuple[Any, dict]:
+    """`estimate()` (`(optimizer state, record)`), kept at `<stem>.npz` / `<stem>.json` and read
+    back on a rerun whose V settings (`settings`, e.g. `second_moment.settings_record`) are the
+    record's and whose leaves have `like`'s tree and shapes (the minibatch V of a 135M model
+    takes ~12 min on 2 cores); otherwise estimated again and the files replaced."""
+    import jax
+
+    leaves_like, treedef = jax.tree.flatten(like)
+    npz, meta = stem.with_suffix(".npz"), stem.with_suffix(".json")
+    want = json.loads(json.dumps(dict(settings)))
+    if npz.exists() and meta.exists():
+        rec = json.loads(meta.read_text(encoding="utf-8"))
+        with np.load(npz) as z:
+            leaves = [z[f"l{i}"] for i in range(len(z.files))]
+        same = {k: rec.get(k) for k in want} == want and len(leaves) == len(leaves_like)
+        if same and all(np.shape(a) == np.shape(b) for a, b in zip(leaves, leaves_like)):
+            return jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in leaves]), rec
+    state, rec = estimate()
+    if jax.tree.structure(state) == treedef:  # else not kept (read back into `like`'s tree)
+        tmp = stem.with_suffix(".tmp.npz")
+        np.savez(tmp, **{f"l{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(state))})
+        tmp.replace(npz)
+        meta.write_text(json.dumps(rec), encoding="utf-8")
+    return state, rec
+
+
 def _read_retrieved(workdir: pathlib.Path, out_dir: str, rows: Sequence[str], num_queries: int) -> dict:
     from trackstar_jax.evaluation import rows as rows_lib
 
@@ -143,9 +169,14 @@ def report(
 
     vec = dataclasses.replace(settings.vectors, estimate_v_method="minibatch", **vec_overrides)
     opt_cfg = settings.train.optimizer
-    v_mb, rec = sm_lib.estimate(
-        vec, run.graphdef, run.params, step_lib.make_optimizer(opt_cfg), opt_cfg, run.corpus, settings.data,
-        run.tokenizer, run.model_cfg.max_len,
+    v_mb, rec = saved_estimate(
+        workdir / "eval" / "v_minibatch",
+        sm_lib.settings_record(vec),
+        run.opt_state,
+        lambda: sm_lib.estimate(
+            vec, run.graphdef, run.params, step_lib.make_optimizer(opt_cfg), opt_cfg, run.corpus, settings.data,
+            run.tokenizer, run.model_cfg.max_len,
+        ),
     )  # fmt: skip
     runs = {"per_example": run, "minibatch": dataclasses.replace(run, opt_state=v_mb, opt_state_info=rec)}
 
@@ -225,6 +256,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--freeze", default="embed", help="parameters frozen in the extra arm ('' = no arm)")
     ap.add_argument("--rows", default=",".join(ROWS), help="rows re-measured (with retrieval files in eval/)")
     args = ap.parse_args(argv)
+    from trackstar_jax.distributed import runtime
+
+    runtime.enable_compilation_cache()  # one compile per step shape across the cells (and reruns)
     over: dict[str, Any] = {"estimate_v_seed": args.seed}
     if args.source:
         over["estimate_v_source"] = args.source

@@ -301,15 +301,35 @@ def learning_rate_scale(opt_cfg: train_lib.OptimizerConfig, step: int, learning_
     return float(learning_rate) / scheduled
 
 
-def group_pairs(pairs: np.ndarray, queries_per_step: int) -> list[list[int]]:
+def group_pairs(pairs: np.ndarray, queries_per_step: int, widths: np.ndarray | None = None) -> list[list[int]]:
     """Indices into `pairs` (`[P, 2]` rows of (query, proponent)) grouped by proponent, at most
     `queries_per_step` per group; largest groups first (so a call's groups are of like size and
-    `run_pairs` pads few query slots), ties in the order of their first pair; pairs in input order."""
+    `run_pairs` pads few query slots), ties in the order of their first pair; pairs in input order.
+    With `widths` (`[N]`, the padded width of each proponent row, `prop_width`): groups of one
+    query-slot count (`slots_for`) ordered by width, so a call's proponents share a width too."""
     by_prop: dict[int, list[int]] = {}
-    for i, p in enumerate(np.asarray(pairs).reshape(-1, 2)[:, 1].tolist()):
+    prop = np.asarray(pairs).reshape(-1, 2)[:, 1]
+    for i, p in enumerate(prop.tolist()):
         by_prop.setdefault(p, []).append(i)
     groups = [idx[j : j + queries_per_step] for idx in by_prop.values() for j in range(0, len(idx), queries_per_step)]
-    return sorted(groups, key=lambda g: (-len(g), g[0]))
+    if widths is None:
+        return sorted(groups, key=lambda g: (-len(g), g[0]))
+    return sorted(groups, key=lambda g: (-slots_for(len(g), queries_per_step), int(widths[prop[g[0]]]), -len(g), g[0]))
+
+
+MIN_WIDTH = 8  # the narrowest padded proponent width (powers of two above it: few compiled shapes)
+
+
+def prop_width(loss_mask: np.ndarray) -> np.ndarray:
+    """`[N]` padded width of each proponent row of `loss_mask` (`[N, T]`): its last target
+    position + 1, rounded up to a power of two >= `MIN_WIDTH`, at most T. Under causal attention
+    the positions after the last target change no loss, so a step on the row cut to this width
+    is the step on the whole row (the cut only saves the padding's forward and backward)."""
+    m = np.asarray(loss_mask) > 0
+    t = m.shape[1]
+    used = np.where(m.any(axis=1), t - np.argmax(m[:, ::-1], axis=1), 1)
+    pow2 = 1 << np.ceil(np.log2(np.maximum(used, MIN_WIDTH))).astype(np.int64)
+    return np.minimum(pow2, t)
 
 
 def slots_for(largest: int, queries_per_step: int) -> int:
@@ -337,7 +357,9 @@ def run_pairs(
     """Runs `jit_fn` over index pairs: grouped by proponent (`group_pairs`), `batch_size` groups
     per call, each call with `slots_for` its largest group query slots (static shapes: a short
     group is padded with its own first query, the last call with repeated groups; padding is
-    computed and dropped).
+    computed and dropped) and its proponents cut to the widest of their `prop_width`s (groups
+    are ordered by width within a slot count, so a call of short sentences does not pay for the
+    corpus's longest: a few compiled widths, the same values).
 
     The calls (and the blocks of unpatched queries) are formed from all of `pairs`; `needed`
     only says which of them run. A pair's value therefore depends on `pairs`, never on which
@@ -387,7 +409,8 @@ def run_pairs(
         ids = np.concatenate([ids, np.repeat(ids[-1:], per - len(ids))]).reshape(batch_size, queries_per_step)
         qs = put({k: query_rows[k][ids] for k in ("tokens", "loss_mask")})
         before_q[ids.ravel()] = np.asarray(sharding_lib.to_host(jit_fn.log_probs(params, qs))).ravel()
-    groups = group_pairs(pairs, queries_per_step)
+    widths = prop_width(prop_rows["loss_mask"])
+    groups = group_pairs(pairs, queries_per_step, widths)
     done = 0
     for start in range(0, len(groups), batch_size):
         real = groups[start : start + batch_size]
@@ -396,7 +419,9 @@ def run_pairs(
         chunk = real + [real[-1]] * (batch_size - len(real))
         g_call = slots_for(max(len(g) for g in real), queries_per_step)
         slots = np.asarray([g + [g[0]] * (g_call - len(g)) for g in chunk], np.int64)  # [B, g_call] pair indices
-        props = {k: prop_rows[k][pairs[slots[:, 0], 1]] for k in ("tokens", "loss_mask")}
+        rows = pairs[slots[:, 0], 1]
+        width = int(widths[rows].max())  # the call's proponents cut to their padded width (`prop_width`)
+        props = {k: prop_rows[k][rows, :width] for k in ("tokens", "loss_mask")}
         qs = {k: query_rows[k][pairs[slots, 0]] for k in ("tokens", "loss_mask")}
         before = before_q[pairs[slots, 0]]
         props, qs = put(props), put(qs)
