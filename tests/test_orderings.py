@@ -251,6 +251,26 @@ def test_frozen_state_scales_only_the_named_tensor():
         v_2x2.frozen_state((st,), ["nope"])
 
 
+def test_markdown_prints_the_measured_cells_last_line_first_and_names_the_rest(tmp_path):
+    def cell(name, e2, e4):
+        d = {"mean": e4 - e2, "ci": [e4 - e2 - 1e-4, e4 - e2 + 1e-4], "n": 150}
+        return {"cell": name, "tailpatch_at_10": {"exp2": e2, "exp4": e4}, "exp4 - exp2": d}
+
+    f = tmp_path / "cells.jsonl"
+    lines = [
+        cell("scoring=per_example, step=per_example", 0.001, 0.0005),
+        cell("scoring=per_example, step=per_example", 0.002, 0.0005),  # measured again: this line counts
+        cell("scoring=per_example, step=per_example, frozen=embed", 0.001, 0.0015),
+    ]
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    out = v_2x2.markdown(f, ["exp2", "exp4"]).splitlines()
+    assert out[0] == "| scoring V | step V | Exp. 2 | Exp. 4 | Exp. 4 − Exp. 2 |"
+    assert out[2] == "| per example | per example | +0.200 | +0.050 | −0.150 [−0.160, −0.140] (n = 150) |"
+    assert [r.split(" | ")[2] for r in out[3:6]] == ["not measured"] * 3
+    assert out[6].startswith("| per example | per example, embed frozen | +0.100 | +0.150 | +0.050 [")
+    assert len(out) == 7
+
+
 def test_saved_estimate_is_read_back_only_for_its_own_settings_and_shapes(tmp_path):
     calls = []
 

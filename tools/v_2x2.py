@@ -23,11 +23,14 @@ mean difference (`sign_factor`).
   and parameter scaling act per tensor).
 
     python tools/v_2x2.py runs/smollm2_table1 [--source=lama:P108,...] [--batch_sequences=64]
-        [--steps=16] [--max_queries=150] [--freeze=embed]
+        [--steps=16] [--max_queries=150] [--freeze=embed] [--markdown]
 
 Each cell is appended to `<workdir>/eval/v_2x2_cells.jsonl` as it finishes, cheapest first
 (the evaluation's own cell, the scoring V changed, the step V changed, both, the frozen arm), so a
-run stopped part way keeps what it measured and a rerun computes only the missing pairs.
+run stopped part way keeps what it measured and a rerun computes only the missing pairs; the
+minibatch V is kept at `eval/v_minibatch.npz` (`saved_estimate`) and the step's compiled shapes
+in JAX's persistent cache, so a rerun starts in minutes. `--markdown` prints the cells measured so
+far as docs/results.md's table (`markdown`) and runs nothing.
 
 The queries are rebuilt from the run (`query_set.make_eval_queries`, deterministic; checked
 against `eval/queries.jsonl`). Sizing for a 2-core machine: BUILD_NOTES §15.
@@ -245,6 +248,50 @@ def report(
     }
 
 
+def markdown(cells_file: pathlib.Path, rows: Sequence[str] = ROWS) -> str:
+    """The cells of `cells_file` (`eval/v_2x2_cells.jsonl`; a cell measured twice: its last line)
+    as docs/results.md's table: tail-patch@10 per row and the correction's paired differences
+    with their 95% intervals, in percentage points; a cell not in the file says so."""
+    with cells_file.open(encoding="utf-8") as f:
+        got = {c["cell"]: c for c in map(json.loads, f) if c}
+    names = {"per_example": "per example", "minibatch": "minibatch"}
+    contrasts = [(a, b) for a, b in CONTRASTS if a in rows and b in rows]
+    head = [
+        "scoring V",
+        "step V",
+        *(methods_title(r) for r in rows),
+        *(f"{methods_title(a)} − {methods_title(b)}" for a, b in contrasts),
+    ]
+    out = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+
+    def pp(x: float) -> str:
+        return f"{100 * x:+.3f}".replace("-", "−")
+
+    arms = [(s, t, False) for t in V_KINDS for s in V_KINDS] + [("per_example", "per_example", True)]
+    for s, t, frozen in arms:
+        name = f"scoring={s}, step={t}"
+        match = [c for n, c in got.items() if (n.startswith(name + ", frozen=") if frozen else n == name)]
+        if frozen and not match:
+            break  # no frozen arm in the file: the 2 x 2 alone
+        cell = match[-1] if match else None
+        step = names[t] + (f", {cell['cell'].split('frozen=')[1]} frozen" if frozen else "")
+        if cell is None:
+            out.append(f"| {names[s]} | {step} | not measured |" + " |" * (len(head) - 3))
+            continue
+        vals = [pp(cell["tailpatch_at_10"][r]) for r in rows]
+        diffs = []
+        for a, b in contrasts:
+            d = cell[f"{a} - {b}"]
+            diffs.append(f"{pp(d['mean'])} [{pp(d['ci'][0])}, {pp(d['ci'][1])}] (n = {d['n']})")
+        out.append("| " + " | ".join([names[s], step, *vals, *diffs]) + " |")
+    return "\n".join(out)
+
+
+def methods_title(row: str) -> str:
+    """`exp4` -> "Exp. 4", `trackstar` -> "TrackStar" (the table's column names)."""
+    return f"Exp. {row[3:]}" if row.startswith("exp") else {"trackstar": "TrackStar"}.get(row, row)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("workdir", type=pathlib.Path)
@@ -255,7 +302,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--max_queries", type=int, default=150, help="tail-patched queries (tailpatch.max_queries)")
     ap.add_argument("--freeze", default="embed", help="parameters frozen in the extra arm ('' = no arm)")
     ap.add_argument("--rows", default=",".join(ROWS), help="rows re-measured (with retrieval files in eval/)")
+    ap.add_argument("--markdown", action="store_true", help="print the measured cells as a table and exit")
     args = ap.parse_args(argv)
+    if args.markdown:
+        print(markdown(args.workdir / "eval" / "v_2x2_cells.jsonl", [r for r in args.rows.split(",") if r]))
+        return
     from trackstar_jax.distributed import runtime
 
     runtime.enable_compilation_cache()  # one compile per step shape across the cells (and reruns)
