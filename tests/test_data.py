@@ -413,6 +413,9 @@ def test_bucket_len_is_the_least_ladder_step_at_or_above_the_longest_row(monkeyp
         assert data.bucket_len(longest, 256) == want
         assert data.bucket_len(longest, 40) == min(want, 40)
     assert len({data.bucket_len(n, 256) for n in range(1, 257)}) == 4 * per + 1  # the compile bound
+    ladder8 = [8] + [n + (n // per) * j for n in (8, 16, 32, 64, 128) for j in range(1, per + 1)]
+    for longest in range(1, 257):  # another ladder, given (the tail-patch step's: 1 per doubling from 8)
+        assert data.bucket_len(longest, 256, per_octave=per, min_len=8) == min(x for x in ladder8 if x >= longest)
 
 
 def test_length_groups_batch_rows_of_like_length():

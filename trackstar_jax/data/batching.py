@@ -103,16 +103,17 @@ BUCKETS_PER_OCTAVE = 2
 LENGTH_BUCKETS = f"sorted, {BUCKETS_PER_OCTAVE} per octave from {MIN_BUCKET_LEN}"
 
 
-def bucket_len(longest: int, max_len: int) -> int:
+def bucket_len(longest: int, max_len: int, *, per_octave: int | None = None, min_len: int | None = None) -> int:
     """Padded length of a batch whose longest example has `longest` tokens: the smallest step of
-    the ladder (`BUCKETS_PER_OCTAVE` per doubling from `MIN_BUCKET_LEN`) >= `longest`, at most
-    `max_len`."""
-    n = MIN_BUCKET_LEN
+    the ladder (`per_octave` per doubling from `min_len`; by default the featurizer's
+    `BUCKETS_PER_OCTAVE` from `MIN_BUCKET_LEN`) >= `longest`, at most `max_len`."""
+    per_octave = BUCKETS_PER_OCTAVE if per_octave is None else per_octave
+    n = min_len = MIN_BUCKET_LEN if min_len is None else min_len
     while n < longest:
         n *= 2
-    if n > MIN_BUCKET_LEN:  # the doubling (n / 2, n] split into BUCKETS_PER_OCTAVE steps
+    if n > min_len:  # the doubling (n / 2, n] split into per_octave steps
         half = n // 2
-        step = max(1, half // BUCKETS_PER_OCTAVE)
+        step = max(1, half // per_octave)
         n = half + -(-(longest - half) // step) * step
     return min(n, max_len)
 

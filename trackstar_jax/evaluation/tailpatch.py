@@ -46,6 +46,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from trackstar_jax import data as data_lib
 from trackstar_jax.distributed import memory as memory_lib
 from trackstar_jax.distributed import sharding as sharding_lib
 from trackstar_jax.evaluation import lowrank
@@ -317,19 +318,17 @@ def group_pairs(pairs: np.ndarray, queries_per_step: int, widths: np.ndarray | N
     return sorted(groups, key=lambda g: (-slots_for(len(g), queries_per_step), int(widths[prop[g[0]]]), -len(g), g[0]))
 
 
-MIN_WIDTH = 8  # the narrowest padded proponent width (powers of two above it: few compiled shapes)
-
-
 def prop_width(loss_mask: np.ndarray) -> np.ndarray:
     """`[N]` padded width of each proponent row of `loss_mask` (`[N, T]`): its last target
-    position + 1, rounded up to a power of two >= `MIN_WIDTH`, at most T. Under causal attention
-    the positions after the last target change no loss, so a step on the row cut to this width
-    is the step on the whole row (the cut only saves the padding's forward and backward)."""
+    position + 1, rounded up to a power of two >= 8 (`data.bucket_len` with one step per
+    doubling: each width is a compile of ~35 s for a 135M model on CPU, so fewer than the
+    featurizer's ladder), at most T. Under causal attention the positions after the last target
+    change no loss, so a step on the row cut to this width is the step on the whole row (the cut
+    only saves the padding's forward and backward)."""
     m = np.asarray(loss_mask) > 0
     t = m.shape[1]
     used = np.where(m.any(axis=1), t - np.argmax(m[:, ::-1], axis=1), 1)
-    pow2 = 1 << np.ceil(np.log2(np.maximum(used, MIN_WIDTH))).astype(np.int64)
-    return np.minimum(pow2, t)
+    return np.asarray([data_lib.bucket_len(int(u), t, per_octave=1, min_len=8) for u in used], np.int64)
 
 
 def slots_for(largest: int, queries_per_step: int) -> int:
