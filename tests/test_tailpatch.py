@@ -207,6 +207,20 @@ def test_group_pairs_shares_a_proponent_up_to_the_group_size():
     assert [tailpatch.slots_for(n, 6) for n in (1, 3, 5, 6)] == [1, 4, 6, 6]
 
 
+def _assert_per_pair_values(got, graphdef, opt, state, props, queries, pairs):
+    """`run_pairs`'s results equal each pair's own plain (dense, uncut) step."""
+    want = _pairs(
+        state.params,
+        state.opt_state,
+        {k: v[pairs[:, 1]] for k, v in props.items()},
+        {k: v[pairs[:, 0]] for k, v in queries.items()},
+        graphdef=graphdef,
+        opt=opt,
+    )
+    for k in got:
+        np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+
+
 def test_prop_width_is_the_last_target_rounded_to_a_power_of_two():
     mask = np.zeros((5, 40), np.int32)
     for i, last in enumerate((3, 8, 9, 30)):
@@ -241,16 +255,7 @@ def test_calls_cut_proponents_to_their_width_with_the_whole_rows_values(trained)
     # proponent 4's 2-query group with proponent 0, then 2 with 5 (all <= 8 tokens), then 1 with 3
     assert [w for w, _ in widths] == [8, 8, 12]
     assert all(w == 8 for w, used in widths if max(used) < 8)
-    want = _pairs(
-        state.params,
-        state.opt_state,
-        {k: v[pairs[:, 1]] for k, v in props.items()},
-        {k: v[pairs[:, 0]] for k, v in queries.items()},
-        graphdef=graphdef,
-        opt=opt,
-    )
-    for k in got:
-        np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+    _assert_per_pair_values(got, graphdef, opt, state, props, queries, pairs)
 
 
 @pytest.mark.parametrize(
@@ -280,16 +285,7 @@ def test_jit_run_pairs_matches_unjitted(trained, num_devices, queries_per_step, 
         lr_scale=1.0,
         queries_per_step=queries_per_step,
     )
-    want = _pairs(
-        state.params,
-        state.opt_state,
-        {k: v[pairs[:, 1]] for k, v in props.items()},
-        {k: v[pairs[:, 0]] for k, v in queries.items()},
-        graphdef=graphdef,
-        opt=opt,
-    )
-    for k in got:
-        np.testing.assert_allclose(got[k], np.asarray(want[k]), rtol=1e-4, atol=1e-6, err_msg=k)
+    _assert_per_pair_values(got, graphdef, opt, state, props, queries, pairs)
 
 
 def test_needed_pairs_get_the_bits_of_the_whole_run(trained):

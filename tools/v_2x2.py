@@ -288,8 +288,10 @@ def markdown(cells_file: pathlib.Path, rows: Sequence[str] = ROWS) -> str:
 
 
 def methods_title(row: str) -> str:
-    """`exp4` -> "Exp. 4", `trackstar` -> "TrackStar" (the table's column names)."""
-    return f"Exp. {row[3:]}" if row.startswith("exp") else {"trackstar": "TrackStar"}.get(row, row)
+    """The row's Table 1 label (`methods.method(row).label`) without its gloss: "Exp. 2", "TrackStar"."""
+    from trackstar_jax import methods as methods_lib
+
+    return methods_lib.method(row).label.split(" (")[0]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
