@@ -518,3 +518,30 @@ def test_automatic_lambda_falls_back_when_r_eval_is_too_thin(caplog):
         hessian.make_whitening(dataclasses.replace(cfg, fallback_lambda=-1.0), rt, re)
     ok = hessian.make_whitening(dataclasses.replace(cfg, lambda_component_fraction=2 / 32), rt, re)
     assert ok.statistics["lambda"]["how"] == "automatic" and "thin" not in ok.statistics["r_eval"]
+
+
+def test_describe_statistics_names_each_estimate_of_v_by_its_own_counts():
+    """The scoring log line says what V was estimated from for either import estimate (the
+    minibatch record has no `num_examples`: it once logged "from None examples")."""
+    mb = {
+        "source": "import estimate",
+        "estimate_v_method": "minibatch",
+        "estimate_v_source": "lama:P108",
+        "estimate_v_batch_sequences": 64,
+        "num_steps": 16,
+        "num_sequences": 1024,
+        "optimizer": "adafactor",
+    }
+    pe = {
+        "source": "import estimate",
+        "estimate_v_method": "per_example",
+        "estimate_v_source": "candidates",
+        "num_examples": 64,
+    }
+    state = {"source": "optimizer state", "optimizer": "adafactor", "checkpoint_step": 5000, "effective_steps": 912}
+    assert hessian.describe_statistics({"v": mb}) == (
+        "V estimated at import as adafactor holds it: 16 steps x 64 sequences of lama:P108"
+    )
+    assert hessian.describe_statistics({"v": pe}) == "V estimated at import from 64 per-example gradients of candidates"
+    assert hessian.describe_statistics({"v": state}) == "V from the adafactor state at step 5000 (~912 steps)"
+    assert "None" not in hessian.describe_statistics({"v": mb, "r_train": {"num_examples": 50, "block_width": 64}})

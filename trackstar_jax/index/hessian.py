@@ -525,8 +525,15 @@ def describe_statistics(stats: dict) -> str:
             parts.append(
                 f"V from the {v['optimizer']} state at step {v['checkpoint_step']} (~{v['effective_steps']} steps)"
             )
+        elif v["source"] == "import estimate" and "num_sequences" in v:  # `second_moment`'s minibatch EMA
+            parts.append(
+                f"V estimated at import as {v.get('optimizer', 'the optimizer')} holds it: {v.get('num_steps')} steps"
+                f" x {v.get('estimate_v_batch_sequences')} sequences of {v.get('estimate_v_source')}"
+            )
         elif v["source"] == "import estimate":
-            parts.append(f"V estimated at import from {v.get('num_examples')} examples")
+            parts.append(
+                f"V estimated at import from {v.get('num_examples')} per-example gradients of {v.get('estimate_v_source')}"
+            )
         else:
             parts.append(f"no V ({v.get('reason', 'none')})")
     if "r_train" in stats:
