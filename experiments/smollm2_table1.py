@@ -41,7 +41,7 @@ def get_config(arg: str | None = None):
     c.data.relations = trex_table1.CPU_RELATIONS
     c.data.statements_per_fact = 0  # nothing is trained here: no templated statements
     c.data.eval_fact_fraction = 0.0  # every fact may be queried
-    c.data.max_examples = 10000  # natural evidence sentences (every candidate): >= 300 queries (BUILD_NOTES §7)
+    c.data.max_examples = 10000  # natural evidence sentences (every candidate): 256 queries (302 before the evidence cap; docs/results.md)
     c.data.eval_fraction = 0.0
     c.candidates.passages = "natural"  # the paper's closed set: natural sentences only
     c.eval.methods = trex_table1.ALL_METHODS
