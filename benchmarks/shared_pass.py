@@ -76,10 +76,11 @@ def main() -> None:
     out["speedup_all"] = (out["on_seconds"] + out["off_seconds"] + out["trak_seconds"]) / out["shared3_seconds"]
     out["examples_per_s_shared3"] = rows / out["shared3_seconds"]
     # the shared passes' rows are each setting's own (to float32 round-off)
+    fns = dict(passes)
     for shared, names in (("shared2", ("on", "off")), ("shared3", ("trak", "on", "off"))):
-        for i, name in enumerate(names):
+        for name, part in zip(names, fns[shared].split(vecs[shared])):
             ref = vecs[name]
-            out[f"max_rel_diff_{shared}_{name}"] = float(np.abs(vecs[shared][:, i] - ref).max() / np.abs(ref).max())
+            out[f"max_rel_diff_{shared}_{name}"] = float(np.abs(part - ref).max() / np.abs(ref).max())
     dev = jax.devices()[0]
     out["device"] = f"{dev.platform}:{dev.device_kind} x{jax.device_count()}"
     out["loadavg_1m"] = round(os.getloadavg()[0], 2)

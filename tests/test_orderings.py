@@ -6,6 +6,7 @@ evaluation (its rescoring gives back the table's MRR)."""
 from __future__ import annotations
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -306,3 +307,61 @@ def test_v_2x2_on_the_tiny_evaluated_run(evaluated):
     frozen = rep["cells"]["scoring=per_example, step=per_example, frozen=embed"]["tailpatch_at_10"]
     assert frozen != base  # the embedding's update mattered
     assert rep["sign"]["exp4 - exp2"]["sign_set_by"] in ("scoring", "step", "both", "neither")
+
+
+# ---------------------------------------------------------------------------------------
+# tools/figure2.py: the row's metrics against the projection dimension d
+# ---------------------------------------------------------------------------------------
+
+import figure2  # noqa: E402
+
+
+def test_proj_dim_for_inverts_the_layout_and_refuses_another_d():
+    assert [figure2.proj_dim_for(d, 8) for d in (1024, 4096, 16384)] == [8, 16, 32]
+    assert figure2.proj_dim_for(144, 2) == 6
+    with pytest.raises(ValueError, match=r"nearest: \[4624, 5184\]"):
+        figure2.proj_dim_for(5000, 8)
+
+
+def test_figure2_markdown_takes_each_points_last_line(tmp_path):
+    f = tmp_path / figure2.POINTS_FILE
+    pt = {"row": "trackstar", "mrr": 0.5, "mrr_ci": [0.4, 0.6], "recall_at_10": 0.7, "recall_at_10_ci": [0.6, 0.8]}
+    lines = [
+        {**pt, "d": 4096, "tailpatch_at_10": 0.001, "tailpatch_at_10_ci": [0.0005, 0.0015]},
+        {**pt, "d": 1024, "tailpatch_at_10": 0.002, "tailpatch_at_10_ci": [0.001, 0.003]},
+        {**pt, "d": 4096, "mrr": 0.25, "tailpatch_at_10": 0.001, "tailpatch_at_10_ci": [0.0005, 0.0015],
+         "info": {"whitening": {"mix_lambda": 0.885}}, "retrieve_seconds": 12.3, "tailpatch_seconds": 40},
+        {**pt, "d": 4096, "reference": True, "row": "trackstar_rerank", "tailpatch_at_10": None},
+    ]  # fmt: skip
+    f.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    pts = figure2.read_points(f)
+    assert [(p["d"], bool(p.get("reference"))) for p in pts] == [(1024, False), (4096, False), (4096, True)]
+    out = figure2.markdown(pts).splitlines()
+    assert out[2].startswith("| trackstar | 1,024 | 0.500 [0.400, 0.600] | 0.700 [0.600, 0.800] | 0.200 [0.100, 0.300]")
+    assert "| 0.250 [0.400, 0.600] |" in out[3] and "| 0.885 | 12 + 40 |" in out[3]  # the last line of d = 4096
+    assert out[4].startswith("| trackstar_rerank | exact rerank (d → ∞) |") and "| – |" in out[4]
+
+
+@pytest.mark.slow  # ~3 min on the idle 2-core VM beyond the module's evaluated run (two indices, their tail-patch pairs)
+def test_figure2_on_the_tiny_evaluated_run(evaluated):
+    """Two new d (k = 2 and 6 beside the run's 4) in one featurize pass; the run's own d gives back
+    the table's MRR, recall@10 and tail-patch@10; every point is a real measurement."""
+    workdir, table = evaluated
+    nb = table["settings"]["vectors"]["num_blocks"]
+    small, own, big = (2 * nb * k * k for k in (2, 4, 6))
+    rep = figure2.report(workdir, [big, own, small], max_queries=6, row="exp4")
+    pts = {p["d"]: p for p in rep["points"]}
+    assert sorted(pts) == [small, own, big] and rep["evaluation_d"] == own and rep["tailpatched_queries"] == 6
+    row = next(r for r in table["rows"] if r["method"] == "exp4")
+    for m in figure2.METRICS:
+        assert pts[own][m] == pytest.approx(row[m], rel=1e-9, abs=1e-12), m
+    built = rep["new_indices"]  # the pass wrote both new indices, every row
+    assert pathlib.Path(built["index"]).name == f"index_d{big}" and built["dim"] == big and built["complete"]
+    assert [pathlib.Path(x).name for x in built["shared_pass"]] == [f"index_d{small}"]
+    for d in (small, big):
+        assert 0 <= pts[d]["mrr"] <= 1 and np.isfinite(pts[d]["tailpatch_at_10"])
+        summary = json.loads((workdir / f"index_d{d}" / "build_summary-p0000.json").read_text())
+        assert summary["dim"] == d and summary["complete"] and summary["rows"] == built["rows_written"]
+        assert pts[d]["info"]["index"].endswith(f"index_d{d}")
+    assert len(figure2.read_points(workdir / "eval" / figure2.POINTS_FILE)) == 3
+    assert (workdir / "eval" / "figure2.png").stat().st_size > 0

@@ -309,44 +309,48 @@ def test_matmul_precision_is_traced_into_every_gemm_and_paths_agree_at_it():
         vectors.VectorConfig(matmul_precision="fp8")
 
 
-# each architecture once, on 8 devices (the step's out sharding splits the batch axis of [B, n, d])
+# each architecture once, on 8 devices (the step's out sharding splits the batch axis of [B, sum d])
 @pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
 def test_companions_share_one_pass_and_equal_their_own_featurizers(arch):
-    """A featurizer with companions (correction on and off: Exp. 4's and Exp. 1's indices; TRAK's
-    margin rows, another output function, whose backward runs beside the loss's after one
-    forward) returns each setting's vectors from one pass, equal to that setting's own
-    featurizer, and TRAK's p̄ as its own pass gives it; the step is compiled ahead
-    (`check_fits`) with the stacked projections; settings that cannot share a pass are refused,
-    saying why."""
+    """A featurizer with companions (correction on and off: Exp. 4's and Exp. 1's indices; another
+    k, Figure 2's d sweep; TRAK's margin rows, another output function, whose backward runs
+    beside the loss's after one forward) returns each setting's vectors from one pass, equal to
+    that setting's own featurizer, and TRAK's p̄ as its own pass gives it; the step is compiled
+    ahead (`check_fits`) with the stacked projections; settings that cannot share a pass are
+    refused, saying why."""
     skip_if_not_enough_devices(8)
     cfg, graphdef, state = _arch_state(arch)
     batch = _batch(3)
     on = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=True, proj_seed=3)
     off = vectors.VectorConfig(num_blocks=2, proj_dim=4, correction=False, proj_seed=3)
     trak = dataclasses.replace(off, output_fn="trak")
+    wide = dataclasses.replace(on, proj_dim=6)  # d = 144 beside 64
     make = functools.partial(vectors.make_vector_fn, graphdef, cfg, params=state.params, opt_state=state.opt_state)
     host = {k: batch[k] for k in ("tokens", "loss_mask")}
     with jax.default_matmul_precision("highest"):
-        own = [(f := make(vec_cfg=vc))(state.params, f.precond, batch) for vc in (on, off, trak)]
+        own = [(f := make(vec_cfg=vc))(state.params, f.precond, batch) for vc in (on, off, trak, wide)]
         own_pbar = np.asarray((f := make(vec_cfg=trak)).jitted(state.params, f.precond, host)[1]["mean_prob"])
-        fn = make(vec_cfg=on, companions=(off, on))
+        fn = make(vec_cfg=on, companions=(off, wide, on))
         fn.check_fits(state.params, seq_len=T)
         got = fn(state.params, fn.precond, batch)
         mixed = make(vec_cfg=trak, companions=(on, off))
         mixed.check_fits(state.params, seq_len=T)
         got_mixed, aux = mixed.jitted(state.params, mixed.precond, host)
-    assert got.shape == (B, 3, on.dim) and got_mixed.shape == (B, 3, on.dim)
-    for i, want in enumerate(own[:2] + own[:1]):
-        np.testing.assert_allclose(got[:, i], want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(i))
-    for i, want in enumerate([own[2], own[0], own[1]]):
+    assert fn.dims == (64, 64, 144, 64) and mixed.dims == (64,) * 3
+    assert got.shape == (B, sum(fn.dims)) and got_mixed.shape == (B, 3 * on.dim)
+    for i, (part, want) in enumerate(zip(fn.split(got), [own[0], own[1], own[3], own[0]])):
+        np.testing.assert_allclose(part, want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=str(i))
+    for i, (part, want) in enumerate(zip(mixed.split(got_mixed), [own[2], own[0], own[1]])):
+        assert isinstance(part, jax.Array)  # `split` keeps device rows on the device
         np.testing.assert_allclose(
-            np.asarray(got_mixed)[:, i], want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=f"mixed {i}"
+            np.asarray(part), want, rtol=1e-5, atol=1e-6 * np.abs(want).max(), err_msg=f"mixed {i}"
         )
     np.testing.assert_allclose(np.asarray(aux["mean_prob"]), own_pbar, rtol=1e-6)
     assert np.abs(own[0] - own[1]).max() > 1e-3 * np.abs(own[0]).max()  # the correction changes them
     assert np.abs(own[1] - own[2]).max() > 1e-3 * np.abs(own[1]).max()  # and the output function
     for other, why in [
         (dataclasses.replace(off, proj_seed=4), "vectors.proj_seed"),
+        (dataclasses.replace(off, num_blocks=1), "vectors.num_blocks"),
         (dataclasses.replace(off, path="reference"), "fast path"),
         (dataclasses.replace(off, exact_v=True), "exact_v"),
     ]:

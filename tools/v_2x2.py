@@ -128,18 +128,6 @@ def saved_estimate(stem: pathlib.Path, settings: Mapping[str, Any], like: Any, e
     return state, rec
 
 
-def _read_retrieved(workdir: pathlib.Path, out_dir: str, rows: Sequence[str], num_queries: int) -> dict:
-    from trackstar_jax.evaluation import rows as rows_lib
-
-    out = {}
-    for r in rows:
-        with (workdir / out_dir / "retrievals" / f"{r}.jsonl").open(encoding="utf-8") as f:
-            recs = {int(x["example_id"]): x for x in map(json.loads, f) if x}
-        ids = [list(recs[q]["proponent_ids"]) for q in range(num_queries)]
-        out[r] = rows_lib.Retrieved(ids, [[0.0] * len(x) for x in ids])
-    return out
-
-
 def report(
     workdir: pathlib.Path,
     vec_overrides: Mapping[str, Any],
@@ -147,28 +135,19 @@ def report(
     freeze: Sequence[str],
     rows: Sequence[str] = ROWS,
 ) -> dict:
-    from trackstar_jax import config as config_lib
     from trackstar_jax import methods as methods_lib
-    from trackstar_jax.evaluation import claims, metrics, query_set
+    from trackstar_jax import stages
+    from trackstar_jax.evaluation import claims, metrics
     from trackstar_jax.evaluation import report as report_lib
     from trackstar_jax.evaluation import rows as rows_lib
     from trackstar_jax.evaluation import stage as stage_lib
-    from trackstar_jax.stages import run as run_lib
     from trackstar_jax.training import second_moment as sm_lib
     from trackstar_jax.training import step as step_lib
 
-    table_file = workdir / "eval" / "table.json"
-    settings = config_lib.load_table_settings(table_file)
-    settings = settings.replace({"tailpatch.methods": tuple(rows), "tailpatch.max_queries": max_queries})
+    ev = stages.reopen(workdir, {"tailpatch.methods": tuple(rows), "tailpatch.max_queries": max_queries})
+    settings, run, mesh, eq = ev.settings, ev.loaded.run, ev.loaded.mesh, ev.eq
     corrected = [r for r in rows if r in CORRECTED]
     contrasts = [(a, b) for a, b in CONTRASTS if a in rows and b in rows]
-    loaded = run_lib.open_run(settings, workdir)
-    run, mesh = loaded.run, loaded.mesh
-    eq = query_set.make_eval_queries(run, settings)
-    with (workdir / "eval" / "queries.jsonl").open(encoding="utf-8") as f:
-        saved = [q for q in map(json.loads, f) if q]
-    if [(q["prompt"], q["target"]) for q in saved] != [(q.prompt, q.target) for q in eq.queries]:
-        raise ValueError(f"the rebuilt queries differ from {workdir}/eval/queries.jsonl (another config or code)")
 
     vec = dataclasses.replace(settings.vectors, estimate_v_method="minibatch", **vec_overrides)
     opt_cfg = settings.train.optimizer
@@ -183,7 +162,11 @@ def report(
     )  # fmt: skip
     runs = {"per_example": run, "minibatch": dataclasses.replace(run, opt_state=v_mb, opt_state_info=rec)}
 
-    retrieved = {"per_example": _read_retrieved(workdir, "eval", rows, len(eq.queries))}
+    retrieved = {
+        "per_example": {
+            r: report_lib.read_retrievals(ev.eval_dir / "retrievals" / f"{r}.jsonl", len(eq.queries)) for r in rows
+        }
+    }
     ctx = rows_lib.Context(
         settings.replace({"index.dir": settings.index.dir + "_vmb"}), workdir, runs["minibatch"], mesh
     )

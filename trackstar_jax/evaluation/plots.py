@@ -6,6 +6,8 @@
   fixed-λ rows `trackstar_l050` / `_l090` / `_l099`): MRR and tail-patch@10 (§A.1.3).
 * `checkpoints.png`: TrackStar's MRR and tail-patch@10 at each of
   `tailpatch.checkpoint_steps` (the paper's Figure 2 right).
+* `dims_plot` (not from a table: tools/figure2.py's points): MRR and tail-patch@10 against the
+  projection dimension d (the paper's Figure 2 left, centre).
 
 A picture whose data the table lacks is not written. Returns the file names written.
 """
@@ -137,6 +139,41 @@ def checkpoints_plot(table: Mapping[str, Any], path: pathlib.Path) -> bool:
             )
         ax.set_xlabel("training step")
         ax.set_title(f"TrackStar {title}", fontsize=10)
+    _save(fig, path)
+    plt.close(fig)
+    return True
+
+
+def dims_plot(points: list[Mapping[str, Any]], path: pathlib.Path) -> bool:
+    """The paper's Figure 2 (left, centre): a row's MRR and tail-patch@10 against the projection
+    dimension d (`points`: `{"d", <metric>, <metric>_ci}` each, tools/figure2.py), a point with
+    `"reference"` (the exact rerank, d -> ∞) as a dashed line with its interval shaded."""
+    pts = sorted((p for p in points if not p.get("reference")), key=lambda p: p["d"])
+    refs = [p for p in points if p.get("reference")]
+    if not pts:
+        return False
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
+    for ax, (name, title, scale) in zip(axes, (METRICS[0], METRICS[2])):
+        got = [(p["d"], _val(p, name, scale)) for p in pts]
+        got = [(d, v) for d, v in got if v is not None]
+        if got:
+            ax.errorbar(
+                [d for d, _ in got],
+                [v[0] for _, v in got],
+                yerr=[[v[1] for _, v in got], [v[2] for _, v in got]],
+                fmt="o-",
+                capsize=3,
+            )
+        for r in refs:
+            v = _val(r, name, scale)
+            if v is not None:
+                ax.axhline(v[0], color="#c44e52", linestyle="--", linewidth=1, label=r.get("label", "exact"))
+                ax.axhspan(v[0] - v[1], v[0] + v[2], color="#c44e52", alpha=0.1)
+                ax.legend(fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("projection dimension d")
+        ax.set_title(title, fontsize=10)
     _save(fig, path)
     plt.close(fig)
     return True

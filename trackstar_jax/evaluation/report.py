@@ -122,6 +122,22 @@ def write_retrievals(
     )
 
 
+def read_retrievals(path: pathlib.Path, num_queries: int) -> Retrieved:
+    """A row's proponents (ids and scores) as `write_retrievals` wrote them, query i at position
+    i: an evaluation's own lists, read back to re-measure them (tools/v_2x2.py, tools/figure2.py).
+
+    Raises:
+      ValueError: a query of `range(num_queries)` has no line in the file (names the first).
+    """
+    with path.open(encoding="utf-8") as f:
+        recs = {int(x["example_id"]): x for x in map(json.loads, f) if x}
+    missing = [q for q in range(num_queries) if q not in recs]
+    if missing:
+        raise ValueError(f"{path}: no line for query {missing[0]} ({len(missing)} of {num_queries} missing)")
+    ids = [[int(i) for i in recs[q]["proponent_ids"]] for q in range(num_queries)]
+    return Retrieved(ids, [[float(s) for s in recs[q]["proponent_scores"]] for q in range(num_queries)])
+
+
 def table_markdown(
     table: dict,
     eq: query_set.EvalQueries,

@@ -248,11 +248,12 @@ def step_projections(
 
 def stack_projections(sets: Sequence[Mapping[str, tuple[Array, Array]]]) -> dict[str, tuple[Array, Array]]:
     """Several featurizers' projections (`step_projections` of settings that differ only in their
-    correction) stacked along k: `{path: (P0 [n k, m], P1 [n k, n_out])}`, for one shared pass.
+    correction or k) stacked along k: `{path: (P0 [K, m], P1 [K, n_out])}`, K = k_0 + ... +
+    k_{n-1}, for one shared pass.
 
     One backward pass then serves all n: a layer's captured `sum_t (P0 x_t)(P1 g_t)^T` is
-    `[n k, n k]`, and its k x k diagonal blocks are the n featurizers' own (`factored_vectors`
-    keeps those; the off-diagonal blocks, n (n - 1) k^2 multiply-adds per token, are dropped).
+    `[K, K]`, and its k_i x k_i diagonal blocks are the n featurizers' own (`factored_vectors`
+    keeps those; the off-diagonal blocks, K^2 - sum k_i^2 multiply-adds per token, are dropped).
     The projections themselves cost what n passes would; the forward and backward are paid once."""
     if not sets:
         raise ValueError("stack_projections needs at least one projection set")
@@ -274,6 +275,7 @@ def factored_vectors(
     exact_v: bool = False,
     projections: Mapping[str, tuple[Array, Array]] | None = None,
     return_mean_prob: bool = False,
+    set_dims: Sequence[int] | None = None,
 ) -> Float[Array, "b d"] | tuple[Array, Array | None]:
     """Projected, corrected per-example gradients by the factored path (same signature as
     `grads.reference_vectors`, plus `exact_v` and `return_mean_prob`).
@@ -297,12 +299,15 @@ def factored_vectors(
         jitted step and passed in; None makes them here (inside a jitted step their threefry
         streams are ~30k HLO ops: ~20 s of XLA:CPU compile at the pythia-14m shape). n sets
         stacked along k (`stack_projections`) make one pass give n featurizers' vectors.
-
       return_mean_prob: also return each row's p̄ (`grads.mean_target_prob`, TRAK's Q = 1 - p̄)
         from the same forward, or None where the pass makes no logits (the fused loss head).
+      set_dims: static; the k of each stacked set, in stacking order, for sets of different k
+        (featurizers whose d differ, Figure 2's d sweep); None: every set has `plan.proj_dim`.
+        `plan` is any of the sets' plans (they differ only in k).
 
     Returns:
-      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`; `[B, n, d]` for n stacked sets;
+      `[B, d]` float32 in the layout `[2*num_blocks, k, k]`; for n stacked sets
+      `[B, d_0 + ... + d_{n-1}]`, set i's `d_i = 2*num_blocks*k_i^2` columns after set i - 1's;
       with `return_mean_prob`, `(vectors, p̄ [B] or None)`.
 
     Raises:
@@ -319,10 +324,14 @@ def factored_vectors(
     lowp = layers_lib.LOWP_MATMUL.get(runtime.target_platform(), ())
     exact_od = model_od if exact and model_od in lowp else None
     projs = step_projections(plan, correction, seed, exact_v) if projections is None else projections
-    kk = next(iter(projs.values()))[1].shape[0] if projs else k  # n * k for n stacked sets
-    if kk % k:
-        raise ValueError(f"projections of {kk} rows are not a stack of k={k} row sets")
-    n = kk // k
+    kk = next(iter(projs.values()))[1].shape[0] if projs else k  # sum of the n stacked sets' k
+    if set_dims is None:
+        if kk % k:
+            raise ValueError(f"projections of {kk} rows are not a stack of k={k} row sets")
+        set_dims = (k,) * (kk // k)
+    elif sum(set_dims) != kk:
+        raise ValueError(f"projections of {kk} rows are not a stack of sets of {tuple(set_dims)} rows")
+    n = len(set_dims)
     fns = (output_fn,) * n if isinstance(output_fn, str) else tuple(output_fn)
     if len(fns) != n:
         raise ValueError(f"{len(fns)} output functions for {n} stacked projection sets")
@@ -376,17 +385,22 @@ def factored_vectors(
             return out[0], pbar
 
         grads, pbar = jax.grad(scalar, has_aux=True)(zs)
-        sides = jnp.stack(grads, axis=1)[None]  # [1, B, S, n k, n k]
+        sides = jnp.stack(grads, axis=1)[None]  # [1, B, S, K, K]
     else:  # one forward; the backward batched over the objectives' unit cotangents
         out, pull, pbar = jax.vjp(objective, zs, has_aux=True)
         (grads,) = jax.vmap(pull)(jnp.eye(len(objs), dtype=out.dtype))
-        sides = jnp.stack(grads, axis=2)  # [m, B, S, n k, n k]
+        sides = jnp.stack(grads, axis=2)  # [m, B, S, K, K]
     if n == 1:
         vecs = sides[0].reshape(b, -1)
     else:
-        # set i's vectors are the diagonal blocks [i k:(i+1) k, i k:(i+1) k] of every side, in
-        # the backward of its own objective
-        blocks = sides.reshape(len(objs), b, plan.num_sides, n, k, n, k)
-        diag = jnp.diagonal(blocks, axis1=3, axis2=5)  # [m, B, S, k, k, n]
-        vecs = jnp.stack([diag[objs.index(f), ..., i] for i, f in enumerate(fns)], axis=1).reshape(b, n, -1)
+        # set i's vectors are the diagonal block [o_i:o_i + k_i, o_i:o_i + k_i] of every side
+        # (o_i = k_0 + ... + k_{i-1}), in the backward of its own objective
+        offs = [sum(set_dims[:i]) for i in range(n)]
+        vecs = jnp.concatenate(
+            [
+                sides[objs.index(f), :, :, o : o + ki, o : o + ki].reshape(b, -1)
+                for f, o, ki in zip(fns, offs, set_dims)
+            ],
+            axis=1,
+        )
     return (vecs, pbar) if return_mean_prob else vecs

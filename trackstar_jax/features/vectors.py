@@ -123,10 +123,11 @@ def block_layout(cfg: VectorConfig) -> tuple[int, int]:
 
 
 # The VectorConfig fields that may differ between featurizers sharing one pass (`shared_pass_error`):
-# the correction folds into the projections; output functions share the forward pass, each
-# with its own backward (`factored.factored_vectors`); the import-time keys do not enter the step.
+# the correction folds into the projections and k only sizes them (sets of other k stack along
+# k: Figure 2's d sweep); output functions share the forward pass, each with its own backward
+# (`factored.factored_vectors`); the import-time keys do not enter the step.
 SHAREABLE_FIELDS = (
-    "correction", "output_fn", "estimate_v_method", "estimate_v_source", "estimate_v_examples",
+    "correction", "output_fn", "proj_dim", "estimate_v_method", "estimate_v_source", "estimate_v_examples",
     "estimate_v_batch_sequences", "estimate_v_steps", "estimate_v_seed",
 )  # fmt: skip
 
@@ -136,8 +137,8 @@ def shared_pass_error(a: VectorConfig, b: VectorConfig) -> str | None:
 
     They can when they differ only in `SHAREABLE_FIELDS`, on the fast path, with every
     correction folded into the projections (`exact_v` off): the forward is the same, only the
-    projections (`factored.stack_projections`) and, for another output function, the backward
-    differ."""
+    projections (`factored.stack_projections`, of their own k) and, for another output function,
+    the backward differ."""
     if a.path != "fast" or b.path != "fast":
         return "only the fast path shares a pass (the reference path materialises each gradient)"
     if a.exact_v or b.exact_v:
@@ -218,7 +219,8 @@ def vector_step(
     plan: proj_lib.BlockPlan,
     role: str = "index",
     output_fns: tuple[str, ...] | None = None,
-) -> tuple[Float[Array, "b d"] | Float[Array, "b n d"], dict[str, Array]]:
+    set_dims: tuple[int, ...] | None = None,
+) -> tuple[Float[Array, "b d"], dict[str, Array]]:
     """Pure featurize step: vectors plus per-row checks (jit it with `jit_vector_step`).
 
     Args:
@@ -231,9 +233,11 @@ def vector_step(
       role: "index" or "query" (only matters for output_fn="trak").
       output_fns: static; for n stacked sets, each set's output function (None: every set
         takes `vec_cfg.output_fn`), one forward for all (`factored.factored_vectors`).
+      set_dims: static; each stacked set's k (`factored.factored_vectors`; None: `plan`'s).
 
     Returns:
-      `(vectors [B, d] float32 ([B, n, d] for n stacked sets), aux)` with
+      `(vectors [B, d] float32 ([B, d_0 + ... + d_{n-1}] for n stacked sets, set i's after
+      set i - 1's), aux)` with
       `aux["num_targets"] [B]` (target tokens per row), `aux["finite"] [B] bool` (no NaN/inf
       in the row's vectors) and, for TRAK's index rows on the fast path, `aux["mean_prob"] [B]`
       (p̄ of the row's targets, from the same forward).
@@ -244,9 +248,15 @@ def vector_step(
     mean_prob = vec_cfg.path == "fast" and "trak" in fns and role == "index"
     if output_fns and vec_cfg.path != "fast":
         raise ValueError("only the fast path featurizes several output functions in one pass")
+    if set_dims and vec_cfg.path != "fast":
+        raise ValueError("only the fast path featurizes sets of several k in one pass")
     if vec_cfg.path == "fast":
         fn = functools.partial(
-            factored_lib.factored_vectors, exact_v=vec_cfg.exact_v, projections=projections, return_mean_prob=mean_prob
+            factored_lib.factored_vectors,
+            exact_v=vec_cfg.exact_v,
+            projections=projections,
+            return_mean_prob=mean_prob,
+            set_dims=set_dims,
         )
     else:
         fn = functools.partial(grads_lib.reference_vectors, projections=projections)
@@ -290,11 +300,12 @@ def jit_vector_step(
     role: str = "index",
     params: Any = None,
     output_fns: tuple[str, ...] | None = None,
+    set_dims: tuple[int, ...] | None = None,
 ):
     """`vector_step` jitted with explicit shardings: batch split over (data, fsdp), correction
     replicated, vectors `[B, d]` split like the batch; parameters replicated, or split over the
     `fsdp` axis when it has size > 1 (pass `params`, possibly abstract, to derive those).
-    `output_fns`: see `vector_step`.
+    `output_fns`, `set_dims`: see `vector_step`.
 
     Returns:
       `jitted(params, precond, batch, projections) -> (vectors, aux)` (`step_projections`).
@@ -305,19 +316,25 @@ def jit_vector_step(
             raise ValueError("jit_vector_step needs `params` (shapes) to shard them over the fsdp axis")
         leaves, treedef = jax.tree.flatten(param_shardings(grads_lib.pure_params(params), mesh))
         params_sh = (treedef, tuple(leaves))
-    return _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns)
+    return _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns, set_dims)
 
 
 # One jitted step per (model, settings, mesh, role): the stages' VectorFns (build_index, query
 # featurization, evaluate's memory check) share it, so a shape compiled once, for a memory
 # check or a batch, is not compiled again in the same process.
 @functools.lru_cache(maxsize=16)
-def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns=None):
+def _jit_vector_step(graphdef, vec_cfg, plan, mesh, role, params_sh, output_fns=None, set_dims=None):
     rep = sharding_lib.replicated(mesh)
     rows = NamedSharding(mesh, sharding_lib.logical_to_spec(("batch",)))
     params_sh = rep if params_sh is None else jax.tree.unflatten(params_sh[0], params_sh[1])
     step = functools.partial(
-        vector_step, graphdef=graphdef, vec_cfg=vec_cfg, plan=plan, role=role, output_fns=output_fns
+        vector_step,
+        graphdef=graphdef,
+        vec_cfg=vec_cfg,
+        plan=plan,
+        role=role,
+        output_fns=output_fns,
+        set_dims=set_dims,
     )
     return jax.jit(step, in_shardings=(params_sh, rep, rows, rep), out_shardings=(rows, rows))
 
@@ -410,13 +427,14 @@ class VectorFn:
     """Callable featurizer: `fn(params, precond, batch) -> np.ndarray [B, d]` (checked).
 
     With `companions` (settings that share its pass, `shared_pass_error`), one step gives every
-    setting's vectors: `[B, 1 + len(companions), d]`, `vec_cfg`'s first.
+    setting's vectors side by side: `[B, sum(dims)]`, `vec_cfg`'s first (`split` parts them).
 
     Attributes:
       precond: the correction built from the optimizer state (None if correction is off).
       plan: the block plan.
       vec_cfg: the settings.
       configs: `(vec_cfg, *companions)`, the settings whose vectors a call returns.
+      dims: each of `configs`' vector dimension d.
       jitted: `jitted(params, precond, batch) -> (vectors, aux)` device arrays, unchecked: the
         compiled step (`step`) after placing the parameters in their shardings.
       step: the underlying `jit_vector_step`.
@@ -431,11 +449,20 @@ class VectorFn:
             if why:
                 raise ValueError(f"cannot featurize {c} in the pass of {vec_cfg}: {why}")
         self.mesh = mesh if mesh is not None else sharding_lib.make_mesh()
-        self.plan = make_block_plan(params, model_cfg, vec_cfg)
+        plans = [make_block_plan(params, model_cfg, c) for c in self.configs]
+        self.plan, self.dims = plans[0], tuple(p.dim for p in plans)
         graphdef = step_graphdef(graphdef, model_cfg, vec_cfg)
         fns = tuple(c.output_fn for c in self.configs)  # several: one forward, a backward each
+        ks = tuple(p.proj_dim for p in plans)  # several k: the step slices each set's own block
         self.step = jit_vector_step(
-            graphdef, vec_cfg, self.plan, self.mesh, role, params=params, output_fns=fns if len(set(fns)) > 1 else None
+            graphdef,
+            vec_cfg,
+            self.plan,
+            self.mesh,
+            role,
+            params=params,
+            output_fns=fns if len(set(fns)) > 1 else None,
+            set_dims=ks if len(set(ks)) > 1 else None,
         )
         self.precond = make_precond(params, opt_state, vec_cfg, self.plan)
         if self.precond is not None:
@@ -445,14 +472,19 @@ class VectorFn:
         self.projections = self._projections(self.precond)
         if companions:  # the companions' projections stacked after ours: one pass serves all
             sets = [self.projections]
-            for c in companions:
-                sets.append(step_projections(c, self.plan, make_precond(params, opt_state, c, self.plan)))
+            for c, plan in zip(companions, plans[1:]):
+                sets.append(step_projections(c, plan, make_precond(params, opt_state, c, plan)))
             self.projections = jax.device_put(factored_lib.stack_projections(sets), sharding_lib.replicated(self.mesh))
         self._placed = None  # (params as passed, the same placed in fsdp shards)
 
     @property
     def dim(self) -> int:
         return self.plan.dim
+
+    def split(self, vectors: Any) -> list:
+        """A call's `[B, sum(dims)]` as each setting's `[B, d_i]`, `configs`' order."""
+        offs = np.cumsum(self.dims)[:-1].tolist()
+        return list(jnp.split(vectors, offs, axis=1)) if isinstance(vectors, jax.Array) else np.split(vectors, offs, 1)
 
     def check_fits(self, params: Any, seq_len: int | None = None) -> dict:
         """Refuses (`memory.DoesNotFitError`, naming the knobs) a featurize step of
@@ -543,7 +575,7 @@ def make_vector_fn(
       mesh: device mesh (default: all devices on the data axis).
       role: "index" for corpus rows, "query" for queries (matters for output_fn="trak").
       companions: settings featurized in the same pass (`shared_pass_error`); a call then
-        returns `[B, 1 + len(companions), d]`.
+        returns their vectors side by side, `[B, sum(fn.dims)]` (`fn.split`).
 
     Returns:
       A `VectorFn`; call it as `fn(params, fn.precond, batch)`.

@@ -312,10 +312,11 @@ def build_from_run(
         rows_fn = functools.cache(lambda which: make_rows_fn(run, featurizer(which), counters))
 
         def shared_rows(lo: int, hi: int, which: tuple[int, ...]) -> list:
-            """The rows of the indices `which` from one pass (`[n, d]` per example for n > 1);
-            normally the unfinished ones, or a finished index's lost chunk on its own."""
+            """The rows of the indices `which` from one pass (side by side for several,
+            `VectorFn.split`); normally the unfinished ones, or a finished index's lost chunk on
+            its own."""
             vecs = rows_fn(which)(lo, hi)
-            return [vecs] if len(which) == 1 else [vecs[:, j] for j in range(len(which))]
+            return [vecs] if len(which) == 1 else featurizer(which).split(vecs)
 
         for i, (b, (v, ix)) in enumerate(zip(builders, targets)):
             logging.info(

@@ -13,14 +13,14 @@ instead of calling that stage's front door again.
 | (any) | `open_run`, `load_run`, `save_run_config` | `training.checkpoint` |
 | 2 index | `build_index` | `index.build_from_run` |
 | 3 retrieve | `retrieve`, `retrieve_fact_queries` | `retrieval.write_retrieval` |
-| 4 evaluate | `evaluate` | `evaluation.evaluate_run` |
+| 4 evaluate | `evaluate`; `reopen` (a finished evaluation, for tools that re-measure it) | `evaluation.evaluate_run` |
 | validate | `validate` | `evaluation.lds` |
 | serve | `open_engine` | `serving.engine.Engine` |
 | export | `export_hf` | `models.hf.save_hf` |
 """
 
 from trackstar_jax.stages.build import build_index
-from trackstar_jax.stages.evaluate import evaluate, validate
+from trackstar_jax.stages.evaluate import Reopened, evaluate, reopen, validate
 from trackstar_jax.stages.export import export_hf
 from trackstar_jax.stages.import_model import import_model
 from trackstar_jax.stages.retrieve import retrieve, retrieve_fact_queries
@@ -30,6 +30,7 @@ from trackstar_jax.stages.train import train
 
 __all__ = [
     "LoadedRun",
+    "Reopened",
     "build_index",
     "evaluate",
     "export_hf",
@@ -37,6 +38,7 @@ __all__ = [
     "load_run",
     "open_engine",
     "open_run",
+    "reopen",
     "retrieve",
     "retrieve_fact_queries",
     "save_run_config",

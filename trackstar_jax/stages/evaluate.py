@@ -1,16 +1,19 @@
-"""Stage 4, `evaluate`: the fact-tracing table (`evaluation.evaluate_run`); and `validate` (LDS)."""
+"""Stage 4, `evaluate`: the fact-tracing table (`evaluation.evaluate_run`); `reopen` (a finished
+evaluation's run and queries, for tools that re-measure it); and `validate` (LDS)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pathlib
 import time
-from typing import Sequence
+from typing import Any, Mapping, Sequence
 
 from trackstar_jax import config as config_lib
 from trackstar_jax.distributed import multihost
 from trackstar_jax.evaluation import lds as lds_lib
-from trackstar_jax.evaluation import report
+from trackstar_jax.evaluation import query_set, report
 from trackstar_jax.evaluation import rows as rows_lib
 from trackstar_jax.evaluation import stage as evaluation_lib
 from trackstar_jax.stages import run as run_lib
@@ -43,6 +46,44 @@ def evaluate(
     loaded = loaded if loaded is not None else run_lib.open_run(settings, workdir)
     ctx = rows_lib.Context(settings, workdir, loaded.run, loaded.mesh)
     return evaluation_lib.evaluate_run(ctx, methods, started=started, load_seconds=time.perf_counter() - t0)
+
+
+@dataclasses.dataclass
+class Reopened:
+    """A finished evaluation, opened again: its settings (table.json's, with the caller's
+    overrides), the loaded run and its queries rebuilt (`query_set.make_eval_queries`)."""
+
+    settings: config_lib.Settings
+    loaded: run_lib.LoadedRun
+    eq: query_set.EvalQueries
+
+    @property
+    def eval_dir(self) -> pathlib.Path:
+        return report.eval_dir(self.settings, self.loaded.workdir)
+
+
+def reopen(workdir: str | os.PathLike, overrides: Mapping[str, Any] | None = None) -> Reopened:
+    """Opens the run of the finished evaluation in `workdir` (`eval/table.json`'s settings, then
+    `overrides`, dotted keys that must not change the queries, e.g. `tailpatch.*`) and rebuilds
+    its queries, checked against the `queries.jsonl` it wrote (deterministic, so they are the
+    same unless the config or the code changed).
+
+    Raises:
+      FileNotFoundError: no finished evaluation there.
+      ValueError: the rebuilt queries differ from the evaluation's own.
+    """
+    workdir = pathlib.Path(workdir)
+    settings = config_lib.load_table_settings(workdir / report.EVAL_DIR / "table.json")
+    if overrides:
+        settings = settings.replace(dict(overrides))
+    loaded = run_lib.open_run(settings, workdir)
+    eq = query_set.make_eval_queries(loaded.run, settings)
+    saved_file = report.eval_dir(settings, workdir) / "queries.jsonl"
+    with saved_file.open(encoding="utf-8") as f:
+        saved = [q for q in map(json.loads, f) if q]
+    if [(q["prompt"], q["target"]) for q in saved] != [(q.prompt, q.target) for q in eq.queries]:
+        raise ValueError(f"the rebuilt queries differ from {saved_file} (another config or code)")
+    return Reopened(settings, loaded, eq)
 
 
 @multihost.writes_workdir("validate")
