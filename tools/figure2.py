@@ -74,8 +74,8 @@ def report(
     row: str = "trackstar",
     rerank: bool = False,
 ) -> dict:
+    from trackstar_jax import files, stages
     from trackstar_jax import methods as methods_lib
-    from trackstar_jax import stages
     from trackstar_jax.evaluation import plots as plots_lib
     from trackstar_jax.evaluation import report as report_lib
     from trackstar_jax.evaluation import rows as rows_lib
@@ -109,7 +109,7 @@ def report(
     built = None  # the pass's build summary (the first new index's; `shared_pass` names the others)
     if new:  # every new d's index in one featurize pass (finished ones are reused)
         first, *rest = new
-        built = build_lib.build_from_run(
+        build_lib.build_from_run(
             run,
             first.vectors,
             first.index,
@@ -117,7 +117,8 @@ def report(
             mesh_shape=settings.mesh.shape,
             mesh=mesh,
             companions=[(s.vectors, s.index) for s in rest],
-        )
+        )  # a reused index keeps the summary of the pass that built it
+        built = files.read_json(build_lib.index_dir(first.index, workdir) / "build_summary-p0000.json")
     build_seconds = time.perf_counter() - t0
     points = []
     for d in sorted(ks):

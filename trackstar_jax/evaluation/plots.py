@@ -120,23 +120,31 @@ def lambda_plot(table: Mapping[str, Any], path: pathlib.Path) -> bool:
     return True
 
 
+def _metric_panels(axes, pts: list[Mapping[str, Any]], x_key: str):
+    """MRR and tail-patch@10 of `pts` against `p[x_key]`, a line with error bars per panel of
+    `axes` (points without the metric left out); yields `(ax, name, title, scale)` for the
+    caller's labels."""
+    for ax, (name, title, scale) in zip(axes, (METRICS[0], METRICS[2])):
+        got = [(p[x_key], _val(p, name, scale)) for p in pts]
+        got = [(x, v) for x, v in got if v is not None]
+        if got:
+            ax.errorbar(
+                [x for x, _ in got],
+                [v[0] for _, v in got],
+                yerr=[[v[1] for _, v in got], [v[2] for _, v in got]],
+                fmt="o-",
+                capsize=3,
+            )
+        yield ax, name, title, scale
+
+
 def checkpoints_plot(table: Mapping[str, Any], path: pathlib.Path) -> bool:
     pts = table.get("checkpoints") or []
     if not pts:
         return False
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
-    for ax, (name, title, scale) in zip(axes, (METRICS[0], METRICS[2])):
-        got = [(p["step"], _val(p, name, scale)) for p in pts]
-        got = [(s, v) for s, v in got if v is not None]
-        if got:
-            ax.errorbar(
-                [s for s, _ in got],
-                [v[0] for _, v in got],
-                yerr=[[v[1] for _, v in got], [v[2] for _, v in got]],
-                fmt="o-",
-                capsize=3,
-            )
+    for ax, _, title, _ in _metric_panels(axes, pts, "step"):
         ax.set_xlabel("training step")
         ax.set_title(f"TrackStar {title}", fontsize=10)
     _save(fig, path)
@@ -154,17 +162,7 @@ def dims_plot(points: list[Mapping[str, Any]], path: pathlib.Path) -> bool:
         return False
     plt = _pyplot()
     fig, axes = plt.subplots(1, 2, figsize=(8.4, 3.4))
-    for ax, (name, title, scale) in zip(axes, (METRICS[0], METRICS[2])):
-        got = [(p["d"], _val(p, name, scale)) for p in pts]
-        got = [(d, v) for d, v in got if v is not None]
-        if got:
-            ax.errorbar(
-                [d for d, _ in got],
-                [v[0] for _, v in got],
-                yerr=[[v[1] for _, v in got], [v[2] for _, v in got]],
-                fmt="o-",
-                capsize=3,
-            )
+    for ax, name, title, scale in _metric_panels(axes, pts, "d"):
         for r in refs:
             v = _val(r, name, scale)
             if v is not None:

@@ -263,9 +263,10 @@ def build_from_run(
       companions: `(vectors, index)` settings of indices written in the same pass.
 
     Returns:
-      Summary of `index` (also written to `index/build_summary-pXXXX.json`, and each
-      companion's to its own folder): rows, examples/s, tokens/s, write_fraction, bytes per
-      example, and `shared_pass` (the other indices written in the same pass).
+      This call's summary of `index` (also written to `index/build_summary-pXXXX.json`, and
+      each companion's to its own folder, except that a call which featurized nothing keeps the
+      file of the pass that built the rows): rows, examples/s, tokens/s, write_fraction, bytes
+      per example, and `shared_pass` (the other indices written in the same pass).
 
     Raises:
       ValueError: a companion that cannot share the pass (saying why) or has the same folder.
@@ -383,6 +384,17 @@ def index_statistics(run: checkpoint_lib.Run, vec_cfg: vectors_lib.VectorConfig,
     return {"v": v, "r_train": r, "thin_notes": notes}
 
 
+def _read_summary(path: pathlib.Path) -> dict | None:
+    """The build summary at `path` written by an earlier call, or None (absent or unreadable).
+    A call that featurized nothing keeps it: the file is the summary of the pass that built the
+    rows (its rate, its `shared_pass`), which a reuse would otherwise overwrite with zeros."""
+    try:
+        kept = files.read_json(path, "build summary")
+    except (OSError, files.InputError):  # absent or damaged: this call's summary replaces it
+        return None
+    return kept if isinstance(kept, dict) else None
+
+
 def _write_summary(
     path: pathlib.Path,
     builder: builder_lib.IndexBuilder,
@@ -419,7 +431,12 @@ def _write_summary(
         "shared_pass": shared_pass,  # the other indices this pass wrote (their time is this one's)
         "statistics": statistics,  # what V and R_train are estimated from (`index_statistics`)
     }
-    files.atomic_write_json(path / f"build_summary-p{process_index:04d}.json", summary)
+    out = path / f"build_summary-p{process_index:04d}.json"
+    kept = _read_summary(out) if not stats.rows_written else None
+    if kept is None:
+        files.atomic_write_json(out, summary)
+    elif kept.get("complete") != stats.finalized:  # a reuse that finalised: only that is news
+        files.atomic_write_json(out, {**kept, "complete": stats.finalized, "finalized_by": summary["finalized_by"]})
     in_range = sum(hi - lo for lo, hi in map(builder.chunk_rows_range, builder.chunks))
     built = in_range - stats.rows_written  # rows of this writer's range an earlier call wrote
     if not stats.rows_written:  # nothing featurized: no rate to report
