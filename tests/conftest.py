@@ -20,22 +20,22 @@ import shutil  # noqa: E402
 # compile options, the XLA flags, the backend and the jax / jaxlib version, so an entry is only
 # reused where it is the executable a fresh compile would make: no result changes. Set through
 # JAX's environment variables before jax is imported, so both xdist workers and every launched
-# process (which inherit the environment) share it. The size bound turns on JAX's LRU eviction
-# and, with it, its file lock around every read and write (two processes may write one entry;
-# without the lock one could read the other's half-written file). `TRACKSTAR_TEST_COMPILATION_CACHE`
-# names another folder, or "off".
+# process (which inherit the environment) share it. Every compile is kept, however short (the
+# eager ops of the reference paths are thousands of ~30 ms compiles). JAX's own size bound is
+# left off: with it, every write lists and stats the whole folder (O(entries) per write,
+# quadratic over a cold run). Unbounded, JAX writes an entry in place, so a worker may read
+# another's half-written file: JAX then fails to decompress it and compiles instead, with a
+# warning (`jax._src.compiler._cache_read`); two writers of one key write the same bytes. The
+# folder is bounded here instead, once per session before any worker starts (`_prune_cache`).
+# `TRACKSTAR_TEST_COMPILATION_CACHE` names another folder, or "off".
 TEST_CACHE_ENV = "TRACKSTAR_TEST_COMPILATION_CACHE"
 TEST_CACHE_DEFAULT = pathlib.Path.home() / ".cache" / "trackstar_jax" / "test_xla"
-TEST_CACHE_MAX_BYTES = 4 << 30
+TEST_CACHE_MAX_BYTES = 4 << 30  # above it, a session starts by deleting the oldest entries to half
 
 
 def _test_cache_dir() -> pathlib.Path | None:
     spec = os.environ.get(TEST_CACHE_ENV)
     if spec is not None and spec.strip().lower() in ("", "off", "0", "false"):
-        return None
-    try:
-        import filelock  # noqa: F401  (JAX's lock of a bounded cache; the `test` extra installs it)
-    except ImportError:  # unlocked, two processes could read each other's half-written entries
         return None
     folder = pathlib.Path(spec) if spec else TEST_CACHE_DEFAULT
     try:
@@ -45,19 +45,43 @@ def _test_cache_dir() -> pathlib.Path | None:
     return folder
 
 
+def _prune_cache(folder: pathlib.Path, max_bytes: int = TEST_CACHE_MAX_BYTES) -> int:
+    """Deletes the least recently written files of `folder` until it holds at most half of
+    `max_bytes`, when it holds more than `max_bytes`; returns how many it deleted. Run by the
+    session's first process only (the xdist controller, before its workers start): a process
+    of another session that then misses an entry compiles it again."""
+    entries = []
+    for f in folder.iterdir():
+        try:
+            st = f.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((st.st_mtime_ns, st.st_size, f))
+    total = sum(size for _, size, _ in entries)
+    if total <= max_bytes:
+        return 0
+    deleted = 0
+    for _, size, f in sorted(entries):
+        if total <= max_bytes // 2:
+            break
+        f.unlink(missing_ok=True)
+        total, deleted = total - size, deleted + 1
+    return deleted
+
+
 TEST_CACHE = _test_cache_dir()
 if TEST_CACHE is not None:
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        _prune_cache(TEST_CACHE)
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(TEST_CACHE)
-    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(TEST_CACHE_MAX_BYTES)
-    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.1"  # as the launchers' (`runtime`)
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
 if TEST_CACHE is not None:  # also where a plugin imported jax before this file set the environment
     jax.config.update("jax_compilation_cache_dir", str(TEST_CACHE))
-    jax.config.update("jax_compilation_cache_max_size", TEST_CACHE_MAX_BYTES)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.1)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

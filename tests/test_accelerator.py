@@ -96,6 +96,36 @@ def test_ignored_folders_for_the_device_carry():
     assert ".wheels/" in ignored and ".gpu_data/" in ignored
 
 
+def _gpu_table1_env(tmp_path) -> dict:
+    xla = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "XLA_FLAGS": xla, "JAX_PLATFORMS": "cpu"}
+    env["GPU_TABLE1_WORKDIR"] = str(tmp_path / "work")
+    return env
+
+
+def test_gpu_table1_script_passes_on_the_evaluations_failure(tmp_path):
+    """benchmarks/gpu_table1.sh's contract where the evaluation of the `:gpu` variant fails at
+    once (no LAMA data where the override points): the script exits with its code, and the log
+    (from the workdir line on) and wall.json (with that code) still come back to OUTDIR. The
+    whole toy run is the slow test below."""
+    out = tmp_path / "out"
+    missing = tmp_path / "no_lama"
+    proc = subprocess.run(
+        ["bash", str(REPO / "benchmarks" / "gpu_table1.sh"), str(out), f"--config.data.path={missing}"],
+        env=_gpu_table1_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
+    assert proc.returncode not in (0, None), proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((out / "wall.json").read_text())["rc"] == proc.returncode
+    log = (out / "log.txt").read_text()
+    assert log.startswith(f"gpu_table1: workdir {tmp_path / 'work'} ") and str(missing) in log, log[-3000:]
+    assert not (out / "table.json").exists()
+
+
+@pytest.mark.slow
 def test_gpu_table1_script_runs_the_gpu_variant_at_toy_size(tmp_path):
     """benchmarks/gpu_table1.sh (Run B's `:gpu` variant on a device host) at toy sizes on the CPU:
     the table, its log and wall.json come back to OUTDIR."""
@@ -103,9 +133,7 @@ def test_gpu_table1_script_runs_the_gpu_variant_at_toy_size(tmp_path):
 
     lama = write_lama(tmp_path / "lama", relations=("P36", "P37"), facts_per_relation=30, sentences=2)
     out = tmp_path / "out"
-    xla = os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
-    env = {**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO), "XLA_FLAGS": xla, "JAX_PLATFORMS": "cpu"}
-    env["GPU_TABLE1_WORKDIR"] = str(tmp_path / "work")
+    env = _gpu_table1_env(tmp_path)
     env["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "true"  # compile time is most of this run; the script is what is tested
     toy = [
         f"--config.data.path={lama}",

@@ -150,8 +150,9 @@ def test_library_chatter_is_filtered_and_warnings_pass():
 
 def test_the_suite_compiles_through_one_per_user_cache():
     """conftest's persistent compilation cache (BUILD_NOTES §14): this process and every process
-    it launches (they inherit the environment) use one folder per user, kept across runs, with a
-    size bound, which turns on JAX's file lock around reads and writes of its entries."""
+    it launches (they inherit the environment) use one folder per user, kept across runs, keep
+    every compile however short, and leave JAX's own size bound off (it lists the whole folder
+    on every write); conftest bounds the folder at the session's start instead."""
     import os
     import subprocess
     import sys
@@ -162,11 +163,29 @@ def test_the_suite_compiles_through_one_per_user_cache():
         pytest.skip(f"{conftest.TEST_CACHE_ENV} turns the tests' compilation cache off")
     if os.environ.get(conftest.TEST_CACHE_ENV) is None:
         assert conftest.TEST_CACHE == conftest.TEST_CACHE_DEFAULT  # stable across runs, not a temp folder
-    assert jax.config.jax_compilation_cache_dir == str(conftest.TEST_CACHE)
-    assert jax.config.jax_compilation_cache_max_size == conftest.TEST_CACHE_MAX_BYTES
-    code = "import jax; print(jax.config.jax_compilation_cache_dir, jax.config.jax_compilation_cache_max_size)"
+    want = [str(conftest.TEST_CACHE), "-1", "0.0"]
+    got = jax.config
+    assert [got.jax_compilation_cache_dir, str(got.jax_compilation_cache_max_size)] == want[:2]
+    assert got.jax_persistent_cache_min_compile_time_secs == 0.0
+    code = (
+        "import jax; c = jax.config; print(c.jax_compilation_cache_dir, c.jax_compilation_cache_max_size,"
+        " float(c.jax_persistent_cache_min_compile_time_secs))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split() == [str(conftest.TEST_CACHE), str(conftest.TEST_CACHE_MAX_BYTES)]
+    assert out.stdout.split() == want
+
+
+def test_the_cache_folder_is_pruned_oldest_first_to_half_its_bound(tmp_path):
+    import conftest
+
+    for i, size in enumerate((300, 300, 200, 100)):  # written in this order, oldest first
+        f = tmp_path / f"entry{i}-cache"
+        f.write_bytes(b"x" * size)
+        os.utime(f, ns=(i * 10**9, i * 10**9))
+    assert conftest._prune_cache(tmp_path, max_bytes=900) == 0  # 900 bytes: within the bound
+    (tmp_path / "entry4-cache").write_bytes(b"x" * 100)  # 1,000 bytes: over it
+    assert conftest._prune_cache(tmp_path, max_bytes=900) == 2  # the two oldest, down to <= 450
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["entry2-cache", "entry3-cache", "entry4-cache"]
 
 
 # A stage stand-in under `exit_on_interrupt`: prints "ready", then works until interrupted,
