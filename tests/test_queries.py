@@ -334,3 +334,51 @@ def test_predict_pads_batches_and_skips_prompts_without_room():
     assert len(comps) == len(ok) == 3
     assert comps[1] == "" and ok[1] is False  # 20-word subject: no room below max_len
     assert ok == [queries.is_correct(c, q.aliases) for c, q in zip(comps, qs)]
+
+
+def test_predict_reads_a_calls_completions_back_from_its_cache(tmp_path, monkeypatch):
+    """`predict` with a `pair_cache.ResultCache`: the same prompts in the same order are read back
+    (the generator is not called, the completions are equal), prompts in another order are
+    generated again, and another model or generation setting starts another file."""
+    import types
+
+    import jax
+
+    from trackstar_jax.evaluation import pair_cache
+    from trackstar_jax.models import generate as generate_lib
+    from trackstar_jax.models import lm as model_lib
+
+    tok = data.train_tokenizer(["Ann was born in Paris.", "Cy was born in Rome."] * 20, vocab_size=40)
+    cfg = model_lib.LMConfig(vocab_size=40, num_layers=1, embed_dim=16, num_heads=2, head_dim=8, mlp_dim=32, max_len=12)
+    graphdef, params = model_lib.split_model(model_lib.make_model(cfg, 0))
+    facts = [_fact("a", "Ann", "P19", "Paris"), _fact("c", "Cy", "P19", "Rome")]
+    qs = queries.build_queries(
+        facts,
+        {"P19": ["[X] was born in"]},
+        variant=0,
+        entailing=queries.entailing_ids(facts),
+        mentions={"a": (), "c": ()},
+    )
+    gen = dict(max_new_tokens=3, max_len=cfg.max_len, batch_size=2)
+    run = types.SimpleNamespace(params=params, model_cfg=cfg, step=5)
+
+    def cache(run=run, **over):
+        ident = pair_cache.completions_identity(run, **{**gen, **over})
+        return pair_cache.ResultCache(
+            tmp_path, ident, folder=pair_cache.COMPLETIONS_DIR, parse=pair_cache.strings
+        )  # fmt: skip
+
+    want = queries.predict(graphdef, params, tok, qs, **gen)
+    assert queries.predict(graphdef, params, tok, qs, cache=cache(), **gen) == want  # generated, then kept
+    calls = []
+    real = generate_lib.complete_batched
+    monkeypatch.setattr(generate_lib, "complete_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
+    assert queries.predict(graphdef, params, tok, qs, cache=cache(), **gen) == want and not calls  # read back
+    rev = queries.predict(graphdef, params, tok, qs[::-1], cache=cache(), **gen)
+    assert calls and rev == tuple(x[::-1] for x in want)  # another call: generated
+    other = types.SimpleNamespace(params=jax.tree.map(lambda x: x + 1, params), model_cfg=cfg, step=5)
+    assert len({cache().path, cache(run=other).path, cache(max_new_tokens=4).path, cache(batch_size=4).path}) == 4
+    with cache().path.open("a") as f:
+        f.write('{"k": "x", "d": [1, 2]}\n{"k": "trunc')  # a value of another type, a killed write
+    calls.clear()
+    assert queries.predict(graphdef, params, tok, qs, cache=cache(), **gen) == want and not calls

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import math
 import pathlib
@@ -560,11 +561,15 @@ def predict(
     max_new_tokens: int,
     max_len: int,
     batch_size: int = 64,
+    cache: Any = None,
 ) -> tuple[list[str], list[bool]]:
     """Greedy completions of the queries' prompts and their §4.2 correctness.
 
     Completions (`generate.complete`) are cut at the first newline or sentence end so that
     the rest of a generated sentence is not taken as the answer (prediction-mode targets).
+    With `cache` (`pair_cache.ResultCache` of `completions_identity` for these weights and
+    settings), the uncut completions of the same prompts in the same order, with the same
+    token ids, are read back instead of generated, and new ones are added.
 
     Returns:
       (completions, correct flags), aligned with `queries`.
@@ -572,13 +577,26 @@ def predict(
     # A prompt that leaves no room to generate gets no completion (its query cannot be
     # encoded either and is skipped, counted, by `encode_queries`).
     prompts, completions = [q.prompt for q in queries], []
-    # batch by batch (one compiled shape, as `complete_batched`) behind a bar: minutes on a CPU
-    for lo in logs.progress(
-        range(0, len(prompts), batch_size), total=-(-len(prompts) // batch_size), desc="complete queries", unit="batch"
-    ):
-        completions += generate_lib.complete_batched(
-            graphdef, params, tokenizer, prompts[lo : lo + batch_size], max_new_tokens, max_len, batch_size
-        )
+    key = None
+    if cache is not None:
+        ids = tokenizer.encode_batch(prompts)
+        key = hashlib.sha256(json.dumps([prompts, ids]).encode("utf-8")).hexdigest()[:24]
+        completions = list(cache.values.get(key) or [])
+        if len(completions) != len(prompts):
+            completions = []
+    if not completions:
+        # batch by batch (one compiled shape, as `complete_batched`) behind a bar: minutes on a CPU
+        for lo in logs.progress(
+            range(0, len(prompts), batch_size),
+            total=-(-len(prompts) // batch_size),
+            desc="complete queries",
+            unit="batch",
+        ):
+            completions += generate_lib.complete_batched(
+                graphdef, params, tokenizer, prompts[lo : lo + batch_size], max_new_tokens, max_len, batch_size
+            )
+        if cache is not None and prompts:
+            cache.add({key: completions})
     completions = [cut_completion(c) for c in completions]
     return completions, [is_correct(c, q.aliases) for c, q in zip(completions, queries)]
 

@@ -6,12 +6,15 @@ import collections
 import dataclasses
 import functools
 import json
+import os
 import pathlib
 
 import numpy as np
 
 from trackstar_jax import data as data_lib
 from trackstar_jax import files
+from trackstar_jax.distributed import multihost
+from trackstar_jax.evaluation import pair_cache
 from trackstar_jax.evaluation import queries as queries_lib
 from trackstar_jax.evaluation import settings as settings_lib
 from trackstar_jax.retrieval import stage as retrieval_stage
@@ -137,15 +140,17 @@ def make_eval_queries(run: checkpoint_lib.Run, settings: settings_lib.TableSetti
     entailing = queries_lib.entailing_ids(corpus.facts)
     freq = {k: len(v) for k, v in mentions.items()}
     max_len, bs = run.model_cfg.max_len, ev.completion_batch_size
-    predict = functools.partial(
-        queries_lib.predict,
-        run.graphdef,
-        run.params,
-        run.tokenizer,
-        max_new_tokens=ev.max_new_tokens,
-        max_len=max_len,
-        batch_size=bs,
-    )
+    gen = dict(max_new_tokens=ev.max_new_tokens, max_len=max_len, batch_size=bs)
+    cache = None  # a resumed or reopened evaluation reads its completions back (`pair_cache`)
+    if run.workdir is not None:
+        cache = pair_cache.ResultCache(
+            run.workdir,
+            pair_cache.completions_identity(run, **gen),
+            write=multihost.is_primary() and os.access(run.workdir, os.W_OK),  # the explorer may serve a read-only run
+            folder=pair_cache.COMPLETIONS_DIR,
+            parse=pair_cache.strings,
+        )
+    predict = functools.partial(queries_lib.predict, run.graphdef, run.params, run.tokenizer, cache=cache, **gen)
     correct_all = None
     if sel.max_incorrect_per_bucket > 0:  # §A.4 caps wrong predictions: needs them for every candidate
         cand = queries_lib.build_queries(
