@@ -204,6 +204,8 @@ def test_split_config_errors(lama_dir):
 class _Run:
     """What `query_set.make_eval_queries` reads from a run, with a model that answers "Paris"."""
 
+    workdir = None  # no run folder: nothing cached (`pair_cache.ResultCache`)
+
     def __init__(self, corpus, settings):
         self.corpus, self.data = corpus, settings.data
 
