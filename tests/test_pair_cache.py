@@ -25,7 +25,7 @@ def _run(**opt):
 
 
 def _key(tmp_path, run, lr_scale=1.0, variant=None):
-    return pair_cache.PairCache(tmp_path, pair_cache.identity(run, lr_scale, variant)).path.name
+    return pair_cache.ResultCache(tmp_path, pair_cache.identity(run, lr_scale, variant)).path.name
 
 
 @pytest.mark.parametrize(
@@ -47,9 +47,9 @@ def test_a_changed_optimizer_setting_does_not_reuse_pairs(tmp_path, change):
 
 def test_v_lr_and_step_variant_are_in_the_key_and_equal_settings_share_a_file(tmp_path):
     base = _run()
-    cache = pair_cache.PairCache(tmp_path, pair_cache.identity(base, 1.0))
+    cache = pair_cache.ResultCache(tmp_path, pair_cache.identity(base, 1.0))
     cache.add({"k1": 0.25})
-    again = pair_cache.PairCache(tmp_path, pair_cache.identity(_run(), 1.0))
+    again = pair_cache.ResultCache(tmp_path, pair_cache.identity(_run(), 1.0))
     assert again.path == cache.path and again.values == {"k1": 0.25}  # same settings: resumed
     other_v = _run()
     other_v.opt_state = {"v": jnp.full((3, 2), 0.25)}  # another V (its fingerprint)

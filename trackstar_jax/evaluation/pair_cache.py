@@ -47,7 +47,8 @@ def pair_key(prompt: str, target: str, passage: str) -> str:
 
 class ResultCache:
     """Append-only `{key: value}` for one identity (`workdir/<folder>/<identity hash>.jsonl`, the
-    identity beside it); `parse` checks a value read back (a damaged line is skipped, warned)."""
+    identity beside it); `parse` checks a value read back (a damaged line is skipped, warned).
+    The defaults are the tail-patch pairs': `CACHE_DIR`, float deltas."""
 
     def __init__(
         self,
@@ -78,9 +79,6 @@ class ResultCache:
             with files.open_append(self.path) as f:
                 f.write("".join(json.dumps({"k": k, "d": d}) + "\n" for k, d in items.items()))
                 f.flush()
-
-
-PairCache = ResultCache  # tail-patch deltas: `CACHE_DIR`, float values
 
 
 def strings(value: Any) -> list[str]:

@@ -116,7 +116,7 @@ def tailpatch_all(
     texts = run.corpus.texts
     keys = {(q, p): pair_cache.pair_key(eq.queries[q].prompt, eq.queries[q].target, texts[p]) for q, p in pairs}
     cache = (
-        pair_cache.PairCache(workdir, pair_cache.identity(run, lr_scale), write=multihost.is_primary())
+        pair_cache.ResultCache(workdir, pair_cache.identity(run, lr_scale), write=multihost.is_primary())
         if workdir is not None
         else None
     )
