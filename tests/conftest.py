@@ -231,29 +231,91 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
+# Trained tiny runs kept across sessions beside the compilation cache (BUILD_NOTES §14), under a
+# fingerprint of everything a run's bytes depend on besides its config: the package's, the
+# experiments' and this file's sources, the installed distributions and their versions, the
+# interpreter, the CPU and the XLA / JAX environment. A change to any of them starts a new
+# folder, so a run is only reused where training it again would write the same files (training
+# is deterministic, pinned by test_train and test_lds). `TRACKSTAR_TEST_RUN_CACHE=off` (or the
+# compilation cache off) trains every run once per session instead. The three most recently used
+# fingerprints are kept; older folders go at the start of a session.
+TEST_RUNS_ENV = "TRACKSTAR_TEST_RUN_CACHE"
+TEST_RUNS_KEPT = 3
+
+
+def inputs_fingerprint() -> str:
+    """sha256 (16 hex digits) of what a trained run depends on besides its config (above)."""
+    import importlib.metadata
+    import platform
+    import sys
+
+    h = hashlib.sha256()
+    for folder in ("trackstar_jax", "experiments"):
+        for f in sorted((REPO / folder).rglob("*")):
+            if f.is_file() and "__pycache__" not in f.parts:
+                h.update(f"{f.relative_to(REPO)}\0".encode() + f.read_bytes() + b"\0")
+    h.update(pathlib.Path(__file__).read_bytes())
+    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    cpu = [line for line in _read_text("/proc/cpuinfo").splitlines() if line.startswith(("model name", "flags"))][:2]
+    env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_")))
+    h.update(repr((dists, sys.version, platform.machine(), cpu, env)).encode())
+    return h.hexdigest()[:16]
+
+
+def _read_text(path: str) -> str:
+    try:
+        return pathlib.Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _runs_root(tmp_path_factory) -> pathlib.Path:
+    """Where tiny runs are made and kept: `<cache>/test_runs/<inputs_fingerprint>` across sessions,
+    or the session's shared folder when the caches are off."""
+    spec = os.environ.get(TEST_RUNS_ENV, "").strip().lower()
+    if TEST_CACHE is None or spec in ("off", "0", "false"):
+        return _session_root(tmp_path_factory) / "tiny_runs"
+    return TEST_CACHE.parent / "test_runs" / inputs_fingerprint()
+
+
+def prune_runs(folder: pathlib.Path, keep: int = TEST_RUNS_KEPT) -> list[pathlib.Path]:
+    """Deletes all but the `keep` most recently used fingerprint folders of `folder`; returns them."""
+    if not folder.is_dir():
+        return []
+    stale = sorted((d for d in folder.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime_ns)[:-keep]
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
+    return stale
+
+
+if TEST_CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+    prune_runs(TEST_CACHE.parent / "test_runs")
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`tiny_run(config, evaluate=False) -> workdir`: the one place tests train a run (and, with
-    `evaluate`, evaluate it). Each run is made once per session, by whichever xdist worker asks
-    first (the others wait on a lock, then reuse it), keyed by the config and the compiler setting
-    its bits depend on (`jax_disable_most_optimizations`). Every worker gets its own copy, made
-    once and shared by the worker's modules, so what a module writes into it (an evaluation, an
-    index) never races another worker's."""
+    `evaluate`, evaluate it). Each run is made once, by whichever process asks first (the others
+    wait on a lock, then reuse it), keyed by the config and the compiler setting its bits depend
+    on (`jax_disable_most_optimizations`), and kept across sessions under the fingerprint of its
+    other inputs (above). Every worker gets its own copy, made once and shared by the worker's
+    modules, so what a module writes into it (an evaluation, an index) never races another's."""
     from trackstar_jax import config as config_lib
     from trackstar_jax import stages
 
     runs: dict[str, pathlib.Path] = {}
-    shared_root = _session_root(tmp_path_factory) / "tiny_runs"
-    shared_root.mkdir(exist_ok=True)
+    root = _runs_root(tmp_path_factory)
+    root.mkdir(parents=True, exist_ok=True)
+    os.utime(root)  # most recently used: kept by `prune_runs`
 
     def make(config, evaluate: bool = False) -> pathlib.Path:
         settings = config_lib.from_configdict(config)
         key = repr((config_lib.to_dict(settings), jax.config.read("jax_disable_most_optimizations"), evaluate))
         if key not in runs:
-            shared = shared_root / hashlib.sha256(key.encode()).hexdigest()[:16]
+            shared = root / hashlib.sha256(key.encode()).hexdigest()[:16]
             with _waiting_lock(shared.with_suffix(".lock")):
                 if not (shared / "MADE").exists():
-                    shutil.rmtree(shared, ignore_errors=True)  # a worker that died half-way
+                    shutil.rmtree(shared, ignore_errors=True)  # a process that died half-way
                     stages.train(settings, shared)
                     if evaluate:
                         stages.evaluate(settings, shared)

@@ -8,6 +8,7 @@ import pytest
 
 from trackstar_jax import config as config_lib
 from trackstar_jax import data as data
+from trackstar_jax.data import batching, corpus_types
 
 
 @pytest.fixture(scope="module")
@@ -454,6 +455,30 @@ def test_train_batches_are_seeded_shuffled_and_resumable(embedded, tok):
     assert all(np.array_equal(resumed[i][k], first[5 + i][k]) for i in range(3) for k in ("tokens", "example_id"))
     other = next(data.train_batches(embedded, tok, 40, 48, seed=4))
     assert not np.array_equal(other["example_id"], first[0]["example_id"])
+
+
+@pytest.mark.parametrize("n", [3, 40, batching.SMALL_EPOCH + 3])  # kept epochs, and element by element
+def test_train_batches_follow_grains_seeded_shuffle_position_for_position(embedded, tok, n):
+    """The reference is grain's own pipeline (`seed(s).shuffle().repeat(None)`) over the same
+    rows, read across several epochs, from a resumed step and for a subset of example ids."""
+    import grain
+
+    texts = [embedded.texts[i % len(embedded.texts)] for i in range(n)]
+    corpus = corpus_types.make_corpus("shuffle test", texts, [], {}, ())
+    batch = 7
+    for seed, start in [(0, 0), (2**32 - 2, 1)]:  # the per-epoch seed wraps at 2**32
+        ours = data.train_batches(corpus, tok, batch, 48, seed=seed, start_step=start)
+        ref = grain.MapDataset.source(list(range(n))).seed(seed).shuffle().repeat(None)
+        steps = 2 if n > 100 else 3 * n // batch + 2
+        for s in range(start, start + steps):
+            want = [ref[i] for i in range(s * batch, (s + 1) * batch)]
+            assert next(ours)["example_id"].tolist() == want, (n, seed, s)
+    sub = np.arange(0, n, 2)[:20]
+    got = next(data.train_batches(corpus, tok, batch, 48, seed=5, example_ids=sub))["example_id"].tolist()
+    ref = grain.MapDataset.source(sub.tolist()).seed(5).shuffle().repeat(None)
+    assert got == [ref[i] for i in range(batch)]
+    with pytest.raises(ValueError, match="seed"):
+        next(data.train_batches(corpus, tok, batch, 48, seed=-1))
 
 
 def test_eval_batches_use_held_out_passages(embedded, tok):

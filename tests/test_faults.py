@@ -71,11 +71,25 @@ def _write_queries(path: pathlib.Path, rows: list) -> pathlib.Path:
     return path
 
 
+def _config():
+    """`_settings()` as the config `conftest.tiny_run` trains."""
+    from experiments import tiny
+
+    c = tiny.get_config()
+    for key, value in OVERRIDES.items():
+        *path, field = key.split(".")
+        node = c
+        for part in path:
+            node = node[part]
+        node[field] = value
+    return c
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tiny_run):
     """Trained, indexed (bfloat16, chunks of 4 rows) and retrieved once (scoring cache written)."""
-    workdir = tmp_path_factory.mktemp("run")
-    stages.train(_settings(), workdir)
+    workdir = tiny_run(_config())
+    assert config_lib.from_configdict(_config()) == _settings()
     stages.build_index(_settings(), workdir)
     q = _write_queries(workdir / "queries.jsonl", QUERIES)
     stages.retrieve(_settings(**{"retrieval.queries": str(q)}), workdir)

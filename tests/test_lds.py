@@ -141,34 +141,37 @@ def test_validate_settings_are_checked(tiny_config):
 
 
 def _planted_settings(tiny_config, **validate):
+    return config_lib.from_configdict(_planted_config(tiny_config, **validate), source="tests/test_lds.py")
+
+
+def _planted_config(tiny_config, **validate):
     c = tiny_config
     c.model.num_layers = 1
     c.data.embedded.num_facts = 20
     c.data.embedded.phrasings_per_fact = 1  # each fact stated by one passage alone
     c.data.embedded.num_distractors = 20
-    c.train.num_steps = 100  # ~80 epochs of a 20-passage subset: the model memorises what it sees
-    c.train.warmup_steps = 20
+    c.train.num_steps = 50  # the run Exp. 1's row attributes with (only the subsets' losses enter the LDS)
+    c.train.warmup_steps = 10
     c.train.log_every_steps = 50
     c.train.eval_every_steps = 1000
     c.train.checkpoint_every_steps = 1000
     c.train.num_completions = 0
     c.vectors.num_blocks = 1
     c.validate.num_subsets = M
-    c.validate.num_steps = 50  # the retrained models: ~40 epochs of their 20 passages still memorise them
+    c.validate.num_steps = 30  # the retrained models: ~48 epochs of their 20 passages still memorise them
     c.validate.methods = ("trex_gold", "bm25", "exp1")
     c.validate.parallel_subsets = 1  # the side-by-side path compiles for minutes: tested in the slow test below
     for k, v in validate.items():
         setattr(c.validate, k, v)
-    return config_lib.from_configdict(c, source="tests/test_lds.py")
+    return c
 
 
 @pytest.fixture(scope="module")
-def planted(tmp_path_factory):
+def planted(tiny_run):
     from experiments import tiny
 
-    workdir = tmp_path_factory.mktemp("lds_run")
     settings = _planted_settings(tiny.get_config())
-    stages.train(settings, workdir)
+    workdir = tiny_run(_planted_config(tiny.get_config()))
     first = stages.validate(settings, workdir, subset_counts=(3, M))
     return settings, workdir, first
 

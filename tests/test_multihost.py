@@ -41,10 +41,9 @@ def two_host_run(tmp_path_factory):
     return workdir, [json.loads(o.strip().splitlines()[-1]) for o in outs]
 
 
-def test_two_processes_train_like_one(two_host_run, tmp_path):
+def test_two_processes_train_like_one(two_host_run, tiny_run):
     workdir, _ = two_host_run
-    ref_dir = tmp_path / "one_process"
-    stages.train(config_lib.from_configdict(_config()), ref_dir)  # one process, 8 devices
+    ref_dir = tiny_run(_config())  # one process, 8 devices
     two, one = stages.load_run(workdir), stages.load_run(ref_dir)
     assert two.step == one.step == 3 and two.corpus.fingerprint == one.corpus.fingerprint
     # Same batches and updates; only the all-reduce differs (4 devices over gloo vs 8 in one process).

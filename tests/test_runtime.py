@@ -188,6 +188,34 @@ def test_the_cache_folder_is_pruned_oldest_first_to_half_its_bound(tmp_path):
     assert sorted(f.name for f in tmp_path.iterdir()) == ["entry2-cache", "entry3-cache", "entry4-cache"]
 
 
+def test_test_run_cache_keeps_the_recent_fingerprints_and_keys_on_the_sources(tmp_path, monkeypatch):
+    """conftest's trained-run cache: all but the most recently used fingerprint folders go, and
+    the fingerprint moves with a source byte of the package or an XLA / JAX setting."""
+    import conftest
+
+    for i in range(5):
+        d = tmp_path / f"fp{i}"
+        (d / "run").mkdir(parents=True)
+        os.utime(d, ns=(i * 10**9, i * 10**9))
+    (tmp_path / "fp0.lock").write_text("")  # files are not fingerprints
+    assert [d.name for d in conftest.prune_runs(tmp_path, keep=3)] == ["fp0", "fp1"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["fp0.lock", "fp2", "fp3", "fp4"]
+    assert conftest.prune_runs(tmp_path / "absent") == []
+
+    repo = tmp_path / "repo"
+    for folder in ("trackstar_jax", "experiments"):
+        (repo / folder).mkdir(parents=True)
+        (repo / folder / "m.py").write_text("x = 1\n")
+    monkeypatch.setattr(conftest, "REPO", repo)
+    first = conftest.inputs_fingerprint()
+    assert conftest.inputs_fingerprint() == first  # a function of its inputs
+    (repo / "trackstar_jax" / "m.py").write_text("x = 2\n")
+    second = conftest.inputs_fingerprint()
+    assert second != first
+    monkeypatch.setenv("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+    assert conftest.inputs_fingerprint() != second
+
+
 # A stage stand-in under `exit_on_interrupt`: prints "ready", then works until interrupted,
 # printing "unwound" if the KeyboardInterrupt unwinds it.
 _INTERRUPTED = """

@@ -65,11 +65,10 @@ def _config():
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, fast_compile):
+def served(fast_compile, tiny_run):
     """A tiny trained run with its default (TrackStar) index, an engine and a TestClient over it."""
-    workdir = tmp_path_factory.mktemp("run")
     settings = config_lib.from_configdict(_config())
-    stages.train(settings, workdir)
+    workdir = tiny_run(_config())
     stages.build_index(settings, workdir)
     engine = stages.open_engine(settings, workdir, dense=False)  # what launch.serve loads
     return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)

@@ -6,9 +6,11 @@ padding at the end), `loss_mask [B, T]`, `example_id [B]` (-1 for padding rows).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterator, Mapping, Sequence
 
 import grain
+import grain.experimental as grain_experimental
 import numpy as np
 
 from trackstar_jax import files
@@ -204,6 +206,35 @@ def eval_batches(
     return [_pad_rows(b, batch_size) for b in ds]
 
 
+# grain's seeded shuffle (`MapDataset.seed(s).shuffle().repeat(None)`), position for position:
+# epoch e is the permutation j -> `index_shuffle(j, max_index=n-1, seed=(s+e) % 2**32, rounds=4)`.
+# grain calls it once per element, at a cost that grows as n shrinks (~38 ms per epoch below
+# n ~ 1,000: 1.9 ms per element at n = 20), which a small corpus repeated for hundreds of
+# epochs pays on every step. Epochs of small corpora are computed whole and kept per process
+# (the LDS retrains many same-sized subsets with one seed); larger ones go element by element
+# as grain does. A test pins the order to grain's own pipeline.
+SMALL_EPOCH = 4096  # corpora up to this size: whole epochs kept (<= 32 kB each)
+_SHUFFLE_ROUNDS = 4  # grain's `ShuffleMapDataset`
+
+
+@functools.lru_cache(maxsize=256)
+def _epoch_permutation(n: int, seed: int) -> np.ndarray:
+    """`[n]` int64: position j of an epoch -> the example it reads (grain's order)."""
+    perm = [grain_experimental.index_shuffle(j, max_index=n - 1, seed=seed, rounds=_SHUFFLE_ROUNDS) for j in range(n)]
+    out = np.asarray(perm, np.int64)
+    out.setflags(write=False)
+    return out
+
+
+def shuffled_position(i: int, n: int, seed: int) -> int:
+    """The example read at position `i` of the infinite seeded shuffle of `n` examples."""
+    epoch, j = divmod(i, n)
+    epoch_seed = (seed + epoch) % 2**32
+    if n <= SMALL_EPOCH:
+        return int(_epoch_permutation(n, epoch_seed)[j])
+    return grain_experimental.index_shuffle(j, max_index=n - 1, seed=epoch_seed, rounds=_SHUFFLE_ROUNDS)
+
+
 def train_batches(
     corpus: corpus_lib.Corpus,
     tok: tokenizer_lib.Tokenizer,
@@ -213,7 +244,7 @@ def train_batches(
     start_step: int = 0,
     example_ids: Sequence[int] | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
-    """Infinite shuffled batches (grain; reshuffled each epoch; seeded).
+    """Infinite shuffled batches (grain's seeded shuffle, reshuffled each epoch; full batches).
 
     Batch s is a pure function of (corpus, seed, s), so a run resumed at step s sees exactly
     the batches it would have seen without the interruption. `example_ids` restricts training
@@ -225,16 +256,25 @@ def train_batches(
             f"train_batches: example_ids must be non-empty ids in [0, {len(corpus.examples)}), got {len(ids)} ids"
         )
     texts = corpus.texts if example_ids is None else [corpus.examples[i].text for i in ids]
-    ds = (
-        grain.MapDataset.source(_Encoded(texts, ids, tok, seq_len))
-        .seed(seed)
-        .shuffle()
-        .repeat(None)
-        .batch(batch_size, drop_remainder=True, batch_fn=_stack)
-    )
+    if seed < 0:
+        raise ValueError(f"train_batches: seed must be non-negative, got {seed}")
+    source, n = _Encoded(texts, ids, tok, seq_len), len(texts)
+    # the seed grain's `.seed(seed).shuffle()` derives for the shuffle (`MapDataset._default_seed`:
+    # the seed and the shuffle's distance to the `.seed` node, 1, through numpy's SeedSequence)
+    shuffle_seed = int(np.random.SeedSequence([seed, 1]).generate_state(1, dtype=np.uint32)[0])
+    rows: dict[int, dict[str, np.ndarray]] = {}  # a small corpus is encoded once, not once per epoch
     step = start_step
     while True:
-        yield ds[step]
+        picked = []
+        for i in range(step * batch_size, (step + 1) * batch_size):
+            k = shuffled_position(i, n, shuffle_seed)
+            row = rows.get(k)
+            if row is None:
+                row = source[k]
+                if n <= SMALL_EPOCH:
+                    rows[k] = row
+            picked.append(row)
+        yield _stack(picked)
         step += 1
 
 
