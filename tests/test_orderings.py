@@ -136,8 +136,8 @@ def evaluated(tiny_run):
         c.eval.max_new_tokens = 2
         c.tailpatch.max_queries = 6
         c.tailpatch.top_ks = (1, 10)
-        workdir = tiny_run(c)
-        table = stages.evaluate(config_lib.from_configdict(c), workdir)
+        workdir = tiny_run(c, evaluate=True)
+        table = stages.evaluate(config_lib.from_configdict(c), workdir)  # finds its own output: the table
         yield workdir, table
     finally:
         update_compiler_config(old)
