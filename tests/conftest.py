@@ -33,14 +33,15 @@ TEST_CACHE_DEFAULT = pathlib.Path.home() / ".cache" / "trackstar_jax" / "test_xl
 TEST_CACHE_MAX_BYTES = 4 << 30  # above it, a session starts by deleting the oldest entries to half
 
 
-def _test_cache_dir() -> pathlib.Path | None:
-    spec = os.environ.get(TEST_CACHE_ENV)
+def _cache_folder(env: str, default: pathlib.Path) -> pathlib.Path | None:
+    """The folder `env` names, `default` when unset, None when "off" (or the folder cannot be made)."""
+    spec = os.environ.get(env)
     if spec is not None and spec.strip().lower() in ("", "off", "0", "false"):
         return None
-    folder = pathlib.Path(spec) if spec else TEST_CACHE_DEFAULT
+    folder = pathlib.Path(spec) if spec else default
     try:
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only home: run uncached
+    except OSError:  # a read-only home: uncached
         return None
     return folder
 
@@ -69,7 +70,7 @@ def _prune_cache(folder: pathlib.Path, max_bytes: int = TEST_CACHE_MAX_BYTES) ->
     return deleted
 
 
-TEST_CACHE = _test_cache_dir()
+TEST_CACHE = _cache_folder(TEST_CACHE_ENV, TEST_CACHE_DEFAULT)
 if TEST_CACHE is not None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         _prune_cache(TEST_CACHE)
@@ -236,10 +237,11 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
 # experiments' and this file's sources, the installed distributions and their versions, the
 # interpreter, the CPU and the XLA / JAX environment. A change to any of them starts a new
 # folder, so a run is only reused where training it again would write the same files (training
-# is deterministic, pinned by test_train and test_lds). `TRACKSTAR_TEST_RUN_CACHE=off` (or the
-# compilation cache off) trains every run once per session instead. The three most recently used
+# is deterministic, pinned by test_train and test_lds). `TRACKSTAR_TEST_RUN_CACHE` names another
+# folder, or "off" (every run trained once per session). The three most recently used
 # fingerprints are kept; older folders go at the start of a session.
 TEST_RUNS_ENV = "TRACKSTAR_TEST_RUN_CACHE"
+TEST_RUNS_DEFAULT = pathlib.Path.home() / ".cache" / "trackstar_jax" / "test_runs"
 TEST_RUNS_KEPT = 3
 
 
@@ -270,12 +272,11 @@ def _read_text(path: str) -> str:
 
 
 def _runs_root(tmp_path_factory) -> pathlib.Path:
-    """Where tiny runs are made and kept: `<cache>/test_runs/<inputs_fingerprint>` across sessions,
-    or the session's shared folder when the caches are off."""
-    spec = os.environ.get(TEST_RUNS_ENV, "").strip().lower()
-    if TEST_CACHE is None or spec in ("off", "0", "false"):
+    """Where tiny runs are made: `<TEST_RUNS>/<inputs_fingerprint>`, kept across sessions, or the
+    session's shared folder when that cache is off."""
+    if TEST_RUNS is None:
         return _session_root(tmp_path_factory) / "tiny_runs"
-    return TEST_CACHE.parent / "test_runs" / inputs_fingerprint()
+    return TEST_RUNS / inputs_fingerprint()
 
 
 def prune_runs(folder: pathlib.Path, keep: int = TEST_RUNS_KEPT) -> list[pathlib.Path]:
@@ -288,14 +289,15 @@ def prune_runs(folder: pathlib.Path, keep: int = TEST_RUNS_KEPT) -> list[pathlib
     return stale
 
 
-if TEST_CACHE is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
-    prune_runs(TEST_CACHE.parent / "test_runs")
+TEST_RUNS = _cache_folder(TEST_RUNS_ENV, TEST_RUNS_DEFAULT)
+if TEST_RUNS is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
+    prune_runs(TEST_RUNS)
 
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
-    """`tiny_run(config, evaluate=False) -> workdir`: the one place tests train a run (and, with
-    `evaluate`, evaluate it). Each run is made once, by whichever process asks first (the others
+    """`tiny_run(config, evaluate=False, index=False) -> workdir`: the one place tests train a
+    run (and, with `index`, build its index; with `evaluate`, evaluate it). Each run is made once, by whichever process asks first (the others
     wait on a lock, then reuse it), keyed by the config and the compiler setting its bits depend
     on (`jax_disable_most_optimizations`), and kept across sessions under the fingerprint of its
     other inputs (above). Every worker gets its own copy, made once and shared by the worker's
@@ -308,15 +310,18 @@ def tiny_run(tmp_path_factory):
     root.mkdir(parents=True, exist_ok=True)
     os.utime(root)  # most recently used: kept by `prune_runs`
 
-    def make(config, evaluate: bool = False) -> pathlib.Path:
+    def make(config, evaluate: bool = False, index: bool = False) -> pathlib.Path:
         settings = config_lib.from_configdict(config)
-        key = repr((config_lib.to_dict(settings), jax.config.read("jax_disable_most_optimizations"), evaluate))
+        flags = (evaluate, index) if index else evaluate  # (the keys of runs made before `index`)
+        key = repr((config_lib.to_dict(settings), jax.config.read("jax_disable_most_optimizations"), flags))
         if key not in runs:
             shared = root / hashlib.sha256(key.encode()).hexdigest()[:16]
             with _waiting_lock(shared.with_suffix(".lock")):
                 if not (shared / "MADE").exists():
                     shutil.rmtree(shared, ignore_errors=True)  # a process that died half-way
                     stages.train(settings, shared)
+                    if index:
+                        stages.build_index(settings, shared)
                     if evaluate:
                         stages.evaluate(settings, shared)
                     (shared / "MADE").write_text(key)

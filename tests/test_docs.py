@@ -193,7 +193,7 @@ def _check_command(argv: list[str]) -> None:
 def _run(tiny_run):
     """A trained tiny run with its index built (a few seconds of training at tests' sizes)."""
     config = tiny_run_config(num_facts=12, num_distractors=12, num_steps=20, chunk_rows=32)
-    workdir = tiny_run(config)
+    workdir = tiny_run(config, index=True)
     stages.build_index(config_lib.from_configdict(config), workdir)
     return workdir
 

@@ -88,7 +88,7 @@ def _config():
 @pytest.fixture(scope="module")
 def run_dir(tiny_run):
     """Trained, indexed (bfloat16, chunks of 4 rows) and retrieved once (scoring cache written)."""
-    workdir = tiny_run(_config())
+    workdir = tiny_run(_config(), index=True)
     assert config_lib.from_configdict(_config()) == _settings()
     stages.build_index(_settings(), workdir)
     q = _write_queries(workdir / "queries.jsonl", QUERIES)

@@ -434,8 +434,8 @@ def trained_run(tiny_run):
     old = update_compiler_config({"jax_disable_most_optimizations": True})  # compile time dominates here
     try:
         c = _e2e_config()
-        workdir = tiny_run(c)
-        stages.build_index(config_lib.from_configdict(c), workdir)
+        workdir = tiny_run(c, index=True)
+        stages.build_index(config_lib.from_configdict(c), workdir)  # finds it built
         yield c, workdir
     finally:
         update_compiler_config(old)

@@ -175,6 +175,33 @@ def test_the_suite_compiles_through_one_per_user_cache():
     assert out.stdout.split() == want
 
 
+_COMPILES = """
+import jax, jax.numpy as jnp
+print(float(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.float32(0.5))))
+"""
+
+
+def test_a_torn_cache_entry_is_compiled_again_with_a_warning(tmp_path):
+    """What conftest relies on with JAX's size bound off (entries written in place): a worker that
+    reads another's half-written entry compiles the program itself and warns; it does not fail."""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    env.pop("JAX_RAISE_PERSISTENT_CACHE_ERRORS", None)
+
+    def run():
+        return subprocess.run([sys.executable, "-c", _COMPILES], env=env, capture_output=True, text=True, timeout=120)
+
+    first = run()
+    assert first.returncode == 0, first.stderr[-2000:]
+    entries = [f for f in tmp_path.iterdir() if f.name.endswith("-cache")]
+    assert entries, sorted(f.name for f in tmp_path.iterdir())
+    for f in entries:  # every entry torn half-way
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    second = run()
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert second.stdout == first.stdout
+    assert "Error reading persistent compilation cache entry" in second.stderr
+
+
 def test_the_cache_folder_is_pruned_oldest_first_to_half_its_bound(tmp_path):
     import conftest
 

@@ -68,7 +68,7 @@ def _config():
 def served(fast_compile, tiny_run):
     """A tiny trained run with its default (TrackStar) index, an engine and a TestClient over it."""
     settings = config_lib.from_configdict(_config())
-    workdir = tiny_run(_config())
+    workdir = tiny_run(_config(), index=True)
     stages.build_index(settings, workdir)
     engine = stages.open_engine(settings, workdir, dense=False)  # what launch.serve loads
     return settings, workdir, engine, TestClient(app_lib.make_app(engine), base_url=LOCAL)
