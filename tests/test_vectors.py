@@ -309,8 +309,12 @@ def test_matmul_precision_is_traced_into_every_gemm_and_paths_agree_at_it():
         vectors.VectorConfig(matmul_precision="fp8")
 
 
-# each architecture once, on 8 devices (the step's out sharding splits the batch axis of [B, sum d])
-@pytest.mark.parametrize("arch", sorted(ARCH_CONFIGS))
+# on 8 devices (the step's out sharding splits the batch axis of [B, sum d]); CI runs Llama, `-m slow`
+# GPT-NeoX too (the companions' code is the same for both; each architecture's own vectors are
+# checked against the reference in CI by test_imported_architectures_fast_equals_reference_...)
+@pytest.mark.parametrize(
+    "arch", [pytest.param(a, marks=pytest.mark.slow if a != "llama" else ()) for a in sorted(ARCH_CONFIGS)]
+)
 def test_companions_share_one_pass_and_equal_their_own_featurizers(arch):
     """A featurizer with companions (correction on and off: Exp. 4's and Exp. 1's indices; another
     k, Figure 2's d sweep; TRAK's margin rows, another output function, whose backward runs
