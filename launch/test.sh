@@ -9,4 +9,5 @@ set -euo pipefail
 source "$(dirname "$0")/_venv.sh" test
 cd "$REPO"
 WORKERS="${TRACKSTAR_TEST_WORKERS:-$([ "$(nproc)" -ge 2 ] && echo 2 || echo 0)}"
-exec "$PY" -m pytest -n "$WORKERS" --dist loadfile "$@"
+# --no-loadscope-reorder: modules go out in conftest's order (heaviest first), not by test count
+exec "$PY" -m pytest -n "$WORKERS" --dist loadfile --no-loadscope-reorder "$@"

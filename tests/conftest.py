@@ -12,6 +12,7 @@ import contextlib  # noqa: E402
 import fcntl  # noqa: E402
 import hashlib  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 
@@ -86,6 +87,25 @@ if TEST_CACHE is not None:  # also where a plugin imported jax before this file 
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+# Modules heaviest first (longest-processing-time order): xdist hands whole modules (`--dist
+# loadfile`) to whichever worker is free, in collection order (`launch/test.sh` turns off its own
+# reorder, by test count, which put the few-test modules with long setups last and left one
+# worker running them alone). The seconds are measured (`tools/module_seconds.py`); they only
+# order the modules, within which the tests keep their order. A module not listed goes first.
+MODULE_SECONDS = pathlib.Path(__file__).with_name("module_seconds.json")
+
+
+def heaviest_first(nodeids: list[str], seconds: dict[str, float]) -> list[str]:
+    """`nodeids` ordered by their module's `seconds`, descending (unknown modules first); stable."""
+    return sorted(nodeids, key=lambda n: -seconds.get(n.split("::")[0].rsplit("/", 1)[-1], float("inf")))
+
+
+def pytest_collection_modifyitems(config, items):
+    seconds = json.loads(MODULE_SECONDS.read_text()) if MODULE_SECONDS.exists() else {}
+    order = {n: i for i, n in enumerate(heaviest_first([it.nodeid for it in items], seconds))}
+    items.sort(key=lambda it: order[it.nodeid])
 
 
 def covering(*axes, strength: int = 2) -> list:

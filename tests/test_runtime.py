@@ -1,6 +1,7 @@
 """distributed.runtime: the persistent compilation cache every launcher turns on, and the
 one-line, prompt exit of a Ctrl-C'd launcher."""
 
+import json
 import logging
 import os
 import pathlib
@@ -173,6 +174,34 @@ def test_the_suite_compiles_through_one_per_user_cache():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split() == want
+
+
+def test_modules_go_out_heaviest_first_and_the_measured_seconds_name_real_modules(tmp_path):
+    """conftest orders modules by their measured seconds (tools/module_seconds.py), unknown ones
+    first, each module's tests kept in order; the seconds name only modules that exist."""
+    import conftest
+
+    from tools import module_seconds
+
+    ids = [
+        "tests/test_a.py::t1",
+        "tests/test_a.py::t2[x]",
+        "tests/test_b.py::t",
+        "tests/test_new.py::t",
+        "tests/test_c.py::t",
+    ]
+    got = conftest.heaviest_first(ids, {"test_a.py": 5.0, "test_b.py": 50.0, "test_c.py": 5.0})
+    assert got == [
+        "tests/test_new.py::t",
+        "tests/test_b.py::t",
+        "tests/test_a.py::t1",
+        "tests/test_a.py::t2[x]",
+        "tests/test_c.py::t",
+    ]
+    log = "12.50s setup    tests/test_b.py::t\n0.50s call     tests/test_b.py::t\n3.00s call     tests/test_a.py::t1[2-x]\n"
+    assert module_seconds.module_seconds(log) == {"test_b.py": 13.0, "test_a.py": 3.0}
+    listed = json.loads(conftest.MODULE_SECONDS.read_text())
+    assert listed and all((conftest.REPO / "tests" / name).is_file() for name in listed), sorted(listed)
 
 
 _COMPILES = """
