@@ -253,9 +253,10 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
 
 
 # Trained tiny runs kept across sessions beside the compilation cache (BUILD_NOTES §14), under a
-# fingerprint of everything a run's bytes depend on besides its config: the package's, the
-# experiments' and this file's sources, the installed distributions and their versions, the
-# interpreter, the CPU and the XLA / JAX environment. A change to any of them starts a new
+# fingerprint of everything a run's bytes depend on besides its config: the sources of the
+# package, of the experiments and of `_tiny_runs.py` (what a run is made of; not this file, whose
+# edits keep the runs), the installed distributions and their versions, the interpreter, the CPU
+# and the XLA / JAX environment. A change to any of them starts a new
 # folder, so a run is only reused where training it again would write the same files (training
 # is deterministic, pinned by test_train and test_lds). `TRACKSTAR_TEST_RUN_CACHE` names another
 # folder, or "off" (every run trained once per session). The three most recently used
@@ -276,7 +277,7 @@ def inputs_fingerprint() -> str:
         for f in sorted((REPO / folder).rglob("*")):
             if f.is_file() and "__pycache__" not in f.parts:
                 h.update(f"{f.relative_to(REPO)}\0".encode() + f.read_bytes() + b"\0")
-    h.update(pathlib.Path(__file__).read_bytes())
+    h.update((pathlib.Path(__file__).parent / "_tiny_runs.py").read_bytes())
     dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
     cpu = [line for line in _read_text("/proc/cpuinfo").splitlines() if line.startswith(("model name", "flags"))][:2]
     env = sorted((k, v) for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_")))
@@ -322,8 +323,9 @@ def tiny_run(tmp_path_factory):
     on (`jax_disable_most_optimizations`), and kept across sessions under the fingerprint of its
     other inputs (above). Every worker gets its own copy, made once and shared by the worker's
     modules, so what a module writes into it (an evaluation, an index) never races another's."""
+    import _tiny_runs
+
     from trackstar_jax import config as config_lib
-    from trackstar_jax import stages
 
     runs: dict[str, pathlib.Path] = {}
     root = _runs_root(tmp_path_factory)
@@ -339,11 +341,7 @@ def tiny_run(tmp_path_factory):
             with _waiting_lock(shared.with_suffix(".lock")):
                 if not (shared / "MADE").exists():
                     shutil.rmtree(shared, ignore_errors=True)  # a process that died half-way
-                    stages.train(settings, shared)
-                    if index:
-                        stages.build_index(settings, shared)
-                    if evaluate:
-                        stages.evaluate(settings, shared)
+                    _tiny_runs.make(settings, shared, evaluate=evaluate, index=index)
                     (shared / "MADE").write_text(key)
             workdir = tmp_path_factory.mktemp("run")
             shutil.copytree(shared, workdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("MADE"))
