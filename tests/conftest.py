@@ -318,10 +318,10 @@ if TEST_RUNS is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory):
     """`tiny_run(config, evaluate=False, index=False) -> workdir`: the one place tests train a
-    run (and, with `index`, build its index; with `evaluate`, evaluate it). Each run is made once, by whichever process asks first (the others
-    wait on a lock, then reuse it), keyed by the config and the compiler setting its bits depend
-    on (`jax_disable_most_optimizations`), and kept across sessions under the fingerprint of its
-    other inputs (above). Every worker gets its own copy, made once and shared by the worker's
+    run (and, with `index`, build its index; with `evaluate`, evaluate it). Each run is made
+    once, by whichever process asks first (the others wait on a lock, then reuse it), keyed by
+    the config and the compiler setting its bits depend on (`jax_disable_most_optimizations`),
+    and kept across sessions under the fingerprint of its other inputs (above). Every worker gets its own copy, made once and shared by the worker's
     modules, so what a module writes into it (an evaluation, an index) never races another's."""
     import _tiny_runs
 
@@ -334,8 +334,8 @@ def tiny_run(tmp_path_factory):
 
     def make(config, evaluate: bool = False, index: bool = False) -> pathlib.Path:
         settings = config_lib.from_configdict(config)
-        flags = (evaluate, index) if index else evaluate  # (the keys of runs made before `index`)
-        key = repr((config_lib.to_dict(settings), jax.config.read("jax_disable_most_optimizations"), flags))
+        flag = jax.config.read("jax_disable_most_optimizations")
+        key = repr((config_lib.to_dict(settings), flag, evaluate, index))
         if key not in runs:
             shared = root / hashlib.sha256(key.encode()).hexdigest()[:16]
             with _waiting_lock(shared.with_suffix(".lock")):
