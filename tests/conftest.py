@@ -256,8 +256,7 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
 # fingerprint of everything a run's bytes depend on besides its config: the sources of the
 # package, of the experiments and of `_tiny_runs.py` (what a run is made of; not this file, whose
 # edits keep the runs), the installed distributions and their versions, the interpreter, the CPU
-# and the XLA / JAX environment. A change to any of them starts a new
-# folder, so a run is only reused where training it again would write the same files (training
+# and the XLA / JAX environment. A change to any of them starts a new folder, so a run is only reused where training it again would write the same files (training
 # is deterministic, pinned by test_train and test_lds). `TRACKSTAR_TEST_RUN_CACHE` names another
 # folder, or "off" (every run trained once per session). The three most recently used
 # fingerprints are kept; older folders go at the start of a session.
@@ -321,8 +320,9 @@ def tiny_run(tmp_path_factory):
     run (and, with `index`, build its index; with `evaluate`, evaluate it). Each run is made
     once, by whichever process asks first (the others wait on a lock, then reuse it), keyed by
     the config and the compiler setting its bits depend on (`jax_disable_most_optimizations`),
-    and kept across sessions under the fingerprint of its other inputs (above). Every worker gets its own copy, made once and shared by the worker's
-    modules, so what a module writes into it (an evaluation, an index) never races another's."""
+    and kept across sessions under the fingerprint of its other inputs (above). Every worker gets
+    its own copy, made once and shared by the worker's modules, so what a module writes into it
+    (an evaluation, an index) never races another's."""
     import _tiny_runs
 
     from trackstar_jax import config as config_lib

@@ -76,12 +76,7 @@ def _config():
     from experiments import tiny
 
     c = tiny.get_config()
-    for key, value in OVERRIDES.items():
-        *path, field = key.split(".")
-        node = c
-        for part in path:
-            node = node[part]
-        node[field] = value
+    c.update_from_flattened_dict(OVERRIDES)
     return c
 
 
