@@ -10,7 +10,7 @@ import tempfile
 
 import jax
 import pytest
-from conftest import REPO
+from conftest import REPO, TEST_XLA_CODEGEN_FLAGS
 
 from trackstar_jax.index import manifest as manifest_lib
 
@@ -44,7 +44,8 @@ def env(num_devices: int = 2) -> dict:
         _CACHE_DIR = os.environ.get("JAX_COMPILATION_CACHE_DIR") or tempfile.mkdtemp(prefix="multihost_jax_cache")
     out = dict(os.environ)
     out.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices}",
+        # the tests' XLA codegen flags (conftest), as for the compiler setting below
+        XLA_FLAGS=f"--xla_force_host_platform_device_count={num_devices} {TEST_XLA_CODEGEN_FLAGS}",
         JAX_PLATFORMS="cpu",
         # the same compiler setting as this process (fast_compile), so the bits compare
         JAX_DISABLE_MOST_OPTIMIZATIONS=str(jax.config.read("jax_disable_most_optimizations")).lower(),

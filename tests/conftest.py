@@ -2,7 +2,14 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+# XLA:CPU's legacy fusion emitters in every test process and every process a test launches
+# (`_multihost_util.env`): the newer MLIR emitters took ~1.7x the backend compile time, and most of
+# the suite is compiling small programs once (BUILD_NOTES §14). Results equal to float32 round-off;
+# bits compare only between programs compiled under the same flags.
+TEST_XLA_CODEGEN_FLAGS = "--xla_cpu_use_fusion_emitters=false"
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8 {TEST_XLA_CODEGEN_FLAGS}"
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The launchers' own persistent compilation cache folder (`distributed.runtime`) stays unused
 # here (children inherit this); the tests compile through the cache below instead.
@@ -168,12 +175,26 @@ def smollm2_tensors(smollm2_path):
 @pytest.fixture(scope="session")
 def smollm2_transformers(smollm2_path):
     """transformers' own float32 load of the same GGUF file (its reader, not ours), in eval mode:
-    the independent reference, loaded once per session (~16 s)."""
+    the independent reference, loaded once per session and kept across sessions
+    (`transformers_reference`)."""
     torch = pytest.importorskip("torch", reason="torch is needed for the transformers reference")
     transformers = pytest.importorskip("transformers", reason="transformers is needed for the reference")
     pytest.importorskip("accelerate", reason="transformers needs accelerate to load a GGUF file")
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32
+    from safetensors import torch as safetensors_torch
+
+    auto = transformers.AutoModelForCausalLM
+
+    def save(model, folder):  # transformers refuses save_pretrained of a GGUF load: its config and tensors
+        model.config.save_pretrained(folder)
+        safetensors_torch.save_model(model, str(folder / "model.safetensors"))
+
+    # read back: the same tensors, tied as loaded, and the same logits (checked by hand in session 40)
+    model = transformers_reference(
+        "smollm2-model",
+        smollm2_path,
+        lambda: auto.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32),
+        save,
+        lambda folder: auto.from_pretrained(folder, dtype=torch.float32),
     )
     return model.eval()
 
@@ -263,6 +284,7 @@ def _session_root(tmp_path_factory) -> pathlib.Path:
 TEST_RUNS_ENV = "TRACKSTAR_TEST_RUN_CACHE"
 TEST_RUNS_DEFAULT = pathlib.Path.home() / ".cache" / "trackstar_jax" / "test_runs"
 TEST_RUNS_KEPT = 3
+REFERENCES = "references"  # transformers' loads, kept beside the runs (`transformers_reference`)
 
 
 def inputs_fingerprint() -> str:
@@ -303,7 +325,8 @@ def prune_runs(folder: pathlib.Path, keep: int = TEST_RUNS_KEPT) -> list[pathlib
     """Deletes all but the `keep` most recently used fingerprint folders of `folder`; returns them."""
     if not folder.is_dir():
         return []
-    stale = sorted((d for d in folder.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime_ns)[:-keep]
+    runs = (d for d in folder.iterdir() if d.is_dir() and d.name != REFERENCES)
+    stale = sorted(runs, key=lambda d: d.stat().st_mtime_ns)[:-keep]
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
     return stale
@@ -312,6 +335,47 @@ def prune_runs(folder: pathlib.Path, keep: int = TEST_RUNS_KEPT) -> list[pathlib
 TEST_RUNS = _cache_folder(TEST_RUNS_ENV, TEST_RUNS_DEFAULT)
 if TEST_RUNS is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
     prune_runs(TEST_RUNS)
+
+
+# transformers' own loads of the SmolLM2 GGUF file (the independent references of test_smollm2_jax
+# and test_hf_tokenizer) take ~35 s and ~14 s, converting the file each session. Each is kept across
+# sessions as what it loaded, saved by transformers / safetensors, under `<TEST_RUNS>/references`,
+# keyed by the file's bytes and the versions of the libraries that read and write it: a reload is
+# the same float32 tensors and the same tokenizer, in a few seconds.
+REFERENCE_LIBRARIES = ("transformers", "tokenizers", "torch", "accelerate", "gguf", "safetensors")
+
+
+def transformers_reference(name: str, gguf_path: pathlib.Path, make, save, load):
+    """`make()` (transformers' load of `gguf_path`), kept by `save(made, folder)` and read back by
+    `load(folder)` in later sessions; made afresh each session when the run cache is off."""
+    import importlib.metadata
+
+    if TEST_RUNS is None:
+        return make()
+    h = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    for lib in REFERENCE_LIBRARIES:
+        try:
+            h.update(f"{lib}=={importlib.metadata.version(lib)}\0".encode())
+        except importlib.metadata.PackageNotFoundError:
+            h.update(f"{lib} absent\0".encode())
+    root = TEST_RUNS / REFERENCES
+    folder = root / f"{name}-{h.hexdigest()[:16]}"
+    root.mkdir(parents=True, exist_ok=True)
+    with _waiting_lock(folder.with_suffix(".lock")):
+        if (folder / "MADE").exists():
+            os.utime(folder)
+            return load(folder)
+        shutil.rmtree(folder, ignore_errors=True)  # a process that died half-way
+        made = make()
+        folder.mkdir(parents=True)
+        save(made, folder)
+        (folder / "MADE").write_text(str(gguf_path))
+    for stale in [d for d in root.iterdir() if d.is_dir() and d.name.startswith(f"{name}-") and d != folder]:
+        shutil.rmtree(stale, ignore_errors=True)  # another file or library version: one kept per name
+    return made
 
 
 @pytest.fixture(scope="session")

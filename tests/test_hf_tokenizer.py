@@ -14,6 +14,7 @@ import pathlib
 
 import numpy as np
 import pytest
+from conftest import transformers_reference
 
 pytest.importorskip("tokenizers", reason="the `tokenizers` package is not installed")
 
@@ -71,7 +72,14 @@ def ours(smollm2_path):
 @pytest.fixture(scope="module")
 def reference(smollm2_path):
     transformers = pytest.importorskip("transformers", reason="transformers is needed for the reference tokenizer")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    auto = transformers.AutoTokenizer
+    return transformers_reference(  # kept across sessions as transformers' own save_pretrained
+        "smollm2-tokenizer",
+        smollm2_path,
+        lambda: auto.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name),
+        lambda tokenizer, folder: tokenizer.save_pretrained(folder),
+        auto.from_pretrained,
+    )
 
 
 def test_ids_equal_transformers_on_lama(ours, reference, lama_sentences):

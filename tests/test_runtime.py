@@ -254,8 +254,10 @@ def test_test_run_cache_keeps_the_recent_fingerprints_and_keys_on_the_sources(tm
         (d / "run").mkdir(parents=True)
         os.utime(d, ns=(i * 10**9, i * 10**9))
     (tmp_path / "fp0.lock").write_text("")  # files are not fingerprints
+    (tmp_path / conftest.REFERENCES).mkdir()  # nor the kept transformers references, however old
+    os.utime(tmp_path / conftest.REFERENCES, ns=(0, 0))
     assert [d.name for d in conftest.prune_runs(tmp_path, keep=3)] == ["fp0", "fp1"]
-    assert sorted(f.name for f in tmp_path.iterdir()) == ["fp0.lock", "fp2", "fp3", "fp4"]
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["fp0.lock", "fp2", "fp3", "fp4", conftest.REFERENCES]
     assert conftest.prune_runs(tmp_path / "absent") == []
 
     repo = tmp_path / "repo"

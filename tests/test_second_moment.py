@@ -216,7 +216,8 @@ def test_adam_rule_and_effective_v_are_adams_own_preconditioner():
         nu = jax.tree.map(lambda v, x: b2 * v + (1 - b2) * np.asarray(x, np.float64) ** 2, nu, g)
     assert isinstance(ours, optax.ScaleByAdamState) and n == 3
     for a, b in zip(jax.tree.leaves(ours.nu), jax.tree.leaves(nu)):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4)
+        # micro-batched float32 gradients: entries far below the leaf's scale carry its round-off
+        np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4, atol=1e-6 * np.abs(b).max())
     # optax's Adam update (b1 = 0, so the update is g / (sqrt(nu_hat) + eps)) equals g / sqrt(V_eff)
     tx = optax.scale_by_adam(b1=0.0, b2=b2, eps=eps)
     st = tx.init(params)
