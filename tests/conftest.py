@@ -17,6 +17,7 @@ os.environ["TRACKSTAR_COMPILATION_CACHE"] = "off"
 
 import contextlib  # noqa: E402
 import fcntl  # noqa: E402
+import functools  # noqa: E402
 import hashlib  # noqa: E402
 import itertools  # noqa: E402
 import json  # noqa: E402
@@ -266,6 +267,19 @@ def _waiting_lock(path: pathlib.Path):
         os.close(fd)
 
 
+def _make_once(folder: pathlib.Path, make, mark: str) -> bool:
+    """Runs `make()` (which writes `folder`) unless a process already did, under a lock the other
+    processes wait on; True when this call made it. `MADE` (holding `mark`) is written last, so a
+    process that died half-way leaves a folder that is made again."""
+    with _waiting_lock(folder.with_suffix(".lock")):
+        if (folder / "MADE").exists():
+            return False
+        shutil.rmtree(folder, ignore_errors=True)
+        make()
+        (folder / "MADE").write_text(mark)
+        return True
+
+
 def _session_root(tmp_path_factory) -> pathlib.Path:
     """The folder every xdist worker of this session shares (the parent of the workers' base
     temps), or the base temp without xdist. A new folder each session: nothing in it is stale."""
@@ -338,7 +352,7 @@ if TEST_RUNS is not None and not os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 # transformers' own loads of the SmolLM2 GGUF file (the independent references of test_smollm2_jax
-# and test_hf_tokenizer) take ~35 s and ~14 s, converting the file each session. Each is kept across
+# and test_hf_tokenizer) convert the file each time (~15 s and ~7 s, one process). Each is kept across
 # sessions as what it loaded, saved by transformers / safetensors, under `<TEST_RUNS>/references`,
 # keyed by the file's bytes and the versions of the libraries that read and write it: a reload is
 # the same float32 tensors and the same tokenizer, in a few seconds.
@@ -352,10 +366,7 @@ def transformers_reference(name: str, gguf_path: pathlib.Path, make, save, load)
 
     if TEST_RUNS is None:
         return make()
-    h = hashlib.sha256()
-    with open(gguf_path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+    h = hashlib.sha256(_file_sha256(gguf_path).encode())
     for lib in REFERENCE_LIBRARIES:
         try:
             h.update(f"{lib}=={importlib.metadata.version(lib)}\0".encode())
@@ -364,18 +375,29 @@ def transformers_reference(name: str, gguf_path: pathlib.Path, make, save, load)
     root = TEST_RUNS / REFERENCES
     folder = root / f"{name}-{h.hexdigest()[:16]}"
     root.mkdir(parents=True, exist_ok=True)
-    with _waiting_lock(folder.with_suffix(".lock")):
-        if (folder / "MADE").exists():
-            os.utime(folder)
-            return load(folder)
-        shutil.rmtree(folder, ignore_errors=True)  # a process that died half-way
-        made = make()
+    made = []
+
+    def make_and_save():
+        made.append(make())
         folder.mkdir(parents=True)
-        save(made, folder)
-        (folder / "MADE").write_text(str(gguf_path))
+        save(made[0], folder)
+
+    if not _make_once(folder, make_and_save, str(gguf_path)):
+        os.utime(folder)
+        return load(folder)
     for stale in [d for d in root.iterdir() if d.is_dir() and d.name.startswith(f"{name}-") and d != folder]:
         shutil.rmtree(stale, ignore_errors=True)  # another file or library version: one kept per name
-    return made
+    return made[0]
+
+
+@functools.lru_cache
+def _file_sha256(path: pathlib.Path) -> str:
+    """sha256 of a file's bytes, read once per process (the model and the tokenizer share the file)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")
@@ -402,11 +424,7 @@ def tiny_run(tmp_path_factory):
         key = repr((config_lib.to_dict(settings), flag, evaluate, index))
         if key not in runs:
             shared = root / hashlib.sha256(key.encode()).hexdigest()[:16]
-            with _waiting_lock(shared.with_suffix(".lock")):
-                if not (shared / "MADE").exists():
-                    shutil.rmtree(shared, ignore_errors=True)  # a process that died half-way
-                    _tiny_runs.make(settings, shared, evaluate=evaluate, index=index)
-                    (shared / "MADE").write_text(key)
+            _make_once(shared, lambda: _tiny_runs.make(settings, shared, evaluate=evaluate, index=index), key)
             workdir = tmp_path_factory.mktemp("run")
             shutil.copytree(shared, workdir, dirs_exist_ok=True, ignore=shutil.ignore_patterns("MADE"))
             runs[key] = workdir
