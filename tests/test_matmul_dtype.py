@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from conftest import arch_config, skip_if_not_enough_devices
+from conftest import arch_config, skip_if_not_enough_devices, update_compiler_config
 
 from trackstar_jax.distributed import runtime, sharding
 from trackstar_jax.features import vectors
@@ -23,6 +23,18 @@ from trackstar_jax.models import head as head_lib
 from trackstar_jax.models import layers
 from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
+
+# Cheaper compiles (conftest.py) for the numerics; the one test that reads what XLA's passes make
+# of the GEMMs compiles with them on (`_optimized`).
+pytestmark = pytest.mark.usefixtures("fast_compile")
+
+
+@pytest.fixture
+def _optimized():
+    """XLA's optimisation passes on for one test (the module runs with most of them off)."""
+    old = update_compiler_config({"jax_disable_most_optimizations": False})
+    yield
+    update_compiler_config(old)
 
 
 def _rounded(a) -> np.ndarray:
@@ -125,10 +137,12 @@ def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(monkeypatch):
+def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(monkeypatch, _optimized):
     """The forward and both backward GEMMs of a dense layer, and the featurizer's head (its
-    logits and `dx` GEMMs, vocabulary blocked or whole), keep bf16 operands once compiled.
-    Fails if XLA folds a written-out transpose back into a dot (then upcast to float32)."""
+    logits and `dx` GEMMs, vocabulary blocked or whole), keep bf16 operands once compiled with
+    XLA's passes on, as the package compiles. Fails if XLA folds a written-out transpose back into
+    a dot (then upcast to float32)."""
+    assert not jax.config.read("jax_disable_most_optimizations")
     assert jax.default_backend() == "cpu"
     monkeypatch.delenv(runtime.TARGET_ENV, raising=False)
     w = jnp.ones((32, 48), jnp.float32)

@@ -24,6 +24,8 @@ import test_gguf  # noqa: E402  (its llama.cpp permutation reference)
 
 from trackstar_jax.models import generate, gguf, lm  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("fast_compile")  # conftest.py
+
 PROMPTS = [
     "The capital of France is",
     "Allan Peiper (born 26 April 1960 in Alexandra, Victoria, Australia) is a former",
