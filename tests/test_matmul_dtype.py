@@ -25,12 +25,12 @@ from trackstar_jax.models import lm as model_lib
 from trackstar_jax.training import step as train_lib
 
 # Cheaper compiles (conftest.py) for the numerics; the one test that reads what XLA's passes make
-# of the GEMMs compiles with them on (`_optimized`).
+# of the GEMMs compiles with them on (`xla_passes_on`).
 pytestmark = pytest.mark.usefixtures("fast_compile")
 
 
 @pytest.fixture
-def _optimized():
+def xla_passes_on():
     """XLA's optimisation passes on for one test (the module runs with most of them off)."""
     old = update_compiler_config({"jax_disable_most_optimizations": False})
     yield
@@ -137,7 +137,7 @@ def _dot_operand_types(hlo: str) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(monkeypatch, _optimized):
+def test_every_gemm_of_a_bf16_dense_layer_and_the_head_runs_in_bf16_on_the_cpu(monkeypatch, xla_passes_on):
     """The forward and both backward GEMMs of a dense layer, and the featurizer's head (its
     logits and `dx` GEMMs, vocabulary blocked or whole), keep bf16 operands once compiled with
     XLA's passes on, as the package compiles. Fails if XLA folds a written-out transpose back into

@@ -79,11 +79,12 @@ def test_two_processes_build_the_index_of_one(two_host_run):
     # see other per-device batch shapes, so XLA may tile them otherwise and the float32 vectors
     # differ by round-off, which flips a rounding to bfloat16 now and then (bits were equal on one
     # CPU, 2 of 33,280 one step apart on another). Adjacent bfloat16 values of one sign are
-    # adjacent integers in their bits; a wrong or misplaced row is hundreds of steps off.
+    # adjacent integers in their bits; a wrong or misplaced row is hundreds of steps off, and
+    # another rounding (truncation) one step off in about half the values.
     bits_a, bits_b = a.view(np.uint16).astype(np.int32), b.view(np.uint16).astype(np.int32)
     assert np.array_equal(bits_a >> 15, bits_b >> 15), "signs differ"
     assert np.abs(bits_a - bits_b).max() <= 1, np.abs(bits_a - bits_b).max()
-    assert np.mean(bits_a != bits_b) < 1e-3, np.mean(bits_a != bits_b)
+    assert np.mean(bits_a != bits_b) < 1e-2, np.mean(bits_a != bits_b)
     assert two_r.r_train().count == one_r.r_train().count == two_r.num_rows
     # R_train sums the float32 vectors' outer products: equal to their round-off, at the sum's scale
     total = one_r.r_train().total
