@@ -204,6 +204,38 @@ def test_modules_go_out_heaviest_first_and_the_measured_seconds_name_real_module
     assert listed and all((conftest.REPO / "tests" / name).is_file() for name in listed), sorted(listed)
 
 
+def test_the_jax_seconds_plugin_reports_each_tests_tracing_lowering_and_compiling(tmp_path):
+    """tools/jax_seconds.py (the profile behind BUILD_NOTES §14's warm-run split): a pytest run
+    with the plugin writes, for a test that jits, its trace, lower and compile seconds; without
+    the file named it refuses in one line."""
+    from conftest import REPO
+
+    from tools import jax_seconds
+
+    (tmp_path / "test_jits.py").write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def test_jits():\n"
+        "    assert float(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.float32(0.5))) > 1\n"
+        "def test_nothing():\n"
+        "    pass\n"
+    )
+    out = tmp_path / "seconds.tsv"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu", jax_seconds.ENV: str(out)}
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # a fresh compile, not a load
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tools.jax_seconds", str(tmp_path)]
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = [line.split("\t") for line in out.read_text().splitlines()]
+    mine = {r[1]: (float(r[2]), int(r[3])) for r in rows if r[4].endswith("test_jits.py::test_jits")}
+    assert set(mine) == {"trace", "lower", "compile"} and all(s > 0 and n >= 1 for s, n in mine.values()), rows
+    assert not [r for r in rows if r[4].endswith("::test_nothing")]
+    kinds, heaviest = jax_seconds.summary(out.read_text())
+    assert set(kinds) == {"trace", "lower", "compile"} and heaviest[0][1].endswith("::test_jits")
+    env.pop(jax_seconds.ENV)
+    run = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and f"set {jax_seconds.ENV}" in run.stdout + run.stderr
+
+
 _COMPILES = """
 import jax, jax.numpy as jnp
 print(float(jax.jit(lambda x: jnp.sin(x) * 3 + 1)(jnp.float32(0.5))))
