@@ -238,7 +238,7 @@ def fast_compile():
 def tiny_run_config(*, num_facts: int, num_distractors: int, num_steps: int, chunk_rows: int, **overrides):
     """experiments/tiny.py sized for a test module's run: a small embedded corpus, `num_steps`
     of training with one log / eval / checkpoint at the end, no printed completions, and
-    `overrides` as dotted keys (e.g. `{"eval.max_new_tokens": 4}`)."""
+    `overrides` as dotted keys (e.g. `{"eval.max_new_tokens": 4}`, `{"data.embedded.num_facts": 6}`)."""
     from experiments import tiny
 
     c = tiny.get_config()
@@ -249,9 +249,7 @@ def tiny_run_config(*, num_facts: int, num_distractors: int, num_steps: int, chu
     c.train.num_completions = 0
     c.train.max_new_tokens = 2
     c.index.chunk_rows = chunk_rows
-    for key, value in overrides.items():
-        section, field = key.split(".")
-        c[section][field] = value
+    c.update_from_flattened_dict(overrides)
     return c
 
 

@@ -29,17 +29,9 @@ pytestmark = pytest.mark.usefixtures("fast_compile")
 
 TIMEOUT_S = mh.TIMEOUT_S
 NUM_DEVICES = 8  # global devices in every case: 1 x 8 (this process), 2 x 4, 4 x 2
-# The run: 30 facts (130 passages), 3 steps; 16-row chunks so each process streams several.
+# The run: 30 facts (130 passages), 3 steps, 64-row index chunks; 16-row reads so each process
+# streams several.
 OVERRIDES = {
-    "data.embedded.num_facts": 30,
-    "data.embedded.num_distractors": 40,
-    "train.num_steps": 3,
-    "train.log_every_steps": 3,
-    "train.eval_every_steps": 3,
-    "train.checkpoint_every_steps": 3,
-    "train.num_completions": 0,
-    "train.max_new_tokens": 2,
-    "index.chunk_rows": 64,
     "index.r_every_chunks": 1,
     "retrieval.read_chunk_rows": 16,
     "retrieval.query_batch_size": 8,
@@ -49,14 +41,7 @@ OVERRIDES = {
 
 
 def _config(**more):
-    c = tiny_run_config(num_facts=30, num_distractors=40, num_steps=3, chunk_rows=64)
-    for key, value in {**OVERRIDES, **more}.items():
-        *path, field = key.split(".")
-        node = c
-        for part in path:
-            node = node[part]
-        node[field] = value
-    return c
+    return tiny_run_config(num_facts=30, num_distractors=40, num_steps=3, chunk_rows=64, **{**OVERRIDES, **more})
 
 
 @pytest.fixture(scope="module")
