@@ -1,6 +1,6 @@
 """A pytest plugin that says where each test's JAX time goes: tracing, lowering to MLIR, and
 backend compile (in a warm run, loading the executable from the persistent cache), per test, from
-JAX's own `jax.monitoring` duration events. Its listener measured session 41's split of the warm suite
+JAX's own `jax.monitoring` duration events. It measured session 41's split of the warm suite
 (BUILD_NOTES §14); nothing in the package or the suite depends on it.
 
 Usage (every process of the run appends its lines, xdist workers included):
